@@ -1,0 +1,6 @@
+"""Flax linen attention modules wrapping `fsjax.ops` (kernel dispatch joins with the kernel issue)."""
+
+from fsjax.attention.dense import DenseAttention
+from fsjax.attention.freesolo import ROUTING, FreeSoloAttention
+
+__all__ = ["DenseAttention", "FreeSoloAttention", "ROUTING"]

@@ -1,0 +1,48 @@
+"""FreeSolo attention as a Flax linen module (FS Sec. 3)."""
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from fsjax import ops
+from fsjax.attention.projections import project_heads, project_out
+
+ROUTING = "routing"  # collection of λ and σ: buffers with no gradient (FS Sec. 3.3 "Training")
+
+
+class FreeSoloAttention(nn.Module):
+  """`x [batch, seq, d_model]` → `[batch, seq, d_model]` through FS/FS-L attention.
+
+  Variables: params `q_proj`, `k_proj`, `v_proj` (`[d_model, heads, head_dim]`), `o_proj`, `alpha` `[heads]`
+  (Eq. 2, init 1), `lr_gain` `[head_dim]` (readout RMSNorm gain, init 1); collection "routing": `lam`, `sigma`
+  `[heads]` (Eq. 7, init λ and σ), which no gradient reaches.
+  """
+  num_heads: int
+  head_dim: int
+  variant: str = "fs"
+  window: int = 512
+  cell: int = 32
+  block: int = 128
+  top_k: int = 4
+  retain_top: int = 64
+  retain_recent: int = 8
+  lam: float = 1.0
+  sigma: float = 4.0
+  rope_theta: float = 10000.0
+  impl: str = "auto"
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    heads, dim = self.num_heads, self.head_dim
+    q, k, v = (project_heads(x, heads, dim, name, self.dtype, self.param_dtype)
+               for name in ("q_proj", "k_proj", "v_proj"))
+    alpha = self.param("alpha", nn.initializers.ones, (heads,), self.param_dtype)
+    lr_gain = self.param("lr_gain", nn.initializers.ones, (dim,), self.param_dtype)
+    lam = self.variable(ROUTING, "lam", lambda: jnp.full((heads,), self.lam, jnp.float32)).value
+    sigma = self.variable(ROUTING, "sigma", lambda: jnp.full((heads,), self.sigma, jnp.float32)).value
+    o = ops.freesolo_attention(q, k, v, variant=self.variant, alpha=alpha, lam=lam, sigma=sigma,
+                               lr_gain=lr_gain, window=self.window, cell=self.cell, block=self.block,
+                               top_k=self.top_k, retain_top=self.retain_top, retain_recent=self.retain_recent,
+                               rope_theta=self.rope_theta, impl=self.impl)
+    return project_out(o, x.shape[-1], self.dtype, self.param_dtype)

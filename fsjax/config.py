@@ -1,0 +1,227 @@
+"""Typed configs with strict validation and YAML loading.
+
+Every rule raises `ConfigError` naming the field and the rule (e.g. "attention.block must be a multiple of
+attention.cell"), before anything is traced or compiled. Unknown YAML keys are errors, never ignored.
+"""
+
+import dataclasses
+import types
+import typing
+
+import yaml
+
+from fsjax.ops.cells import validate_routing
+
+FREESOLO_KINDS = ("fs", "fsl", "fsb")
+DENSE_KINDS = ("tfpp", "swa", "moba")
+ATTENTION_KINDS = FREESOLO_KINDS + DENSE_KINDS
+IMPLS = ("reference", "auto", "pallas")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+class ConfigError(ValueError):
+  """A config value breaks a rule; the message names the field."""
+
+
+def _positive(obj, prefix, *names):
+  for name in names:
+    value = getattr(obj, name)
+    if value <= 0:
+      raise ConfigError(f"{prefix}{name} must be positive, got {value}")
+
+
+def _one_of(obj, prefix, name, allowed):
+  value = getattr(obj, name)
+  if value not in allowed:
+    raise ConfigError(f"{prefix}{name} must be one of {allowed}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  """Which attention a model uses and its geometry (FS App. A defaults).
+
+  Attributes:
+    kind: "fs" | "fsl" | "fsb" (FreeSolo variants) or "tfpp" | "swa" | "moba" (baselines).
+    window: local radius w (FS Eq. 3-4) for FreeSolo; the window of SWA. Must be >= block - 1 for FreeSolo.
+    cell: cell size s in tokens (FS Eq. 5).
+    block: query block B in tokens, a multiple of cell (FS Eq. 6).
+    top_k: cells read per query, K (FS Sec. 3.3).
+    retain_top: FS-L norm-ranked pool size P (FS Eq. 8).
+    retain_recent: FS-L recent cells W (FS Eq. 8).
+    lam: initial λ_h of the norm prior (Eq. 7), a buffer without gradient; >= 0.
+    sigma: initial σ_h of the erf prior (Eq. 7), a buffer without gradient; > 0.
+    rope_theta: RoPE base θ.
+    moba_block: MoBA block size in tokens.
+    moba_top_k: MoBA blocks read per query, the current one included.
+    impl: "reference" | "auto" | "pallas": kernel dispatch (auto: Pallas on GPU once kernels exist).
+  """
+  kind: str = "fs"
+  window: int = 512
+  cell: int = 32
+  block: int = 128
+  top_k: int = 4
+  retain_top: int = 64
+  retain_recent: int = 8
+  lam: float = 1.0
+  sigma: float = 4.0
+  rope_theta: float = 10000.0
+  moba_block: int = 512
+  moba_top_k: int = 3
+  impl: str = "auto"
+
+  def __post_init__(self):
+    p = "attention."
+    _one_of(self, p, "kind", ATTENTION_KINDS)
+    _one_of(self, p, "impl", IMPLS)
+    _positive(self, p, "window", "sigma", "rope_theta", "moba_block", "moba_top_k")
+    if self.lam < 0:
+      raise ConfigError(f"{p}lam must be >= 0, got {self.lam}")
+    if self.kind in FREESOLO_KINDS:
+      try:
+        validate_routing(cell=self.cell, block=self.block, window=self.window, top_k=self.top_k,
+                         retain_top=self.retain_top, retain_recent=self.retain_recent, prefix=p)
+      except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """LLaMA-style decoder shape (FS App. A).
+
+  Attributes:
+    vocab_size: tokenizer vocabulary size.
+    num_layers: decoder layers.
+    d_model: residual width.
+    num_heads: attention heads.
+    head_dim: width per head; even (RoPE rotates pairs).
+    ffn_hidden: SwiGLU hidden width; None means 256·⌈(8/3)·d_model/256⌉.
+    tie_embeddings: share the input embedding with the output projection.
+    norm_eps: RMSNorm epsilon of the decoder norms.
+    dtype: activation dtype ("float32" | "bfloat16" | "float16" | "float64").
+    param_dtype: parameter dtype.
+    attention: the attention config.
+  """
+  vocab_size: int = 32000
+  num_layers: int = 24
+  d_model: int = 1024
+  num_heads: int = 16
+  head_dim: int = 64
+  ffn_hidden: int | None = None
+  tie_embeddings: bool = True
+  norm_eps: float = 1e-6
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
+
+  def __post_init__(self):
+    p = "model."
+    _positive(self, p, "vocab_size", "num_layers", "d_model", "num_heads", "head_dim", "norm_eps")
+    if self.ffn_hidden is not None:
+      _positive(self, p, "ffn_hidden")
+    if self.head_dim % 2:
+      raise ConfigError(f"{p}head_dim must be even (RoPE rotates pairs of features), got {self.head_dim}")
+    _one_of(self, p, "dtype", DTYPES)
+    _one_of(self, p, "param_dtype", DTYPES)
+
+  @property
+  def ffn_hidden_size(self):
+    """SwiGLU hidden width: `ffn_hidden`, or 256·⌈(8/3)·d_model/256⌉ (LLaMA rounding)."""
+    if self.ffn_hidden is not None:
+      return self.ffn_hidden
+    return 256 * -(-(8 * self.d_model) // (3 * 256))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Top-level config file: `model:` (training, data and eval sections join as their issues land)."""
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+
+
+def _check_type(value, annotation, path):
+  """Returns `value` converted to `annotation` or raises ConfigError naming `path`."""
+  if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+    args = typing.get_args(annotation)
+    if value is None and type(None) in args:
+      return None
+    (annotation,) = [a for a in args if a is not type(None)]
+  if annotation is bool:
+    if isinstance(value, bool):
+      return value
+  elif annotation is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+  elif annotation is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+  elif annotation is str:
+    if isinstance(value, str):
+      return value
+  raise ConfigError(f"{path} must be of type {annotation.__name__}, got {value!r}")
+
+
+def from_dict(cls, data, path=""):
+  """Builds dataclass `cls` from a nested dict; unknown keys and wrong types raise ConfigError."""
+  if not isinstance(data, dict):
+    raise ConfigError(f"{path or 'config'} must be a mapping, got {data!r}")
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  hints = typing.get_type_hints(cls)
+  unknown = sorted(set(data) - set(fields))
+  if unknown:
+    raise ConfigError(f"unknown key {path}{unknown[0]} (known: {', '.join(sorted(fields))})")
+  kwargs = {}
+  for name, value in data.items():
+    hint = hints[name]
+    if dataclasses.is_dataclass(hint):
+      kwargs[name] = from_dict(hint, value, f"{path}{name}.")
+    else:
+      kwargs[name] = _check_type(value, hint, f"{path}{name}")
+  return cls(**kwargs)
+
+
+def apply_override(data, assignment):
+  """Applies one `key.sub=value` override (value parsed as YAML) to a nested dict, in place."""
+  if "=" not in assignment:
+    raise ConfigError(f"override {assignment!r} must look like key.sub=value")
+  key, raw = assignment.split("=", 1)
+  *parents, leaf = key.strip().split(".")
+  node = data
+  for part in parents:
+    node = node.setdefault(part, {})
+    if not isinstance(node, dict):
+      raise ConfigError(f"override {key}: {part} is not a section")
+  node[leaf] = yaml.safe_load(raw)
+
+
+def load_config(path=None, overrides=()):
+  """Loads a YAML config file (or the defaults when `path` is None) and applies `key=value` overrides."""
+  data = {}
+  if path is not None:
+    with open(path) as f:
+      data = yaml.safe_load(f) or {}
+  for assignment in overrides:
+    apply_override(data, assignment)
+  return from_dict(Config, data)
+
+
+def to_dict(config):
+  """Plain nested dict of a config, ready for `yaml.safe_dump`."""
+  return dataclasses.asdict(config)
+
+
+# Model shapes of FS App. A and a tiny one for CPU tests and smoke runs.
+MODEL_PRESETS = {
+    "fs_341m": dict(num_layers=24, d_model=1024, num_heads=16, head_dim=64),
+    "fs_743m": dict(num_layers=24, d_model=1536, num_heads=16, head_dim=96),
+    "tiny": dict(vocab_size=512, num_layers=2, d_model=64, num_heads=4, head_dim=16,
+                 attention=AttentionConfig(window=64, cell=8, block=32, top_k=2, retain_top=4, retain_recent=2)),
+}
+
+
+def model_preset(name, kind=None, **overrides):
+  """A `ModelConfig` for a preset in MODEL_PRESETS, its attention switched to `kind`, fields overridden."""
+  if name not in MODEL_PRESETS:
+    raise ConfigError(f"preset must be one of {sorted(MODEL_PRESETS)}, got {name!r}")
+  config = ModelConfig(**{**MODEL_PRESETS[name], **overrides})
+  if kind is not None:
+    config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, kind=kind))
+  return config

@@ -1,0 +1,103 @@
+"""LLaMA-style decoder (FS Sec. 3.1, App. A): pre-RMSNorm, attention chosen by config, SwiGLU, optional tied
+embeddings.
+"""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fsjax.attention import DenseAttention, FreeSoloAttention
+from fsjax.config import FREESOLO_KINDS, ModelConfig
+
+EMBED_INIT_STD = 0.02  # keeps tied-embedding logits O(1) at init (LLaMA's choice)
+
+
+def make_attention(config: ModelConfig, name=None):
+  """The attention module selected by `config.attention.kind`."""
+  att = config.attention
+  common = dict(num_heads=config.num_heads, head_dim=config.head_dim, rope_theta=att.rope_theta,
+                dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype), name=name)
+  if att.kind in FREESOLO_KINDS:
+    return FreeSoloAttention(variant=att.kind, window=att.window, cell=att.cell, block=att.block,
+                             top_k=att.top_k, retain_top=att.retain_top, retain_recent=att.retain_recent,
+                             lam=att.lam, sigma=att.sigma, impl=att.impl, **common)
+  return DenseAttention(kind=att.kind, window=att.window, moba_block=att.moba_block,
+                        moba_top_k=att.moba_top_k, **common)
+
+
+class SwiGLU(nn.Module):
+  """`x [.., d_model]` → `W_down(silu(W_gate x) * W_up x)`."""
+  hidden: int
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    dense = lambda features, name: nn.Dense(features, use_bias=False, dtype=self.dtype,
+                                            param_dtype=self.param_dtype, name=name)
+    return dense(x.shape[-1], "down")(nn.silu(dense(self.hidden, "gate")(x)) * dense(self.hidden, "up")(x))
+
+
+class DecoderLayer(nn.Module):
+  """`x + attention(RMSNorm(x))`, then `x + SwiGLU(RMSNorm(x))`."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.config
+    norm = lambda name: nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name=name)
+    x = x + make_attention(c, name="attention")(norm("attention_norm")(x))
+    return x + SwiGLU(c.ffn_hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
+                      name="mlp")(norm("mlp_norm")(x))
+
+
+class Transformer(nn.Module):
+  """Decoder-only LM: `tokens [batch, seq]` int → logits `[batch, seq, vocab]` (float32)."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens):
+    c = self.config
+    embed = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(EMBED_INIT_STD),
+                     dtype=c.dtype, param_dtype=c.param_dtype, name="embed")
+    x = embed(tokens)
+    for i in range(c.num_layers):
+      x = DecoderLayer(c, name=f"layer_{i}")(x)
+    x = nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name="final_norm")(x)
+    if c.tie_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
+                        name="lm_head")(x)
+    return logits.astype(jnp.float32)
+
+
+def init_variables(config: ModelConfig, rng, seq_len=None):
+  """Initial variables (`params` and, for FreeSolo, `routing`) for a `[1, seq_len]` token input."""
+  seq_len = seq_len or config.attention.block
+  return Transformer(config).init(rng, jnp.zeros((1, seq_len), jnp.int32))
+
+
+def _param_group(names):
+  for module, group in (("attention", "attention"), ("mlp", "mlp"), ("embed", "embedding"),
+                        ("lm_head", "lm_head")):
+    if module in names:
+      return group
+  return "norm"
+
+
+def param_counts(config: ModelConfig):
+  """Parameter counts by group, computed from shapes only (no allocation, no compile).
+
+  Returns:
+    dict with "embedding", "attention", "mlp", "norm", "lm_head" and "total" (trainable `params` only;
+    the routing buffers λ, σ are not parameters).
+  """
+  shapes = jax.eval_shape(lambda: init_variables(config, jax.random.PRNGKey(0)))["params"]
+  counts = dict(embedding=0, attention=0, mlp=0, norm=0, lm_head=0)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+    counts[_param_group([p.key for p in path])] += math.prod(leaf.shape)
+  counts["total"] = sum(counts.values())
+  return counts

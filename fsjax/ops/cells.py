@@ -1,0 +1,147 @@
+"""FreeSolo cells: summaries, causal availability, FS-L retention, scoring and top-K (FS Eq. 5-8).
+
+Conventions (DESIGN.md §3-4): cell `c` holds positions `[c*s, (c+1)*s)`; query `i` sits in the block starting
+at `b_i = B*floor(i/B)`; block `n` sees the `m_n = n*B/s` cells before it. Only complete cells exist: a trailing
+partial cell can never be eligible (its end lies past every query's block start).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+VARIANTS = ("fs", "fsl", "fsb")
+
+
+def validate_routing(*, cell, block, window, top_k, retain_top, retain_recent, prefix=""):
+  """Raises ValueError naming the first argument that breaks a FreeSolo geometry rule.
+
+  `prefix` is prepended to argument names, so configs can report `attention.block` where ops report `block`.
+  """
+  for name, value in (("cell", cell), ("block", block), ("top_k", top_k), ("retain_top", retain_top)):
+    if value < 1:
+      raise ValueError(f"{prefix}{name} must be >= 1, got {value}")
+  if retain_recent < 0:
+    raise ValueError(f"{prefix}retain_recent must be >= 0, got {retain_recent}")
+  if block % cell:
+    raise ValueError(f"{prefix}block must be a multiple of {prefix}cell, got block={block}, cell={cell}")
+  if window < block - 1:
+    # Otherwise tokens between the last eligible cell and the query would be seen by neither branch (FS 3.3).
+    raise ValueError(f"{prefix}window must be >= {prefix}block - 1, got window={window}, block={block}")
+
+
+def cell_summaries(k, cell):
+  """Mean key, max key norm and center of every complete cell (FS Eq. 5).
+
+  Args:
+    k: `[batch, seq, heads, head_dim]` unrotated keys.
+    cell: cell size `s`.
+
+  Returns:
+    mean_keys `[batch, M, heads, head_dim]`, max_norms `[batch, M, heads]`, centers `[M]` with `M = seq // s`.
+  """
+  batch, seq, heads, head_dim = k.shape
+  num_cells = seq // cell
+  k_cells = k[:, : num_cells * cell].reshape(batch, num_cells, cell, heads, head_dim)
+  mean_keys = jnp.mean(k_cells, axis=2)
+  max_norms = jnp.max(jnp.linalg.norm(k_cells, axis=-1), axis=2)
+  centers = (jnp.arange(num_cells) + 0.5) * cell
+  return mean_keys, max_norms, centers
+
+
+def first_eligible_block(cell_index, *, cell, block):
+  """Index of the first query block whose prefix contains the cell: smallest n with (c+1)s <= nB (Eq. 6)."""
+  return ((cell_index + 1) * cell + block - 1) // block
+
+
+def retention_death_block(max_norms, *, cell, block, retain_top):
+  """First block at which each cell is no longer among the top-P eligible cells by max key norm (FS Eq. 8).
+
+  A cell is in block n's pool `TopP_{C_n}(a)` while fewer than P eligible cells outrank it (larger `a`, or equal
+  `a` and lower index). Cells only arrive, so that count never falls: once out, a cell never returns. Its death
+  block is the eligibility block of its P-th lowest-index outranker, computed once per sequence.
+
+  Args:
+    max_norms: `[batch, M, heads]` priorities `a_c`.
+    cell, block, retain_top: `s`, `B`, `P`.
+
+  Returns:
+    `[batch, M, heads]` int32 death blocks; a cell with fewer than P outrankers never dies (int32 max).
+  """
+  num_cells = max_norms.shape[1]
+  idx = jnp.arange(num_cells)
+  a = jnp.moveaxis(max_norms, 1, -1)  # [batch, heads, M]
+  a_other, a_self = a[..., :, None], a[..., None, :]
+  outranks = (a_other > a_self) | ((a_other == a_self) & (idx[:, None] < idx[None, :]))  # [.., c', c]
+  reached = jnp.cumsum(outranks, axis=-2, dtype=jnp.int32) >= retain_top
+  pth_outranker = jnp.argmax(reached, axis=-2)
+  death = jnp.where(jnp.any(reached, axis=-2),
+                    first_eligible_block(pth_outranker, cell=cell, block=block),
+                    jnp.iinfo(jnp.int32).max)
+  return jnp.moveaxis(death, -1, 1).astype(jnp.int32)
+
+
+def available_cells(max_norms, num_queries, *, variant, cell, block, retain_top, retain_recent):
+  """Cells each query may score: `C_i` for FS (Eq. 6), `Recent_W(C_i) ∪ TopP_{C_i}(a)` for FS-L (Eq. 8).
+
+  TopP ranges over all eligible cells, so a recent cell may also be a top-P cell and `|A_i| <= P + W`;
+  Recent_W is the W highest-index eligible cells (all of them when fewer).
+
+  Args:
+    max_norms: `[batch, M, heads]`.
+    num_queries: sequence length `T`.
+    variant: "fs" or "fsl".
+
+  Returns:
+    `[batch, T, heads, M]` boolean availability.
+  """
+  batch, num_cells, heads = max_norms.shape
+  query_block = jnp.arange(num_queries) // block  # [T]
+  num_eligible = query_block * (block // cell)  # m_n
+  c = jnp.arange(num_cells)
+  eligible = c[None, :] < num_eligible[:, None]  # [T, M]
+  available = jnp.broadcast_to(eligible[None, :, None, :], (batch, num_queries, heads, num_cells))
+  if variant == "fs":
+    return available
+  recent = c[None, :] >= num_eligible[:, None] - retain_recent  # [T, M]
+  death = retention_death_block(max_norms, cell=cell, block=block, retain_top=retain_top)  # [batch, M, heads]
+  in_pool = query_block[None, :, None, None] < jnp.moveaxis(death, 1, -1)[:, None]  # [batch, T, heads, M]
+  return available & (recent[None, :, None, :] | in_pool)
+
+
+def cell_scores(q, mean_keys, max_norms, centers, *, lam, sigma):
+  """Eq. 7: `r_ic = q_i·k̄_c/√d + λ_h a_c erf((i − p_c)/(2σ_h))`, with the query's own position i.
+
+  Args:
+    q: `[batch, T, heads, d]` unrotated queries.
+    mean_keys: `[batch, M, heads, d]`; max_norms: `[batch, M, heads]`; centers: `[M]`.
+    lam, sigma: `[heads]`.
+
+  Returns:
+    `[batch, T, heads, M]` scores (unmasked).
+  """
+  head_dim = q.shape[-1]
+  content = jnp.einsum("bthd,bmhd->bthm", q, mean_keys) / math.sqrt(head_dim)
+  distance = jnp.arange(q.shape[1], dtype=q.dtype)[:, None] - centers.astype(q.dtype)[None, :]  # [T, M]
+  prior = jax.scipy.special.erf(distance[None, :, None, :] / (2.0 * sigma[:, None]))  # [1, T, heads, M]
+  return content + lam[:, None] * jnp.moveaxis(max_norms, 1, -1)[:, None] * prior
+
+
+def top_k_cells(scores, available, top_k):
+  """The `min(K, |A_i|)` highest-scoring available cells; ties go to the lower cell index.
+
+  Args:
+    scores: `[batch, T, heads, M]`.
+    available: `[batch, T, heads, M]` boolean.
+    top_k: K.
+
+  Returns:
+    `[batch, T, heads, K]` int32 cell indices in decreasing score order, -1 in unused slots.
+  """
+  num_cells = scores.shape[-1]
+  k = min(top_k, num_cells)
+  masked = jnp.where(available, scores, -jnp.inf)
+  _, idx = jax.lax.top_k(masked, k)  # lax.top_k puts the lower index first among equal values
+  valid = jnp.take_along_axis(available, idx, axis=-1)
+  idx = jnp.where(valid, idx, -1).astype(jnp.int32)
+  return jnp.pad(idx, ((0, 0),) * 3 + ((0, top_k - k),), constant_values=-1)

@@ -1,0 +1,73 @@
+"""Causal sliding-window RoPE attention: FreeSolo's local branch (FS Eq. 3-4), SWA and TF++."""
+
+import math
+
+import jax.numpy as jnp
+
+from fsjax.ops.rope import apply_rope
+from fsjax.ops.softmax import masked_softmax
+
+# Queries are processed in chunks of this many positions; each chunk reads `window + QUERY_CHUNK` keys, so
+# memory is O(T * window), never [T, T] unless the window covers the sequence.
+QUERY_CHUNK = 128
+
+
+def compute_dtype(dtype):
+  """The dtype reference math runs in: at least float32, float64 stays float64."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def check_qkv(q, k, v):
+  """Raises ValueError unless q, k, v are equal `[batch, seq, heads, head_dim]` arrays."""
+  if q.ndim != 4:
+    raise ValueError(f"q must be [batch, seq, heads, head_dim], got shape {q.shape}")
+  if k.shape != q.shape or v.shape != q.shape:
+    raise ValueError(f"q, k, v must have equal shapes, got {q.shape}, {k.shape}, {v.shape}")
+
+
+def local_attention(q, k, v, *, window, rope_theta=10000.0):
+  """Causal attention over `L_i = {j : 0 <= j <= i, i - j <= window}` with RoPE (FS Eq. 3-4).
+
+  A full window holds `window + 1` tokens. `window >= seq - 1` is full causal attention (TF++).
+
+  Args:
+    q, k, v: `[batch, seq, heads, head_dim]`, unrotated; head_dim even.
+    window: look-back radius `w >= 0`.
+    rope_theta: RoPE base.
+
+  Returns:
+    `o_sr`: `[batch, seq, heads, head_dim]` in the dtype of `q`.
+  """
+  check_qkv(q, k, v)
+  if window < 0:
+    raise ValueError(f"window must be >= 0, got {window}")
+  if q.shape[-1] % 2:
+    raise ValueError(f"head_dim must be even for RoPE, got {q.shape[-1]}")
+  batch, seq, heads, head_dim = q.shape
+  dtype = compute_dtype(q.dtype)
+  positions = jnp.arange(seq)
+  q_rot = apply_rope(q.astype(dtype), positions, rope_theta)
+  k_rot = apply_rope(k.astype(dtype), positions, rope_theta)
+  v = v.astype(dtype)
+
+  window = min(window, seq - 1)
+  chunk = min(seq, QUERY_CHUNK)
+  num_chunks = -(-seq // chunk)
+  padded = num_chunks * chunk
+  q_rot = jnp.pad(q_rot, ((0, 0), (0, padded - seq), (0, 0), (0, 0)))
+  q_chunks = q_rot.reshape(batch, num_chunks, chunk, heads, head_dim)
+
+  # Chunk n reads key positions [n*chunk - window, n*chunk + chunk).
+  starts = jnp.arange(num_chunks) * chunk
+  query_pos = starts[:, None] + jnp.arange(chunk)  # [n, chunk]
+  key_pos = starts[:, None] - window + jnp.arange(window + chunk)  # [n, window + chunk]
+  offset = query_pos[:, :, None] - key_pos[:, None, :]
+  mask = (key_pos[:, None, :] >= 0) & (offset >= 0) & (offset <= window)  # [n, chunk, span]
+  safe_pos = jnp.clip(key_pos, 0, seq - 1)
+  k_span = k_rot[:, safe_pos]  # [batch, n, span, heads, d]
+  v_span = v[:, safe_pos]
+
+  logits = jnp.einsum("bnqhd,bnkhd->bnhqk", q_chunks, k_span) / math.sqrt(head_dim)
+  probs = masked_softmax(logits, mask[None, :, None])
+  out = jnp.einsum("bnhqk,bnkhd->bnqhd", probs, v_span)
+  return out.reshape(batch, padded, heads, head_dim)[:, :seq].astype(q.dtype)

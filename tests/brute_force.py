@@ -1,0 +1,89 @@
+"""Independent per-query NumPy loops (float64) for the attention references. Written from the paper, not from
+fsjax.ops: the FS-L pool is recomputed per block by sorting (no death blocks), cells and tokens by Python sets.
+"""
+
+import math
+
+import numpy as np
+
+
+def rope(x, pos, theta=10000.0):
+  """Rotate-half RoPE of one vector `x` [d] at position `pos`."""
+  half = x.shape[-1] // 2
+  freq = theta ** (-np.arange(half) * 2.0 / x.shape[-1])
+  cos, sin = np.cos(pos * freq), np.sin(pos * freq)
+  x1, x2 = x[:half], x[half:]
+  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin])
+
+
+def softmax_readout(logits, values):
+  w = np.exp(logits - logits.max())
+  return (w / w.sum()) @ values
+
+
+def local(q, k, v, window, theta=10000.0):
+  """Eq. 3-4 for every (batch, position, head); q, k, v `[B, T, H, d]`."""
+  batch, seq, heads, d = q.shape
+  out = np.zeros_like(q, dtype=np.float64)
+  for b in range(batch):
+    for h in range(heads):
+      k_rot = np.stack([rope(k[b, j, h], j, theta) for j in range(seq)])
+      for i in range(seq):
+        js = np.arange(max(0, i - window), i + 1)
+        logits = k_rot[js] @ rope(q[b, i, h], i, theta) / math.sqrt(d)
+        out[b, i, h] = softmax_readout(logits, v[b, js, h])
+  return out
+
+
+def fs_available(a, i, *, variant, cell, block, retain_top, retain_recent):
+  """Sorted list of cells query i may score (Eq. 6, and Eq. 8 for fsl), from the cells' max key norms `a`."""
+  block_start = block * (i // block)
+  eligible = [c for c in range(len(a)) if (c + 1) * cell <= block_start]
+  if variant == "fs":
+    return eligible
+  recent = eligible[len(eligible) - retain_recent:] if retain_recent else []
+  by_norm = sorted(eligible, key=lambda c: (-a[c], c))[:retain_top]
+  return sorted(set(recent) | set(by_norm))
+
+
+def fs_long_range(q, k, v, *, variant, lam, sigma, gain, cell, block, top_k, retain_top, retain_recent):
+  """Eq. 5-9 per query. Returns (o_lr `[B, T, H, d]`, selected cells `{(b, i, h): set}`)."""
+  batch, seq, heads, d = q.shape
+  num_cells = seq // cell
+  out = np.zeros((batch, seq, heads, d))
+  selected = {}
+  for b in range(batch):
+    for h in range(heads):
+      cells_k = [k[b, c * cell:(c + 1) * cell, h] for c in range(num_cells)]
+      mean = [ck.mean(axis=0) for ck in cells_k]
+      a = [np.linalg.norm(ck, axis=-1).max() for ck in cells_k]
+      for i in range(seq):
+        avail = fs_available(a, i, variant=variant, cell=cell, block=block, retain_top=retain_top,
+                             retain_recent=retain_recent)
+        score = {c: q[b, i, h] @ mean[c] / math.sqrt(d)
+                 + lam[h] * a[c] * math.erf((i - (c + 0.5) * cell) / (2 * sigma[h])) for c in avail}
+        chosen = sorted(avail, key=lambda c: (-score[c], c))[:top_k]
+        selected[(b, i, h)] = set(chosen)
+        if not chosen:
+          continue
+        js = np.concatenate([np.arange(c * cell, (c + 1) * cell) for c in chosen])
+        u = softmax_readout(k[b, js, h] @ q[b, i, h] / math.sqrt(d), v[b, js, h])
+        out[b, i, h] = u / math.sqrt(np.mean(u * u) + 1e-8) * gain
+  return out, selected
+
+
+def moba(q, k, v, *, moba_block, moba_top_k, theta=10000.0):
+  """MoBA per query: own block (causal) + top (moba_top_k - 1) fully past blocks by rotated mean key."""
+  batch, seq, heads, d = q.shape
+  out = np.zeros((batch, seq, heads, d))
+  for b in range(batch):
+    for h in range(heads):
+      q_rot = np.stack([rope(q[b, i, h], i, theta) for i in range(seq)])
+      k_rot = np.stack([rope(k[b, j, h], j, theta) for j in range(seq)])
+      for i in range(seq):
+        own = i // moba_block
+        gate = {n: q_rot[i] @ k_rot[n * moba_block:(n + 1) * moba_block].mean(axis=0) for n in range(own)}
+        blocks = sorted(gate, key=lambda n: (-gate[n], n))[:moba_top_k - 1] + [own]
+        js = np.array(sorted(j for n in blocks for j in range(n * moba_block, (n + 1) * moba_block) if j <= i))
+        out[b, i, h] = softmax_readout(k_rot[js] @ q_rot[i] / math.sqrt(d), v[b, js, h])
+  return out

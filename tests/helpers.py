@@ -1,0 +1,42 @@
+"""Shared by all tests: the one tolerance table, the closeness helper and random inputs."""
+
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+
+# RMS-relative tolerance per dtype of the computation under test.
+TOLERANCE = {
+    jnp.dtype(jnp.float64): 1e-10,
+    jnp.dtype(jnp.float32): 2e-5,
+    jnp.dtype(jnp.bfloat16): 2e-2,
+}
+
+
+def assert_close(actual, expected, dtype, scale=1.0):
+  """Asserts `rms(actual - expected) <= tol * rms(expected)` and `max|diff| <= 10 tol max|expected|`.
+
+  `dtype` picks the tolerance; `scale` widens it (a reviewed decision, keep it rare).
+  """
+  actual = np.asarray(actual, np.float64)
+  expected = np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, (actual.shape, expected.shape)
+  assert np.all(np.isfinite(actual)), "non-finite values"
+  tol = TOLERANCE[jnp.dtype(dtype)] * scale
+  diff = actual - expected
+  rms_ref = max(np.sqrt(np.mean(expected ** 2)), 1e-30)
+  rms_err = np.sqrt(np.mean(diff ** 2))
+  assert rms_err <= tol * rms_ref, f"RMS error {rms_err:.3g} > {tol:.1g} * RMS {rms_ref:.3g}"
+  max_err = np.max(np.abs(diff)) if diff.size else 0.0
+  max_ref = max(np.max(np.abs(expected)) if diff.size else 0.0, 1e-30)
+  assert max_err <= 10 * tol * max_ref, f"max error {max_err:.3g} > {10 * tol:.1g} * max {max_ref:.3g}"
+
+
+def seeded_rng(name):
+  """A NumPy generator with a fixed seed derived from `name` (stable across processes)."""
+  return np.random.default_rng(zlib.crc32(name.encode()))
+
+
+def random_qkv(rng, shape, dtype=np.float64):
+  """Three independent standard-normal arrays of `shape` [batch, seq, heads, head_dim]."""
+  return tuple(rng.standard_normal(shape).astype(dtype) for _ in range(3))
