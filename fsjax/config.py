@@ -160,21 +160,23 @@ def _check_type(value, annotation, path):
 
 
 def from_dict(cls, data, path=""):
-  """Builds dataclass `cls` from a nested dict; unknown keys and wrong types raise ConfigError."""
+  """Builds dataclass `cls` from a nested dict; unknown keys and wrong types raise ConfigError.
+
+  `path` is the dotted location of `data` in the file (e.g. "model.attention"), used in messages.
+  """
   if not isinstance(data, dict):
     raise ConfigError(f"{path or 'config'} must be a mapping, got {data!r}")
-  fields = {f.name: f for f in dataclasses.fields(cls)}
+  fields = {f.name for f in dataclasses.fields(cls)}
   hints = typing.get_type_hints(cls)
-  unknown = sorted(set(data) - set(fields))
+  unknown = sorted(set(data) - fields)
   if unknown:
-    raise ConfigError(f"unknown key {path}{unknown[0]} (known: {', '.join(sorted(fields))})")
+    where = f"{path}.{unknown[0]}" if path else unknown[0]
+    raise ConfigError(f"unknown key {where} (known: {', '.join(sorted(fields))})")
   kwargs = {}
   for name, value in data.items():
+    where = f"{path}.{name}" if path else name
     hint = hints[name]
-    if dataclasses.is_dataclass(hint):
-      kwargs[name] = from_dict(hint, value, f"{path}{name}.")
-    else:
-      kwargs[name] = _check_type(value, hint, f"{path}{name}")
+    kwargs[name] = from_dict(hint, value, where) if dataclasses.is_dataclass(hint) else _check_type(value, hint, where)
   return cls(**kwargs)
 
 
