@@ -1,8 +1,12 @@
-"""Shared fixtures."""
+"""Shared fixtures and settings."""
 
+import jax
 import pytest
 
 from helpers import seeded_rng
+
+# Tests check math: on GPUs, float32 matmuls outside the references would otherwise default to TF32.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 
 @pytest.fixture

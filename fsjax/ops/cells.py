@@ -10,6 +10,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from fsjax.ops.common import PRECISION
+
 VARIANTS = ("fs", "fsl", "fsb")
 
 
@@ -121,7 +123,7 @@ def cell_scores(q, mean_keys, max_norms, centers, *, lam, sigma):
     `[batch, T, heads, M]` scores (unmasked).
   """
   head_dim = q.shape[-1]
-  content = jnp.einsum("bthd,bmhd->bthm", q, mean_keys) / math.sqrt(head_dim)
+  content = jnp.einsum("bthd,bmhd->bthm", q, mean_keys, precision=PRECISION) / math.sqrt(head_dim)
   distance = jnp.arange(q.shape[1], dtype=q.dtype)[:, None] - centers.astype(q.dtype)[None, :]  # [T, M]
   prior = jax.scipy.special.erf(distance[None, :, None, :] / (2.0 * sigma[:, None]))  # [1, T, heads, M]
   return content + lam[:, None] * jnp.moveaxis(max_norms, 1, -1)[:, None] * prior

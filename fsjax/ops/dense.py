@@ -14,7 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fsjax.ops.local import check_qkv, compute_dtype, local_attention
+from fsjax.ops.common import PRECISION, check_qkv, compute_dtype
+from fsjax.ops.local import local_attention
 from fsjax.ops.rope import apply_rope
 from fsjax.ops.softmax import masked_softmax
 
@@ -45,7 +46,7 @@ def moba_block_mask(q_rot, k_rot, *, moba_block, moba_top_k):
   k_pad = jnp.pad(k_rot, ((0, 0), (0, num_blocks * moba_block - seq), (0, 0), (0, 0)))
   # The zero padding only touches the last block, which is never fully past for any query, so never gated.
   mean_keys = k_pad.reshape(batch, num_blocks, moba_block, heads, head_dim).mean(axis=2)
-  gate = jnp.einsum("bthd,bnhd->bhtn", q_rot, mean_keys)
+  gate = jnp.einsum("bthd,bnhd->bhtn", q_rot, mean_keys, precision=PRECISION)
   query_block = jnp.arange(seq) // moba_block
   past = jnp.arange(num_blocks)[None, :] < query_block[:, None]  # [T, num_blocks]
   current = jnp.arange(num_blocks)[None, :] == query_block[:, None]
@@ -81,6 +82,6 @@ def moba_attention(q, k, v, *, moba_block=512, moba_top_k=3, rope_theta=10000.0)
   key_block = positions // moba_block
   causal = positions[None, :] <= positions[:, None]  # [T, T]
   mask = jnp.take(blocks, key_block, axis=-1) & causal  # [batch, heads, T, T]
-  logits = jnp.einsum("bthd,bshd->bhts", q_rot, k_rot) / math.sqrt(head_dim)
+  logits = jnp.einsum("bthd,bshd->bhts", q_rot, k_rot, precision=PRECISION) / math.sqrt(head_dim)
   probs = masked_softmax(logits, mask)
-  return jnp.einsum("bhts,bshd->bthd", probs, v.astype(dtype)).astype(q.dtype)
+  return jnp.einsum("bhts,bshd->bthd", probs, v.astype(dtype), precision=PRECISION).astype(q.dtype)

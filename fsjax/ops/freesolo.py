@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.ops import cells
-from fsjax.ops.local import check_qkv, compute_dtype, local_attention
+from fsjax.ops.common import PRECISION, check_qkv, compute_dtype
+from fsjax.ops.local import local_attention
 from fsjax.ops.softmax import masked_softmax
 
 READOUT_NORM_EPS = 1e-8  # FS App. D.2
@@ -95,10 +96,10 @@ def sparse_readout(q, k, v, cell_idx, *, cell):
   head_dim = q.shape[-1]
   k_sel = gather_cells(k, cell_idx, cell)  # [batch, heads, T, K, s, d]
   v_sel = gather_cells(v, cell_idx, cell)
-  logits = jnp.einsum("bthd,bhtksd->bhtks", q, k_sel) / math.sqrt(head_dim)
+  logits = jnp.einsum("bthd,bhtksd->bhtks", q, k_sel, precision=PRECISION) / math.sqrt(head_dim)
   selected = jnp.transpose(cell_idx >= 0, (0, 2, 1, 3))[..., None]  # [batch, heads, T, K, 1]
   probs = masked_softmax(logits, selected, axis=(-2, -1))
-  return jnp.einsum("bhtks,bhtksd->bthd", probs, v_sel)
+  return jnp.einsum("bhtks,bhtksd->bthd", probs, v_sel, precision=PRECISION)
 
 
 def rms_norm(x, gain, eps=READOUT_NORM_EPS):

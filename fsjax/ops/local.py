@@ -4,25 +4,13 @@ import math
 
 import jax.numpy as jnp
 
+from fsjax.ops.common import PRECISION, check_qkv, compute_dtype
 from fsjax.ops.rope import apply_rope
 from fsjax.ops.softmax import masked_softmax
 
 # Queries are processed in chunks of this many positions; each chunk reads `window + QUERY_CHUNK` keys, so
 # memory is O(T * window), never [T, T] unless the window covers the sequence.
 QUERY_CHUNK = 128
-
-
-def compute_dtype(dtype):
-  """The dtype reference math runs in: at least float32, float64 stays float64."""
-  return jnp.promote_types(dtype, jnp.float32)
-
-
-def check_qkv(q, k, v):
-  """Raises ValueError unless q, k, v are equal `[batch, seq, heads, head_dim]` arrays."""
-  if q.ndim != 4:
-    raise ValueError(f"q must be [batch, seq, heads, head_dim], got shape {q.shape}")
-  if k.shape != q.shape or v.shape != q.shape:
-    raise ValueError(f"q, k, v must have equal shapes, got {q.shape}, {k.shape}, {v.shape}")
 
 
 def local_attention(q, k, v, *, window, rope_theta=10000.0):
@@ -67,7 +55,8 @@ def local_attention(q, k, v, *, window, rope_theta=10000.0):
   k_span = k_rot[:, safe_pos]  # [batch, n, span, heads, d]
   v_span = v[:, safe_pos]
 
-  logits = jnp.einsum("bnqhd,bnkhd->bnhqk", q_chunks, k_span) / math.sqrt(head_dim)
+  logits = jnp.einsum("bnqhd,bnkhd->bnhqk", q_chunks, k_span, precision=PRECISION)
+  logits = logits / math.sqrt(head_dim)
   probs = masked_softmax(logits, mask[None, :, None])
-  out = jnp.einsum("bnhqk,bnkhd->bnqhd", probs, v_span)
+  out = jnp.einsum("bnhqk,bnkhd->bnqhd", probs, v_span, precision=PRECISION)
   return out.reshape(batch, padded, heads, head_dim)[:, :seq].astype(q.dtype)
