@@ -5,6 +5,7 @@ attention.cell"), before anything is traced or compiled. Unknown YAML keys are e
 """
 
 import dataclasses
+import os
 import types
 import typing
 
@@ -17,6 +18,7 @@ DENSE_KINDS = ("tfpp", "swa", "moba")
 ATTENTION_KINDS = FREESOLO_KINDS + DENSE_KINDS
 IMPLS = ("reference", "auto", "pallas")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+SCHEDULES = ("cosine", "wsd")
 
 
 class ConfigError(ValueError):
@@ -132,9 +134,167 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Training and held-out text, tokenizer and sequence length.
+
+  Attributes:
+    train_path: jsonl / jsonl.gz (field "text"), .txt file or a directory of them; null = the packaged corpus.
+    eval_path: held-out text in the same formats; null = the packaged held-out books.
+    tokenizer: a tokenizer.json; null = the packaged 32k byte-level BPE.
+    seq_len: training context in tokens.
+    recall_masks: compute the recall/switch masks of FS Eq. 13 per document (needed when recall_beta > 0).
+  """
+  train_path: str | None = None
+  eval_path: str | None = None
+  tokenizer: str | None = None
+  seq_len: int = 4096
+  recall_masks: bool = False
+
+  def __post_init__(self):
+    _positive(self, "data.", "seq_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Optimisation (FS App. A defaults: AdamW, weight decay 0.1, clip 1.0, cosine with warmup and floor).
+
+  Attributes:
+    steps: optimizer steps to run (the loop stops there; resuming continues up to it).
+    batch_size: global sequences per step (524,288 tokens = 128 x 4096 in the paper).
+    seed: parameter initialisation and data order.
+    learning_rate: peak learning rate.
+    lr_floor: final learning rate of the decay.
+    warmup_steps: linear warmup from 0 to the peak.
+    schedule: "cosine" (warmup, cosine decay to the floor) or "wsd" (warmup, stable, linear decay to the
+      floor over the last `decay_fraction` of `decay_steps`, ZHA App. B-A).
+    decay_steps: schedule horizon in steps, warmup included; null = `steps`.
+    decay_fraction: WSD's share of the horizon spent decaying.
+    weight_decay: AdamW decoupled weight decay, applied to matrices only (not to norms, gains, α, biases).
+    beta1, beta2, eps: AdamW moments.
+    clip_norm: global gradient-norm clip.
+    recall_beta, recall_switch_beta: β and β_sw of the recall-weighted loss (FS Eq. 13); 0 = plain loss.
+    max_bad_steps: consecutive non-finite steps (skipped) after which the run stops.
+    init_from: parent checkpoint (workdir or step dir) whose params start this run with a fresh optimizer and
+      schedule (continued pretraining, FS Sec. 3.3); null = random init.
+  """
+  steps: int = 1000
+  batch_size: int = 128
+  seed: int = 0
+  learning_rate: float = 3e-4
+  lr_floor: float = 3e-5
+  warmup_steps: int = 1000
+  schedule: str = "cosine"
+  decay_steps: int | None = None
+  decay_fraction: float = 0.2
+  weight_decay: float = 0.1
+  beta1: float = 0.9
+  beta2: float = 0.95
+  eps: float = 1e-8
+  clip_norm: float = 1.0
+  recall_beta: float = 0.0
+  recall_switch_beta: float = 0.0
+  max_bad_steps: int = 5
+  init_from: str | None = None
+
+  def __post_init__(self):
+    p = "train."
+    _positive(self, p, "steps", "batch_size", "learning_rate", "clip_norm", "max_bad_steps", "eps")
+    _one_of(self, p, "schedule", SCHEDULES)
+    if self.decay_steps is not None:
+      _positive(self, p, "decay_steps")
+    for name in ("warmup_steps", "lr_floor", "weight_decay", "recall_beta", "recall_switch_beta"):
+      if getattr(self, name) < 0:
+        raise ConfigError(f"{p}{name} must be >= 0, got {getattr(self, name)}")
+    if self.lr_floor > self.learning_rate:
+      raise ConfigError(f"{p}lr_floor must be <= {p}learning_rate, got {self.lr_floor} > {self.learning_rate}")
+    if not 0 < self.decay_fraction <= 1:
+      raise ConfigError(f"{p}decay_fraction must be in (0, 1], got {self.decay_fraction}")
+    if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+      raise ConfigError(f"{p}beta1 and {p}beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Orbax checkpoints under `<workdir>/checkpoints`.
+
+  Attributes:
+    every: save every this many steps (and always at the last step).
+    keep: keep the newest this many checkpoints.
+    async_save: write in the background while training continues.
+  """
+  every: int = 1000
+  keep: int = 3
+  async_save: bool = True
+
+  def __post_init__(self):
+    _positive(self, "checkpoint.", "every", "keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh: the batch is sharded over both axes, parameters over `fsdp`.
+
+  Attributes:
+    data: data-parallel axis size; -1 = all devices not used by fsdp.
+    fsdp: parameter-sharding axis size; -1 = all devices not used by data.
+  """
+  data: int = -1
+  fsdp: int = 1
+
+  def __post_init__(self):
+    for name in ("data", "fsdp"):
+      if getattr(self, name) == 0 or getattr(self, name) < -1:
+        raise ConfigError(f"mesh.{name} must be positive or -1 (all remaining devices), got {getattr(self, name)}")
+    if self.data == -1 and self.fsdp == -1:
+      raise ConfigError("mesh.data and mesh.fsdp cannot both be -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out evaluation run at the end of training (and every `every` steps when set).
+
+  Attributes:
+    batches: held-out batches of `batch_size` sequences of `data.seq_len` tokens.
+    batch_size: sequences per evaluation batch.
+    every: evaluate every this many steps; null = only at the end.
+  """
+  batches: int = 8
+  batch_size: int = 8
+  every: int | None = None
+
+  def __post_init__(self):
+    _positive(self, "eval.", "batches", "batch_size")
+    if self.every is not None:
+      _positive(self, "eval.", "every")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+  """Progress output.
+
+  Attributes:
+    every: print progress and append to metrics.jsonl every this many steps.
+  """
+  every: int = 10
+
+  def __post_init__(self):
+    _positive(self, "log.", "every")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
-  """Top-level config file: `model:` (training, data and eval sections join as their issues land)."""
+  """A config file: `model`, `data`, `train`, `checkpoint`, `mesh`, `eval`, `log` sections."""
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  log: LogConfig = dataclasses.field(default_factory=LogConfig)
+
+  def __post_init__(self):
+    if self.train.recall_beta + self.train.recall_switch_beta > 0 and not self.data.recall_masks:
+      raise ConfigError("data.recall_masks must be true when train.recall_beta or train.recall_switch_beta > 0")
 
 
 def _check_type(value, annotation, path):
@@ -194,12 +354,35 @@ def apply_override(data, assignment):
   node[leaf] = yaml.safe_load(raw)
 
 
-def load_config(path=None, overrides=()):
-  """Loads a YAML config file (or the defaults when `path` is None) and applies `key=value` overrides."""
-  data = {}
-  if path is not None:
+def _merge(base, override):
+  """Deep merge of two config dicts: `override` wins, sections merge key by key."""
+  merged = dict(base)
+  for key, value in override.items():
+    merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) \
+        else value
+  return merged
+
+
+def read_yaml(path):
+  """A config file as a dict, with `base: other.yaml` (relative to the file) merged underneath."""
+  try:
     with open(path) as f:
       data = yaml.safe_load(f) or {}
+  except FileNotFoundError:
+    raise ConfigError(f"config file not found: {path}") from None
+  except yaml.YAMLError as e:
+    raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+  if not isinstance(data, dict):
+    raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+  base = data.pop("base", None)
+  if base is None:
+    return data
+  return _merge(read_yaml(os.path.join(os.path.dirname(path), base)), data)
+
+
+def load_config(path=None, overrides=()):
+  """Loads a YAML config file (or the defaults when `path` is None) and applies `key=value` overrides."""
+  data = read_yaml(path) if path is not None else {}
   for assignment in overrides:
     apply_override(data, assignment)
   return from_dict(Config, data)

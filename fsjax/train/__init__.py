@@ -1,0 +1,1 @@
+"""Training: optimizer and schedules, the jitted step, sharding, Orbax checkpoints and the loop."""

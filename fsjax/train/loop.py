@@ -1,0 +1,168 @@
+"""The training loop: build or resume, step, log, checkpoint, evaluate."""
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fsjax.config import Config, ConfigError, to_dict
+from fsjax.model import Transformer, init_variables, param_counts
+from fsjax.train import checkpoint as ckpt_lib
+from fsjax.train import sharding
+from fsjax.train.metrics import MetricsLog, print_table
+from fsjax.train.optim import learning_rate_schedule, make_optimizer
+from fsjax.train.step import create_state, make_eval_step, make_train_step
+
+
+class TrainingStopped(RuntimeError):
+  """The run stopped early (too many consecutive non-finite steps); the last good checkpoint is intact."""
+
+
+def check_paths(config: Config):
+  """Raises ConfigError for a data, tokenizer or parent-checkpoint path that does not exist."""
+  for field, path in (("data.train_path", config.data.train_path), ("data.eval_path", config.data.eval_path),
+                      ("data.tokenizer", config.data.tokenizer), ("train.init_from", config.train.init_from)):
+    if path is not None and not os.path.exists(path):
+      raise ConfigError(f"{field}: path does not exist: {path}")
+
+
+def _check_divisible(config: Config, mesh):
+  for field, size in (("train.batch_size", config.train.batch_size), ("eval.batch_size", config.eval.batch_size)):
+    if size % mesh.size:
+      raise ConfigError(f"{field} ({size}) must be a multiple of the device count ({mesh.size})")
+
+
+def _local_rows(global_rows):
+  return global_rows // jax.process_count()
+
+
+def _train_iterator(config: Config):
+  from fsjax.data.pipeline import default_corpus_path, make_train_iterator
+  return make_train_iterator(path=config.data.train_path or default_corpus_path("train"),
+                             tokenizer_path=config.data.tokenizer, seq_len=config.data.seq_len,
+                             batch_size=_local_rows(config.train.batch_size), seed=config.train.seed,
+                             shard_index=jax.process_index(), shard_count=jax.process_count(),
+                             recall_masks=config.data.recall_masks)
+
+
+def _eval_batches(config: Config):
+  from fsjax.data.pipeline import default_corpus_path, make_eval_batches
+  batches = make_eval_batches(path=config.data.eval_path or default_corpus_path("valid"),
+                              tokenizer_path=config.data.tokenizer, seq_len=config.data.seq_len,
+                              batch_size=config.eval.batch_size, max_batches=config.eval.batches)
+  rows = _local_rows(config.eval.batch_size)
+  start = jax.process_index() * rows
+  return [b[start:start + rows] for b in batches]  # each process feeds its share of every batch
+
+
+def _parent_variables(config: Config, abstract_params, abstract_frozen):
+  """Params and routing buffers of `train.init_from`, checked against this config's shapes."""
+  parent_config, params, frozen, step = ckpt_lib.load(config.train.init_from)
+  where = f"{config.train.init_from} (step {step})"
+  ckpt_lib.check_shapes({"params": params, "frozen": frozen},
+                        {"params": abstract_params, "frozen": abstract_frozen}, where)
+  print(f"continuing from {where}: {parent_config.model.attention.kind} -> {config.model.attention.kind}, "
+        "fresh optimizer and schedule", flush=True)
+  return params, frozen
+
+
+def evaluate(model, params, frozen, batches, mesh):
+  """Held-out loss (mean NLL per token) and perplexity over `batches`."""
+  eval_step = jax.jit(make_eval_step(model))
+  total, count = 0.0, 0
+  for tokens in batches:
+    nll_sum, n = eval_step(params, frozen, sharding.global_batch({"tokens": tokens}, mesh)["tokens"])
+    total, count = total + float(nll_sum), count + int(n)
+  loss = total / count
+  return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+
+def train(config: Config, workdir):
+  """Trains (or resumes) in `workdir` up to `config.train.steps`; returns the final evaluation dict."""
+  check_paths(config)
+  sharding.initialize_distributed()
+  mesh = sharding.make_mesh(config.mesh)
+  _check_divisible(config, mesh)
+  os.makedirs(workdir, exist_ok=True)
+
+  model = Transformer(config.model)
+  optimizer = make_optimizer(config.train)
+  schedule = learning_rate_schedule(config.train)
+  rng = jax.random.PRNGKey(config.train.seed)
+  init_state = lambda: create_state(init_variables(config.model, rng, config.model.attention.block), optimizer)
+  abstract_state = jax.eval_shape(init_state)
+  state_shardings = sharding.tree_shardings(abstract_state, mesh)
+  abstract_state = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                          abstract_state, state_shardings)
+
+  checkpoints = ckpt_lib.Checkpointer(os.path.join(workdir, ckpt_lib.CHECKPOINT_SUBDIR),
+                                      keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+  log = MetricsLog(workdir, config.train.steps)
+  data = _train_iterator(config)
+  latest = checkpoints.latest_step()
+  if latest is not None:  # resume: shapes are checked before anything compiles
+    state, data_state = checkpoints.restore(latest, abstract_state)
+    data.set_state(data_state)
+    log.truncate_after(latest)
+    print(f"resumed from {checkpoints.directory}/{latest}", flush=True)
+  else:
+    parent = (_parent_variables(config, abstract_state.params, abstract_state.frozen)
+              if config.train.init_from else None)
+    state = jax.jit(init_state, out_shardings=state_shardings)()
+    if parent is not None:
+      params, frozen = jax.device_put(parent, (state_shardings.params, state_shardings.frozen))
+      state = state.replace(params=params, frozen=frozen, opt_state=optimizer.init(params))
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(to_dict(config), f, indent=2)
+
+  counts = param_counts(config.model)
+  print(f"{config.model.attention.kind} model, {counts['total']:,} parameters, mesh {dict(mesh.shape)}, "
+        f"{config.train.batch_size} x {config.data.seq_len} tokens per step", flush=True)
+  batch_shardings = sharding.batch_sharding(mesh)
+  train_step = jax.jit(make_train_step(model, optimizer, schedule, config.train.recall_beta,
+                                       config.train.recall_switch_beta),
+                       in_shardings=(state_shardings, batch_shardings), out_shardings=(state_shardings, None),
+                       donate_argnums=0)
+  eval_batches = _eval_batches(config)
+  step = int(state.step)
+  tokens_per_step = config.train.batch_size * config.data.seq_len
+  last_time, last_step = time.perf_counter(), step
+  while step < config.train.steps:
+    batch = sharding.global_batch(next(data), mesh)
+    state, metrics = train_step(state, batch)
+    step += 1
+    metrics = jax.device_get(metrics)
+    bad_steps = int(state.bad_steps)
+    if bad_steps >= config.train.max_bad_steps:
+      checkpoints.wait()
+      raise TrainingStopped(f"stopped at step {step}: {bad_steps} consecutive non-finite losses or gradients "
+                            f"(train.max_bad_steps={config.train.max_bad_steps}); the last good checkpoint "
+                            f"(step {checkpoints.latest_step()}) is kept unchanged")
+    if bad_steps == 0 and (step % config.checkpoint.every == 0 or step == config.train.steps):
+      checkpoints.save(step, state, data.get_state(), config)
+    if step % config.log.every == 0 or step == config.train.steps:
+      now = time.perf_counter()
+      log.write(step, dict(loss=metrics["loss"], grad_norm=metrics["grad_norm"],
+                           learning_rate=metrics["learning_rate"], skipped=int(state.skipped),
+                           tokens_per_s=tokens_per_step * (step - last_step) / (now - last_time)))
+      last_time, last_step = now, step
+    if config.eval.every and step % config.eval.every == 0:
+      result = evaluate(model, state.params, state.frozen, eval_batches, mesh)
+      print(f"step {step}: held-out loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}", flush=True)
+  checkpoints.wait()
+  checkpoints.close()
+
+  result = evaluate(model, state.params, state.frozen, eval_batches, mesh)
+  summary = dict(model=config.model.attention.kind, parameters=counts["total"], steps=step,
+                 tokens_seen=step * tokens_per_step, heldout_loss=result["loss"],
+                 heldout_perplexity=result["perplexity"])
+  with open(os.path.join(workdir, "eval.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  if jax.process_index() == 0:
+    print_table([summary])
+  return summary

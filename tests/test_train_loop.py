@@ -1,0 +1,120 @@
+"""train.py end to end on CPU: CLI errors, kill-and-resume equality, 8-device equality, CPT, stopping."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import train as train_cli
+from fsjax.config import load_config
+from fsjax.train import checkpoint as ckpt_lib
+from fsjax.train import loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MICRO = os.path.join(ROOT, "tests", "micro_fs.yaml")
+
+
+def _run(workdir, *overrides, env=None, wait=True):
+  cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", MICRO, "--workdir", str(workdir)]
+  for o in overrides:
+    cmd += ["--set", o]
+  full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+  if not wait:
+    return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  result = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout + result.stderr
+  return result.stdout
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config", "configs/nope.yaml"], "config file not found: configs/nope.yaml"),
+    (["--config", MICRO, "--set", "model.widht=3"], "unknown key model.widht"),
+    (["--config", MICRO, "--set", "train.steps=abc"], "train.steps must be of type int"),
+    (["--config", MICRO, "--set", "data.train_path=/no/such/corpus.jsonl"], "data.train_path: path does not exist"),
+    (["--config", MICRO, "--set", "train.init_from=/no/such/run"], "train.init_from: path does not exist"),
+])
+def test_cli_errors_are_one_clear_line(capsys, tmp_path, args, message):
+  assert train_cli.main(args + ["--workdir", str(tmp_path / "w")]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_kill_after_checkpoint_then_resume_equals_uninterrupted_run(tmp_path):
+  reference = tmp_path / "reference"
+  _run(reference, "train.steps=8")
+  killed = tmp_path / "killed"
+  proc = _run(killed, "train.steps=400", wait=False)  # long enough to still be running when killed
+  deadline = time.time() + 300
+  while not os.path.isdir(killed / "checkpoints" / "4") and time.time() < deadline and proc.poll() is None:
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL, proc.stdout.read()
+  resumed_from = ckpt_lib.resolve(str(killed))[1]
+  assert 4 <= resumed_from < 8
+  out = _run(killed, "train.steps=8")
+  assert f"resumed from {killed}/checkpoints/{resumed_from}" in out
+  expected, actual = _losses(reference), _losses(killed)
+  assert sorted(actual) == list(range(1, 9))
+  assert [actual[s] for s in range(1, 9)] == [expected[s] for s in range(1, 9)]  # bit-exact
+
+
+def test_eight_simulated_devices_give_the_same_losses_as_one(tmp_path):
+  _run(tmp_path / "one", "train.steps=3")
+  _run(tmp_path / "eight", "train.steps=3", "mesh.data=4", "mesh.fsdp=2",
+       env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  one, eight = _losses(tmp_path / "one"), _losses(tmp_path / "eight")
+  np.testing.assert_allclose([eight[s] for s in (1, 2, 3)], [one[s] for s in (1, 2, 3)], rtol=2e-5)
+
+
+def test_continued_pretraining_switches_variant_with_fresh_optimizer(tmp_path):
+  parent = tmp_path / "parent"
+  _run(parent, "train.steps=2")
+  _, parent_params, _, _ = ckpt_lib.load(str(parent))
+  config = load_config(MICRO, ["model.attention.kind=fsl", f"train.init_from={parent}", "train.steps=1",
+                               "checkpoint.async_save=false"])
+  loop.train(config, str(tmp_path / "child"))
+  child_config, child_params, frozen, step = ckpt_lib.load(str(tmp_path / "child" / "checkpoints" / "1"))
+  assert child_config.model.attention.kind == "fsl" and step == 1
+  assert set(frozen["routing"]["layer_0"]["attention"]) == {"lam", "sigma"}
+  # Step 1 runs at the warmup learning rate 0, so the params are exactly the parent's: loaded, not re-initialised.
+  jax.tree_util.tree_map(np.testing.assert_array_equal, child_params, parent_params)
+
+
+def test_checkpoint_with_other_shapes_is_rejected_before_compiling(tmp_path, capsys):
+  workdir = tmp_path / "run"
+  _run(workdir, "train.steps=2")
+  code = train_cli.main(["--config", MICRO, "--workdir", str(workdir), "--set", "model.d_model=48"])
+  err = capsys.readouterr().err
+  assert code == 2 and "has shape" in err and "but the config gives" in err
+
+
+def test_consecutive_non_finite_steps_stop_without_touching_the_last_good_checkpoint(tmp_path, monkeypatch):
+  real = loop.make_train_step
+
+  def poisoned_after_two(*args, **kwargs):
+    step_fn = real(*args, **kwargs)
+    def poisoned(state, batch):
+      nan_if_late = jnp.where(state.step >= 2, jnp.nan, 1.0)
+      return step_fn(state.replace(params=jax.tree_util.tree_map(lambda p: p * nan_if_late, state.params)), batch)
+    return poisoned
+
+  monkeypatch.setattr(loop, "make_train_step", poisoned_after_two)
+  config = load_config(MICRO, ["train.max_bad_steps=2", "checkpoint.every=1", "checkpoint.async_save=false"])
+  with pytest.raises(loop.TrainingStopped, match="2 consecutive non-finite"):
+    loop.train(config, str(tmp_path / "run"))
+  _, params, _, step = ckpt_lib.load(str(tmp_path / "run"))
+  assert step == 2
+  assert all(np.all(np.isfinite(p)) for p in jax.tree_util.tree_leaves(params))

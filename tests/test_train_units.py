@@ -1,0 +1,90 @@
+"""Training-system units: schedules, decay mask, weighted loss, skipped non-finite steps, sharding rules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fsjax.config import ConfigError, MeshConfig, TrainConfig, model_preset
+from fsjax.model import Transformer, init_variables
+from fsjax.train import sharding
+from fsjax.train.optim import decay_mask, learning_rate_schedule, make_optimizer
+from fsjax.train.step import create_state, loss_weights, make_train_step, weighted_loss
+
+
+def test_cosine_schedule_warms_up_decays_and_floors():
+  f = learning_rate_schedule(TrainConfig(steps=100, warmup_steps=10, learning_rate=1.0, lr_floor=0.1))
+  np.testing.assert_allclose([f(0), f(5), f(10), f(55), f(100), f(500)], [0, 0.5, 1.0, 0.55, 0.1, 0.1], atol=1e-6)
+
+
+def test_wsd_schedule_is_flat_then_decays_linearly_over_the_last_fifth():
+  f = learning_rate_schedule(TrainConfig(steps=100, warmup_steps=20, learning_rate=1.0, lr_floor=0.01,
+                                         schedule="wsd", decay_fraction=0.2))
+  np.testing.assert_allclose([f(10), f(20), f(79), f(80), f(90), f(100), f(200)],
+                             [0.5, 1.0, 1.0, 1.0, 0.505, 0.01, 0.01], atol=1e-6)
+
+
+def test_no_weight_decay_on_norms_gains_and_alpha():
+  params = init_variables(model_preset("tiny"), jax.random.PRNGKey(0))["params"]
+  mask = decay_mask(params)
+  attention = mask["layer_0"]["attention"]
+  assert attention["q_proj"]["kernel"] and mask["embed"]["embedding"]
+  assert not attention["alpha"] and not attention["lr_gain"]
+  assert not mask["layer_0"]["attention_norm"]["scale"] and not mask["final_norm"]["scale"]
+
+
+def test_recall_weighted_loss_matches_eq_13(rng):
+  config = model_preset("tiny")
+  variables = init_variables(config, jax.random.PRNGKey(0), 64)
+  tokens = rng.integers(0, config.vocab_size, (2, 65))
+  recall, switch = (rng.integers(0, 2, (2, 65)).astype(np.float32) for _ in range(2))
+  batch = dict(tokens=jnp.asarray(tokens), recall=jnp.asarray(recall), switch=jnp.asarray(switch))
+  model = Transformer(config)
+  logits = model.apply(variables, tokens[:, :-1])
+  nll = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
+  w = 1 + 9 * recall[:, 1:] + 49 * switch[:, 1:]
+  frozen = {"routing": variables["routing"]}
+  loss = weighted_loss(model, variables["params"], frozen, batch, 9.0, 49.0)
+  np.testing.assert_allclose(loss, np.sum(w * nll) / np.sum(w), rtol=1e-5)
+  np.testing.assert_allclose(weighted_loss(model, variables["params"], frozen, batch), nll.mean(), rtol=1e-5)
+  np.testing.assert_array_equal(loss_weights(batch, 0.0, 0.0), np.ones((2, 64)))
+
+
+def test_non_finite_step_is_skipped_and_counted(rng):
+  config = model_preset("tiny")
+  model = Transformer(config)
+  train = TrainConfig(steps=10, warmup_steps=0, learning_rate=1e-2, lr_floor=0.0)
+  optimizer = make_optimizer(train)
+  state = create_state(init_variables(config, jax.random.PRNGKey(0), 64), optimizer)
+  step = jax.jit(make_train_step(model, optimizer, learning_rate_schedule(train), recall_beta=1.0))
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 65)))
+  good = dict(tokens=tokens, recall=jnp.zeros((2, 65)))
+  poisoned = dict(tokens=tokens, recall=jnp.full((2, 65), jnp.nan))
+  state1, m1 = step(state, good)
+  state2, m2 = step(state1, poisoned)
+  assert bool(m1["finite"]) and not bool(m2["finite"])
+  assert int(state2.bad_steps) == 1 and int(state2.skipped) == 1 and int(state2.step) == 2
+  jax.tree_util.tree_map(np.testing.assert_array_equal, state2.params, state1.params)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, state2.opt_state, state1.opt_state)
+  state3, m3 = step(state2, good)
+  assert bool(m3["finite"]) and int(state3.bad_steps) == 0 and int(state3.skipped) == 1
+  assert not np.array_equal(state3.params["embed"]["embedding"], state2.params["embed"]["embedding"])
+
+
+def test_partition_rules_shard_over_fsdp_and_replicate_what_does_not_divide():
+  assert sharding.param_spec("layer_0/attention/q_proj/kernel", (64, 4, 16), 2) == jax.sharding.PartitionSpec(
+      "fsdp", None, None)
+  assert sharding.param_spec("layer_0/mlp/down/kernel", (256, 64), 2) == jax.sharding.PartitionSpec(None, "fsdp")
+  assert sharding.param_spec("embed/embedding", (33, 64), 2) == jax.sharding.PartitionSpec(None, None)
+  assert sharding.param_spec("layer_0/attention/alpha", (4,), 2) == jax.sharding.PartitionSpec()
+  # Optimizer moments carry the parameter path as a suffix, so they follow the same rule.
+  assert sharding.param_spec("opt_state/1/0/mu/embed/embedding", (32, 8), 2) == jax.sharding.PartitionSpec(
+      "fsdp", None)
+
+
+def test_mesh_sizes_must_cover_the_devices():
+  devices = jax.devices()[:1]
+  assert dict(sharding.make_mesh(MeshConfig(), devices).shape) == {"data": 1, "fsdp": 1}
+  with pytest.raises(ConfigError, match="mesh.data x mesh.fsdp must equal"):
+    sharding.make_mesh(MeshConfig(data=2, fsdp=1), devices)

@@ -1,0 +1,42 @@
+"""Train a model from a config: `python train.py --config configs/NAME.yaml [--set key.sub=value ...]`.
+
+Re-running with the same --workdir resumes from its latest checkpoint (params, optimizer, data position).
+"""
+
+import argparse
+import os
+import sys
+
+from fsjax.config import ConfigError, load_config
+from fsjax.train.checkpoint import CheckpointError
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config field, e.g. --set train.steps=100 (repeatable)")
+  parser.add_argument("--workdir", help="checkpoints, metrics.jsonl and eval.json go here "
+                      "(default: runs/<config name>)")
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  try:
+    config = load_config(args.config, args.set)
+    workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
+    from fsjax.train.loop import TrainingStopped, train  # after validation: config errors come back fast
+    try:
+      train(config, workdir)
+    except TrainingStopped as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 1
+  except (ConfigError, CheckpointError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
