@@ -101,6 +101,7 @@ class ModelConfig:
     norm_eps: RMSNorm epsilon of the decoder norms.
     dtype: activation dtype ("float32" | "bfloat16" | "float16" | "float64").
     param_dtype: parameter dtype.
+    remat: recompute each layer's activations in the backward pass (less memory, ~1/3 more compute).
     attention: the attention config.
   """
   vocab_size: int = 32000
@@ -113,6 +114,7 @@ class ModelConfig:
   norm_eps: float = 1e-6
   dtype: str = "float32"
   param_dtype: str = "float32"
+  remat: bool = False
   attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
 
   def __post_init__(self):
@@ -393,7 +395,7 @@ def to_dict(config):
   return dataclasses.asdict(config)
 
 
-# Model shapes of FS App. A and a tiny one for CPU tests and smoke runs.
+# Model shapes of FS App. A and a tiny one for CPU tests.
 MODEL_PRESETS = {
     "fs_341m": dict(num_layers=24, d_model=1024, num_heads=16, head_dim=64),
     "fs_743m": dict(num_layers=24, d_model=1536, num_heads=16, head_dim=96),

@@ -24,7 +24,7 @@ def make_attention(config: ModelConfig, name=None):
                              top_k=att.top_k, retain_top=att.retain_top, retain_recent=att.retain_recent,
                              lam=att.lam, sigma=att.sigma, impl=att.impl, **common)
   return DenseAttention(kind=att.kind, window=att.window, moba_block=att.moba_block,
-                        moba_top_k=att.moba_top_k, **common)
+                        moba_top_k=att.moba_top_k, impl=att.impl, **common)
 
 
 class SwiGLU(nn.Module):
@@ -63,8 +63,9 @@ class Transformer(nn.Module):
     embed = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(EMBED_INIT_STD),
                      dtype=c.dtype, param_dtype=c.param_dtype, name="embed")
     x = embed(tokens)
+    layer = nn.remat(DecoderLayer) if c.remat else DecoderLayer
     for i in range(c.num_layers):
-      x = DecoderLayer(c, name=f"layer_{i}")(x)
+      x = layer(c, name=f"layer_{i}")(x)
     x = nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name="final_norm")(x)
     if c.tie_embeddings:
       logits = embed.attend(x)

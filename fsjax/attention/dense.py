@@ -4,6 +4,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from fsjax import ops
+from fsjax.attention.cudnn import causal_rope_attention_cudnn, cudnn_usable
 from fsjax.attention.projections import project_heads, project_out
 
 KINDS = ("tfpp", "swa", "moba")
@@ -14,6 +15,7 @@ class DenseAttention(nn.Module):
 
   `kind`: "tfpp" (full causal), "swa" (radius `window`) or "moba" (`moba_block`, `moba_top_k`; see
   `fsjax.ops.dense` for MoBA's documented choices). Params: `q_proj`, `k_proj`, `v_proj`, `o_proj`.
+  `impl`: "reference" always runs `fsjax.ops`; otherwise TF++ and SWA use cuDNN on GPU in bf16/fp16.
   """
   num_heads: int
   head_dim: int
@@ -22,6 +24,7 @@ class DenseAttention(nn.Module):
   moba_block: int = 512
   moba_top_k: int = 3
   rope_theta: float = 10000.0
+  impl: str = "auto"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -31,7 +34,10 @@ class DenseAttention(nn.Module):
       raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
     q, k, v = (project_heads(x, self.num_heads, self.head_dim, name, self.dtype, self.param_dtype)
                for name in ("q_proj", "k_proj", "v_proj"))
-    if self.kind == "tfpp":
+    if self.kind in ("tfpp", "swa") and self.impl != "reference" and cudnn_usable(q.dtype):
+      o = causal_rope_attention_cudnn(q, k, v, window=self.window if self.kind == "swa" else None,
+                                      rope_theta=self.rope_theta)
+    elif self.kind == "tfpp":
       o = ops.tfpp_attention(q, k, v, rope_theta=self.rope_theta)
     elif self.kind == "swa":
       o = ops.swa_attention(q, k, v, window=self.window, rope_theta=self.rope_theta)

@@ -1,0 +1,95 @@
+"""Training-step throughput and peak memory: FS, FS-L, TF++ and SWA at the 341M shape.
+
+    python benchmarks/train_throughput.py [--lengths 4096,16384] [--kinds tfpp,swa,fs,fsl]
+        [--tokens-per-step 32768] [--steps 5]
+
+Each (kind, length) runs in its own subprocess, so the device's peak-memory counter belongs to that case alone.
+Random tokens and weights; bf16 compute, fp32 master params, AdamW, per-layer remat. TF++ and SWA use cuDNN
+attention on GPU. Prints one table with tokens/s and the ratio to TF++ at the same length.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def run_case(kind, seq_len, tokens_per_step, steps, preset):
+  import jax
+  import jax.numpy as jnp
+
+  from fsjax.config import TrainConfig, model_preset
+  from fsjax.model import Transformer, init_variables
+  from fsjax.train.optim import learning_rate_schedule, make_optimizer
+  from fsjax.train.step import create_state, make_train_step
+
+  config = dataclasses.replace(model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="float32",
+                               remat=True)
+  batch = max(1, tokens_per_step // seq_len)
+  train = TrainConfig(steps=1000, warmup_steps=10, batch_size=batch)
+  optimizer = make_optimizer(train)
+  model = Transformer(config)
+  state = jax.jit(lambda: create_state(init_variables(config, jax.random.PRNGKey(0), 128), optimizer))()
+  step = jax.jit(make_train_step(model, optimizer, learning_rate_schedule(train)), donate_argnums=0)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq_len + 1), 0, config.vocab_size)
+  start = time.perf_counter()
+  state, metrics = step(state, {"tokens": tokens})
+  jax.block_until_ready(metrics["loss"])
+  compile_s = time.perf_counter() - start
+  start = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = step(state, {"tokens": tokens})
+  jax.block_until_ready(metrics["loss"])
+  step_s = (time.perf_counter() - start) / steps
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return dict(kind=kind, seq_len=seq_len, batch=batch, step_ms=1e3 * step_s, tokens_per_s=batch * seq_len / step_s,
+              peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, compile_s=compile_s,
+              loss=float(metrics["loss"]), device=jax.devices()[0].device_kind)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--lengths", default="4096,16384")
+  parser.add_argument("--kinds", default="tfpp,swa,fs,fsl")
+  parser.add_argument("--tokens-per-step", type=int, default=32768)
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--preset", default="fs_341m")
+  parser.add_argument("--case", help=argparse.SUPPRESS)  # "kind:length", run in a subprocess
+  args = parser.parse_args()
+  if args.case:
+    kind, seq_len = args.case.split(":")
+    print(json.dumps(run_case(kind, int(seq_len), args.tokens_per_step, args.steps, args.preset)))
+    return
+
+  rows = []
+  for seq_len in map(int, args.lengths.split(",")):
+    for kind in args.kinds.split(","):
+      cmd = [sys.executable, __file__, "--case", f"{kind}:{seq_len}", "--tokens-per-step",
+             str(args.tokens_per_step), "--steps", str(args.steps), "--preset", args.preset]
+      result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+      if result.returncode:
+        error = (result.stderr.strip().splitlines() or ["?"])[-1][:120]
+        rows.append(dict(kind=kind, seq_len=seq_len, error=error))
+      else:
+        rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
+      print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+
+  baseline = {r["seq_len"]: r["tokens_per_s"] for r in rows if r["kind"] == "tfpp" and "error" not in r}
+  print(f"\n{args.preset}, {args.tokens_per_step} tokens per step, bf16 compute, remat, "
+        f"{next((r['device'] for r in rows if 'device' in r), '?')}")
+  print("| kind | length | batch | step ms | tokens/s | vs TF++ | peak GiB | compile s |")
+  print("|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    if "error" in r:
+      print(f"| {r['kind']} | {r['seq_len']} | – | – | failed: {r['error']} | – | – | – |")
+      continue
+    ratio = r["tokens_per_s"] / baseline[r["seq_len"]] if r["seq_len"] in baseline else float("nan")
+    print(f"| {r['kind']} | {r['seq_len']} | {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+          f"{ratio:.2f}x | {r['peak_gib']:.1f} | {r['compile_s']:.0f} |")
+
+
+if __name__ == "__main__":
+  main()
