@@ -315,6 +315,11 @@ def _check_type(value, annotation, path):
   elif annotation is float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return float(value)
+    if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+      try:
+        return float(value)
+      except ValueError:
+        pass
   elif annotation is str:
     if isinstance(value, str):
       return value

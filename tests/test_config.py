@@ -80,3 +80,10 @@ def test_ffn_hidden_follows_llama_rounding():
   assert model_preset("fs_341m").ffn_hidden_size == 2816
   assert model_preset("fs_743m").ffn_hidden_size == 4096
   assert dataclasses.replace(model_preset("tiny"), d_model=100).ffn_hidden_size == 512
+
+
+def test_float_fields_accept_exponents_without_a_dot():
+  config = load_config(None, ["train.learning_rate=3e-4"])
+  assert config.train.learning_rate == 3e-4
+  with pytest.raises(ConfigError, match="train.learning_rate must be of type float"):
+    load_config(None, ["train.learning_rate=fast"])
