@@ -57,6 +57,7 @@ def main():
   parser.add_argument("--tokens-per-step", type=int, default=32768)
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--preset", default="fs_341m")
+  parser.add_argument("--case-timeout", type=float, default=None, help="seconds per case, compile included")
   parser.add_argument("--case", help=argparse.SUPPRESS)  # "kind:length", run in a subprocess
   args = parser.parse_args()
   if args.case:
@@ -69,7 +70,13 @@ def main():
     for kind in args.kinds.split(","):
       cmd = [sys.executable, __file__, "--case", f"{kind}:{seq_len}", "--tokens-per-step",
              str(args.tokens_per_step), "--steps", str(args.steps), "--preset", args.preset]
-      result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+      try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.case_timeout,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+      except subprocess.TimeoutExpired:
+        rows.append(dict(kind=kind, seq_len=seq_len, error=f"not done after {args.case_timeout:.0f} s"))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        continue
       if result.returncode:
         error = (result.stderr.strip().splitlines() or ["?"])[-1][:120]
         rows.append(dict(kind=kind, seq_len=seq_len, error=error))
@@ -79,7 +86,7 @@ def main():
 
   baseline = {r["seq_len"]: r["tokens_per_s"] for r in rows if r["kind"] == "tfpp" and "error" not in r}
   print(f"\n{args.preset}, {args.tokens_per_step} tokens per step, bf16 compute, remat, "
-        f"{next((r['device'] for r in rows if 'device' in r), '?')}")
+        f"{next((r['device'] for r in rows if 'device' in r), '?')}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   print("| kind | length | batch | step ms | tokens/s | vs TF++ | peak GiB | compile s |")
   print("|---|---|---|---|---|---|---|---|")
   for r in rows:
