@@ -41,38 +41,54 @@ class SwiGLU(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """`x + attention(RMSNorm(x))`, then `x + SwiGLU(RMSNorm(x))`."""
+  """`x + attention(RMSNorm(x))`, then `x + SwiGLU(RMSNorm(x))`; with a cache, returns `(x, new_cache)`."""
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, cache=None, positions=None, valid=None):
     c = self.config
     norm = lambda name: nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name=name)
-    x = x + make_attention(c, name="attention")(norm("attention_norm")(x))
-    return x + SwiGLU(c.ffn_hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
-                      name="mlp")(norm("mlp_norm")(x))
+    attention = make_attention(c, name="attention")
+    if cache is None:
+      x = x + attention(norm("attention_norm")(x))
+    else:
+      y, cache = attention(norm("attention_norm")(x), cache, positions, valid)
+      x = x + y
+    x = x + SwiGLU(c.ffn_hidden_size, dtype=c.dtype, param_dtype=c.param_dtype, name="mlp")(norm("mlp_norm")(x))
+    return x if cache is None else (x, cache)
 
 
 class Transformer(nn.Module):
-  """Decoder-only LM: `tokens [batch, seq]` int → logits `[batch, seq, vocab]` (float32)."""
+  """Decoder-only LM: `tokens [batch, seq]` int → logits `[batch, seq, vocab]` (float32).
+
+  Decoding: with `cache` (from `fsjax.cache.init_cache`), `tokens` is a chunk at `positions` `[batch, C]`
+  (`valid` `[batch, C]` marks real tokens; right padding is not cached) and the call returns
+  `(logits, new_cache)`.
+  """
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens):
+  def __call__(self, tokens, cache=None, positions=None, valid=None):
     c = self.config
     embed = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(EMBED_INIT_STD),
                      dtype=c.dtype, param_dtype=c.param_dtype, name="embed")
     x = embed(tokens)
     layer = nn.remat(DecoderLayer) if c.remat else DecoderLayer
+    new_cache = {}
     for i in range(c.num_layers):
-      x = layer(c, name=f"layer_{i}")(x)
+      name = f"layer_{i}"
+      if cache is None:
+        x = layer(c, name=name)(x)
+      else:
+        x, new_cache[name] = layer(c, name=name)(x, cache[name], positions, valid)
     x = nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name="final_norm")(x)
     if c.tie_embeddings:
       logits = embed.attend(x)
     else:
       logits = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
                         name="lm_head")(x)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    return logits if cache is None else (logits, new_cache)
 
 
 def init_variables(config: ModelConfig, rng, seq_len=None):

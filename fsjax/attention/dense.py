@@ -6,6 +6,10 @@ import jax.numpy as jnp
 from fsjax import ops
 from fsjax.attention.cudnn import causal_rope_attention_cudnn, cudnn_usable
 from fsjax.attention.projections import project_heads, project_out
+from fsjax.cache import moba as moba_cache
+from fsjax.cache import store as kv
+from fsjax.ops.common import compute_dtype
+from fsjax.ops.rope import apply_rope
 
 KINDS = ("tfpp", "swa", "moba")
 
@@ -16,6 +20,9 @@ class DenseAttention(nn.Module):
   `kind`: "tfpp" (full causal), "swa" (radius `window`) or "moba" (`moba_block`, `moba_top_k`; see
   `fsjax.ops.dense` for MoBA's documented choices). Params: `q_proj`, `k_proj`, `v_proj`, `o_proj`.
   `impl`: "reference" always runs `fsjax.ops`; otherwise TF++ and SWA use cuDNN on GPU in bf16/fp16.
+
+  With a `cache` (a `KVStore`: dense for TF++/MoBA, a ring of window + 1 for SWA), `x` is a chunk at
+  `positions` `[batch, C]` with `valid` `[batch, C]`, and the call returns `(y, new_cache)`.
   """
   num_heads: int
   head_dim: int
@@ -29,11 +36,14 @@ class DenseAttention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, cache=None, positions=None, valid=None):
     if self.kind not in KINDS:
       raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
     q, k, v = (project_heads(x, self.num_heads, self.head_dim, name, self.dtype, self.param_dtype)
                for name in ("q_proj", "k_proj", "v_proj"))
+    if cache is not None:
+      o, cache = self._extend(q, k, v, cache, positions, valid)
+      return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
     if self.kind in ("tfpp", "swa") and self.impl != "reference" and cudnn_usable(q.dtype):
       o = causal_rope_attention_cudnn(q, k, v, window=self.window if self.kind == "swa" else None,
                                       rope_theta=self.rope_theta)
@@ -45,3 +55,18 @@ class DenseAttention(nn.Module):
       o = ops.moba_attention(q, k, v, moba_block=self.moba_block, moba_top_k=self.moba_top_k,
                              rope_theta=self.rope_theta)
     return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
+
+  def _extend(self, q, k, v, cache, positions, valid):
+    dtype = compute_dtype(q.dtype)
+    q_rot = apply_rope(q.astype(dtype), positions, self.rope_theta)
+    k_rot = apply_rope(k.astype(dtype), positions, self.rope_theta)
+    v = v.astype(dtype)
+    if self.kind == "swa":  # the ring holds only the past window: attend over ring + chunk, then write
+      keys = kv.concat(cache, k_rot, v, positions, valid)
+      return kv.attend(q_rot, positions, *keys, window=self.window), kv.write(cache, k_rot, v, positions, valid)
+    cache = kv.write(cache, k_rot, v, positions, valid)
+    extra = None
+    if self.kind == "moba":
+      extra = moba_cache.block_mask(q_rot, positions, cache, moba_block=self.moba_block,
+                                    moba_top_k=self.moba_top_k)
+    return kv.attend(q_rot, positions, cache.k, cache.v, cache.pos, extra_mask=extra), cache

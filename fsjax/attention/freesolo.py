@@ -5,6 +5,8 @@ import jax.numpy as jnp
 
 from fsjax import ops
 from fsjax.attention.projections import project_heads, project_out
+from fsjax.cache import archive as archive_lib
+from fsjax.ops.common import compute_dtype
 
 ROUTING = "routing"  # collection of λ and σ: buffers with no gradient (FS Sec. 3.3 "Training")
 
@@ -15,6 +17,10 @@ class FreeSoloAttention(nn.Module):
   Variables: params `q_proj`, `k_proj`, `v_proj` (`[d_model, heads, head_dim]`), `o_proj`, `alpha` `[heads]`
   (Eq. 2, init 1), `lr_gain` `[head_dim]` (readout RMSNorm gain, init 1); collection "routing": `lam`, `sigma`
   `[heads]` (Eq. 7, init λ and σ), which no gradient reaches.
+
+  With a `cache` (an FS `Archive`), `x` is a chunk at `positions` `[batch, C]` with `valid` `[batch, C]`; the
+  call returns `(y, new_cache)` and sows the selected cells `[batch, C, heads, K]` as
+  intermediates/selected_cells for routing probes.
   """
   num_heads: int
   head_dim: int
@@ -33,7 +39,7 @@ class FreeSoloAttention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, cache=None, positions=None, valid=None):
     heads, dim = self.num_heads, self.head_dim
     q, k, v = (project_heads(x, heads, dim, name, self.dtype, self.param_dtype)
                for name in ("q_proj", "k_proj", "v_proj"))
@@ -41,8 +47,21 @@ class FreeSoloAttention(nn.Module):
     lr_gain = self.param("lr_gain", nn.initializers.ones, (dim,), self.param_dtype)
     lam = self.variable(ROUTING, "lam", lambda: jnp.full((heads,), self.lam, jnp.float32)).value
     sigma = self.variable(ROUTING, "sigma", lambda: jnp.full((heads,), self.sigma, jnp.float32)).value
-    o = ops.freesolo_attention(q, k, v, variant=self.variant, alpha=alpha, lam=lam, sigma=sigma,
-                               lr_gain=lr_gain, window=self.window, cell=self.cell, block=self.block,
-                               top_k=self.top_k, retain_top=self.retain_top, retain_recent=self.retain_recent,
-                               rope_theta=self.rope_theta, impl=self.impl)
-    return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
+    if cache is None:
+      o = ops.freesolo_attention(q, k, v, variant=self.variant, alpha=alpha, lam=lam, sigma=sigma,
+                                 lr_gain=lr_gain, window=self.window, cell=self.cell, block=self.block,
+                                 top_k=self.top_k, retain_top=self.retain_top,
+                                 retain_recent=self.retain_recent, rope_theta=self.rope_theta, impl=self.impl)
+      return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
+
+    dtype = compute_dtype(q.dtype)
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    cache = archive_lib.extend(cache, k, v, positions, valid, self.cell)
+    local = archive_lib.local_branch(cache, q, positions, window=self.window, rope_theta=self.rope_theta)
+    long_range, cell_idx = archive_lib.long_range_branch(
+        cache, q, positions, lr_gain=lr_gain.astype(dtype), variant=self.variant, lam=lam, sigma=sigma,
+        cell=self.cell, block=self.block, top_k=self.top_k, retain_top=self.retain_top,
+        retain_recent=self.retain_recent)
+    self.sow("intermediates", "selected_cells", cell_idx)
+    o = local + alpha.astype(dtype)[:, None] * long_range
+    return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache

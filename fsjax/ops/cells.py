@@ -83,7 +83,7 @@ def retention_death_block(max_norms, *, cell, block, retain_top):
   return jnp.moveaxis(death, -1, 1).astype(jnp.int32)
 
 
-def available_cells(max_norms, num_queries, *, variant, cell, block, retain_top, retain_recent):
+def available_cells(max_norms, num_queries, *, variant, cell, block, retain_top, retain_recent, positions=None):
   """Cells each query may score: `C_i` for FS (Eq. 6), `Recent_W(C_i) ∪ TopP_{C_i}(a)` for FS-L (Eq. 8).
 
   TopP ranges over all eligible cells, so a recent cell may also be a top-P cell and `|A_i| <= P + W`;
@@ -93,39 +93,45 @@ def available_cells(max_norms, num_queries, *, variant, cell, block, retain_top,
     max_norms: `[batch, M, heads]`.
     num_queries: sequence length `T`.
     variant: "fs" or "fsl".
+    positions: `[batch, T]` query positions (decoding); None means `0..T-1`.
 
   Returns:
     `[batch, T, heads, M]` boolean availability.
   """
   batch, num_cells, heads = max_norms.shape
-  query_block = jnp.arange(num_queries) // block  # [T]
+  if positions is None:
+    positions = jnp.arange(num_queries)[None]
+  query_block = positions // block  # [batch|1, T]
   num_eligible = query_block * (block // cell)  # m_n
   c = jnp.arange(num_cells)
-  eligible = c[None, :] < num_eligible[:, None]  # [T, M]
-  available = jnp.broadcast_to(eligible[None, :, None, :], (batch, num_queries, heads, num_cells))
+  eligible = c < num_eligible[..., None]  # [batch|1, T, M]
+  available = jnp.broadcast_to(eligible[:, :, None, :], (batch, num_queries, heads, num_cells))
   if variant == "fs":
     return available
-  recent = c[None, :] >= num_eligible[:, None] - retain_recent  # [T, M]
+  recent = c >= num_eligible[..., None] - retain_recent  # [batch|1, T, M]
   death = retention_death_block(max_norms, cell=cell, block=block, retain_top=retain_top)  # [batch, M, heads]
-  in_pool = query_block[None, :, None, None] < jnp.moveaxis(death, 1, -1)[:, None]  # [batch, T, heads, M]
-  return available & (recent[None, :, None, :] | in_pool)
+  in_pool = query_block[:, :, None, None] < jnp.moveaxis(death, 1, -1)[:, None]  # [batch, T, heads, M]
+  return available & (recent[:, :, None, :] | in_pool)
 
 
-def cell_scores(q, mean_keys, max_norms, centers, *, lam, sigma):
+def cell_scores(q, mean_keys, max_norms, centers, *, lam, sigma, positions=None):
   """Eq. 7: `r_ic = q_i·k̄_c/√d + λ_h a_c erf((i − p_c)/(2σ_h))`, with the query's own position i.
 
   Args:
     q: `[batch, T, heads, d]` unrotated queries.
     mean_keys: `[batch, M, heads, d]`; max_norms: `[batch, M, heads]`; centers: `[M]`.
     lam, sigma: `[heads]`.
+    positions: `[batch, T]` query positions (decoding); None means `0..T-1`.
 
   Returns:
     `[batch, T, heads, M]` scores (unmasked).
   """
   head_dim = q.shape[-1]
   content = jnp.einsum("bthd,bmhd->bthm", q, mean_keys, precision=PRECISION) / math.sqrt(head_dim)
-  distance = jnp.arange(q.shape[1], dtype=q.dtype)[:, None] - centers.astype(q.dtype)[None, :]  # [T, M]
-  prior = jax.scipy.special.erf(distance[None, :, None, :] / (2.0 * sigma[:, None]))  # [1, T, heads, M]
+  if positions is None:
+    positions = jnp.arange(q.shape[1])[None]
+  distance = positions.astype(q.dtype)[:, :, None] - centers.astype(q.dtype)  # [batch|1, T, M]
+  prior = jax.scipy.special.erf(distance[:, :, None, :] / (2.0 * sigma[:, None]))  # [batch|1, T, heads, M]
   return content + lam[:, None] * jnp.moveaxis(max_norms, 1, -1)[:, None] * prior
 
 

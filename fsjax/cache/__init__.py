@@ -1,0 +1,38 @@
+"""Decode caches: a positional KV store (dense cache, SWA ring) and the FS archive.
+
+`init_cache(config, batch, max_len)` builds one cache per layer, shaped for the model's attention kind.
+"""
+
+import math
+
+import jax.numpy as jnp
+
+from fsjax.cache.archive import Archive, empty_archive
+from fsjax.cache.store import KVStore, empty_store
+from fsjax.config import ModelConfig
+
+
+def cache_capacity(config: ModelConfig, max_len):
+  """Slots per layer: `window + 1` for the SWA ring; otherwise max_len rounded up to whole cells/blocks."""
+  att = config.attention
+  if att.kind == "swa":
+    return att.window + 1
+  unit = math.lcm(att.cell, att.block, att.moba_block) if att.kind == "moba" else math.lcm(att.cell, att.block)
+  return -(-max_len // unit) * unit
+
+
+def init_cache(config: ModelConfig, batch, max_len, dtype=jnp.float32):
+  """Empty per-layer caches `{"layer_i": KVStore | Archive}` for sequences of up to `max_len` tokens."""
+  att = config.attention
+  capacity = cache_capacity(config, max_len)
+  shape = (batch, capacity, config.num_heads, config.head_dim)
+  if att.kind in ("fs", "fsl"):
+    make = lambda: empty_archive(*shape, att.cell, dtype)
+  elif att.kind in ("tfpp", "swa", "moba"):
+    make = lambda: empty_store(*shape, dtype)
+  else:
+    raise NotImplementedError(f"no decode cache for attention kind {att.kind!r} yet")
+  return {f"layer_{i}": make() for i in range(config.num_layers)}
+
+
+__all__ = ["Archive", "KVStore", "cache_capacity", "init_cache"]

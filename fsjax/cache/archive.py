@@ -1,0 +1,80 @@
+"""FS archive cache: every raw key/value (unrotated) plus cell summaries completed as tokens arrive.
+
+Exact for FS and FS-L (FS-L availability is evaluated with the same death blocks as the masked operator); its
+memory grows with the sequence. FS-L's bounded cache replaces it where constant memory matters.
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from fsjax.cache import store as kv
+from fsjax.ops import cells
+from fsjax.ops.freesolo import rms_norm, sparse_readout
+from fsjax.ops.rope import apply_rope
+
+
+@flax.struct.dataclass
+class Archive:
+  """tokens: a KVStore of unrotated keys with capacity = max length (slot = position);
+  mean_keys `[batch, M, heads, d]` and max_norms `[batch, M, heads]` of cells (Eq. 5), M = capacity / s."""
+  tokens: kv.KVStore
+  mean_keys: jax.Array
+  max_norms: jax.Array
+
+
+def empty_archive(batch, capacity, heads, head_dim, cell, dtype=jnp.float32):
+  if capacity % cell:
+    raise ValueError(f"archive capacity ({capacity}) must be a multiple of cell ({cell})")
+  num_cells = capacity // cell
+  return Archive(tokens=kv.empty_store(batch, capacity, heads, head_dim, dtype),
+                 mean_keys=jnp.zeros((batch, num_cells, heads, head_dim), dtype),
+                 max_norms=jnp.zeros((batch, num_cells, heads), dtype))
+
+
+def extend(archive: Archive, k, v, pos, valid, cell):
+  """Writes a chunk and recomputes the summaries of the cells it touched.
+
+  A cell's summary is complete once its last token is written; an incomplete one is never eligible (Eq. 6),
+  and is recomputed when its last token arrives.
+  """
+  tokens = kv.write(archive.tokens, k, v, pos, valid)
+  batch, chunk = pos.shape
+  first_cell = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max), axis=1) // cell  # [batch]
+  num_cells = archive.max_norms.shape[1]
+  touched = jnp.minimum(first_cell[:, None] + jnp.arange(chunk // cell + 2), num_cells - 1)  # [batch, n]
+  slots = touched[:, :, None] * cell + jnp.arange(cell)  # [batch, n, s]
+  keys = jnp.take_along_axis(tokens.k, slots.reshape(batch, -1)[:, :, None, None], axis=1)
+  keys = keys.reshape(batch, touched.shape[1], cell, *keys.shape[2:])  # [batch, n, s, heads, d]
+  rows = jnp.arange(batch)[:, None]
+  return Archive(tokens=tokens,
+                 mean_keys=archive.mean_keys.at[rows, touched].set(jnp.mean(keys, axis=2)),
+                 max_norms=archive.max_norms.at[rows, touched].set(
+                     jnp.max(jnp.linalg.norm(keys, axis=-1), axis=2)))
+
+
+def local_branch(archive: Archive, q, pos, *, window, rope_theta):
+  """Eq. 3-4 for queries at `pos` over the archived keys (the chunk must already be written)."""
+  tokens = archive.tokens
+  k_rot = apply_rope(tokens.k, jnp.maximum(tokens.pos, 0), rope_theta)
+  return kv.attend(apply_rope(q, pos, rope_theta), pos, k_rot, tokens.v, tokens.pos, window=window)
+
+
+def select_from_archive(archive: Archive, q, pos, *, variant, lam, sigma, cell, block, top_k, retain_top,
+                        retain_recent):
+  """Top-K cells (Eq. 6-8) for queries at `pos`: `[batch, C, heads, K]`, -1 for none. No gradient."""
+  num_cells = archive.max_norms.shape[1]
+  q = jax.lax.stop_gradient(q)
+  centers = (jnp.arange(num_cells) + 0.5) * cell
+  available = cells.available_cells(archive.max_norms, q.shape[1], variant=variant, cell=cell, block=block,
+                                    retain_top=retain_top, retain_recent=retain_recent, positions=pos)
+  scores = cells.cell_scores(q, archive.mean_keys, archive.max_norms, centers, lam=lam, sigma=sigma,
+                             positions=pos)
+  return cells.top_k_cells(scores, available, top_k)
+
+
+def long_range_branch(archive: Archive, q, pos, *, lr_gain, **routing):
+  """Eq. 9 for queries at `pos`: `(o_lr [batch, C, heads, d], selected cells [batch, C, heads, K])`."""
+  cell_idx = select_from_archive(archive, q, pos, **routing)
+  u = sparse_readout(q, archive.tokens.k, archive.tokens.v, cell_idx, cell=routing["cell"])
+  return rms_norm(u, lr_gain), cell_idx

@@ -1,0 +1,129 @@
+"""Chunked prefill, a jitted decode step and an on-device generation loop.
+
+    model = Transformer(config); cache = init_cache(config, batch, max_len)
+    logits, cache = prefill(model, variables, tokens, lengths, cache, chunk=2048)
+    out = generate(model, variables, tokens, lengths, max_len=..., max_new_tokens=64, eos_id=2)
+
+Prompts are right-padded `[batch, P]` with their `lengths` `[batch]`; every row then advances at its own position.
+Prefill runs the same causal operator as training, chunk by chunk, so its logits equal the full forward pass.
+"""
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from fsjax.cache import init_cache
+
+DEFAULT_CHUNK = 2048
+
+
+def _apply(model, variables, tokens, cache, positions, valid):
+  (logits, cache), state = model.apply(variables, tokens, cache, positions, valid, mutable=["intermediates"])
+  return logits, cache, state.get("intermediates", {})
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def extend(model, variables, tokens, cache, positions, valid):
+  """One chunk through the model: `(logits [batch, C, vocab], cache, intermediates)`. The cache is donated."""
+  return _apply(model, variables, tokens, cache, positions, valid)
+
+
+def prefill(model, variables, tokens, lengths, cache, chunk=DEFAULT_CHUNK):
+  """Runs right-padded prompts through the model in chunks of `chunk` tokens, filling `cache`.
+
+  Args:
+    tokens: `[batch, P]` int32; lengths: `[batch]` real prompt lengths (>= 1).
+    chunk: tokens per forward call (one compile for all chunks).
+
+  Returns:
+    (logits `[batch, P, vocab]` for every prompt position (padding positions hold garbage), cache).
+  """
+  batch, prompt_len = tokens.shape
+  chunk = min(chunk, prompt_len)
+  padded = -(-prompt_len // chunk) * chunk
+  tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (0, padded - prompt_len)))
+  lengths = jnp.asarray(lengths, jnp.int32)
+  outputs = []
+  for start in range(0, padded, chunk):
+    positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
+    logits, cache, _ = extend(model, variables, tokens[:, start:start + chunk], cache, positions,
+                              positions < lengths[:, None])
+    outputs.append(logits)
+  return jnp.concatenate(outputs, axis=1)[:, :prompt_len], cache
+
+
+def sample(logits, rng, temperature=0.0, top_p=1.0):
+  """Next tokens `[batch]` from logits `[batch, vocab]`: greedy at temperature 0, else nucleus sampling."""
+  if temperature == 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / temperature
+  if top_p < 1.0:
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+    cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+    # The smallest prefix whose mass reaches top_p: keep tokens whose preceding mass is below it.
+    cutoff_index = jnp.sum(cumulative - jax.nn.softmax(sorted_logits, axis=-1) < top_p, axis=-1) - 1
+    cutoff = jnp.take_along_axis(sorted_logits, cutoff_index[:, None], axis=-1)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+  return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+@flax.struct.dataclass
+class _Loop:
+  cache: dict
+  token: jax.Array  # [batch] last token, fed next
+  position: jax.Array  # [batch] its position
+  out: jax.Array  # [batch, max_new_tokens]
+  done: jax.Array  # [batch]
+  step: jax.Array
+  rng: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "eos_id", "temperature", "top_p"),
+                   donate_argnames=("cache",))
+def decode_loop(model, variables, cache, first_token, position, rng, *, max_new_tokens, eos_id, temperature,
+                top_p):
+  """Generates on device with `lax.while_loop` until every row emitted EOS or `max_new_tokens` tokens.
+
+  Args:
+    first_token: `[batch]` the token sampled from the prompt's last logits; position: `[batch]` its position.
+
+  Returns:
+    `[batch, max_new_tokens]` int32 tokens (first_token first); after EOS a row holds EOS.
+  """
+  batch = first_token.shape[0]
+  out = jnp.full((batch, max_new_tokens), eos_id, jnp.int32).at[:, 0].set(first_token)
+  state = _Loop(cache=cache, token=first_token, position=position, out=out, done=first_token == eos_id,
+                step=jnp.int32(1), rng=rng)
+
+  def cond(s):
+    return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+  def body(s):
+    logits, cache, _ = _apply(model, variables, s.token[:, None], s.cache, s.position[:, None],
+                              jnp.ones((batch, 1), bool))
+    rng, key = jax.random.split(s.rng)
+    token = jnp.where(s.done, eos_id, sample(logits[:, 0], key, temperature, top_p))
+    return _Loop(cache=cache, token=token, position=s.position + 1, out=s.out.at[:, s.step].set(token),
+                 done=s.done | (token == eos_id), step=s.step + 1, rng=rng)
+
+  return jax.lax.while_loop(cond, body, state).out
+
+
+def generate(model, variables, tokens, lengths, *, max_new_tokens, eos_id, temperature=0.0, top_p=1.0, seed=0,
+             chunk=DEFAULT_CHUNK, max_len=None):
+  """Prefill right-padded prompts, then decode on device. Returns `[batch, max_new_tokens]` int32 tokens."""
+  tokens = jnp.asarray(tokens, jnp.int32)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  max_len = max_len or tokens.shape[1] + max_new_tokens
+  if tokens.shape[1] + max_new_tokens > max_len:
+    raise ValueError(f"max_len ({max_len}) must hold the prompt ({tokens.shape[1]}) + max_new_tokens "
+                     f"({max_new_tokens})")
+  cache = init_cache(model.config, tokens.shape[0], max_len)
+  logits, cache = prefill(model, variables, tokens, lengths, cache, chunk)
+  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  rng, key = jax.random.split(jax.random.PRNGKey(seed))
+  first = sample(last, key, temperature, top_p)
+  return decode_loop(model, variables, cache, first, lengths, rng, max_new_tokens=max_new_tokens, eos_id=eos_id,
+                     temperature=temperature, top_p=top_p)

@@ -1,0 +1,91 @@
+"""Prefill + decode through the caches equals the full forward pass (teacher forcing), for every kind."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fsjax.cache import init_cache
+from fsjax.config import model_preset
+from fsjax.decode import extend, generate, prefill, sample
+from fsjax.model import Transformer, init_variables
+from helpers import assert_close
+
+KINDS = ["fs", "fsl", "tfpp", "swa", "moba"]
+SEQ, PROMPT = 150, 70  # crosses four 32-token query blocks in the prompt and more while decoding
+
+
+def _setup(kind):
+  config = model_preset("tiny", kind=kind)
+  config = dataclasses.replace(config, attention=dataclasses.replace(
+      config.attention, window=40, moba_block=32, moba_top_k=2, retain_top=2, retain_recent=1))
+  return config, Transformer(config), init_variables(config, jax.random.PRNGKey(0), 64)
+
+
+def _distinct_tokens(rng, vocab_size, batch, seq):
+  """Random tokens without repeats in a row. A repeated token has the same layer-0 key, so two cells can tie
+  exactly on max key norm; the full forward keeps the tie bit-exact (lower index wins) but a key computed in a
+  one-token decode step may differ in the last bit and flip it. docs/notes.md records this open point."""
+  return jnp.asarray(np.stack([rng.permutation(vocab_size)[:seq] for _ in range(batch)]))
+
+
+def _teacher_forced(model, variables, tokens, prompt_len, chunk):
+  batch, seq = tokens.shape
+  cache = init_cache(model.config, batch, seq)
+  logits, cache = prefill(model, variables, tokens[:, :prompt_len], jnp.full((batch,), prompt_len), cache, chunk)
+  steps = [logits]
+  for t in range(prompt_len, seq):
+    step_logits, cache, _ = extend(model, variables, tokens[:, t:t + 1], cache, jnp.full((batch, 1), t),
+                                   jnp.ones((batch, 1), bool))
+    steps.append(step_logits)
+  return np.asarray(jnp.concatenate(steps, axis=1))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_and_decode_equal_the_full_forward(rng, kind):
+  config, model, variables = _setup(kind)
+  tokens = _distinct_tokens(rng, config.vocab_size, 2, SEQ)
+  full = np.asarray(jax.jit(model.apply)(variables, tokens))
+  assert_close(_teacher_forced(model, variables, tokens, PROMPT, chunk=32), full, np.float32, scale=5)
+
+
+@pytest.mark.parametrize("kind", ["fsl", "swa"])
+def test_prefill_chunk_size_does_not_change_logits(rng, kind):
+  config, model, variables = _setup(kind)
+  tokens = _distinct_tokens(rng, config.vocab_size, 1, 96)
+  lengths = jnp.array([96])
+  small, _ = prefill(model, variables, tokens, lengths, init_cache(config, 1, 96), chunk=16)
+  large, _ = prefill(model, variables, tokens, lengths, init_cache(config, 1, 96), chunk=96)
+  assert_close(small, large, np.float32, scale=5)
+
+
+@pytest.mark.parametrize("kind", ["fs", "tfpp", "swa"])
+def test_batch_of_different_lengths_equals_each_sequence_alone(rng, kind):
+  config, model, variables = _setup(kind)
+  lengths = [70, 45]
+  tokens = np.zeros((2, 70), np.int32)
+  for row, n in enumerate(lengths):
+    tokens[row, :n] = rng.integers(3, config.vocab_size, n)
+  batched = generate(model, variables, tokens, lengths, max_new_tokens=12, eos_id=2, chunk=32, max_len=90)
+  for row, n in enumerate(lengths):
+    alone = generate(model, variables, tokens[row:row + 1, :n], [n], max_new_tokens=12, eos_id=2, chunk=32,
+                     max_len=90)
+    np.testing.assert_array_equal(np.asarray(batched[row]), np.asarray(alone[0]))
+
+
+def test_greedy_generation_follows_the_full_forward_argmax(rng):
+  config, model, variables = _setup("fs")
+  prompt = rng.integers(3, config.vocab_size, (1, 40)).astype(np.int32)
+  out = np.asarray(generate(model, variables, prompt, [40], max_new_tokens=8, eos_id=-1, chunk=16))
+  sequence = np.concatenate([prompt, out], axis=1)
+  logits = np.asarray(model.apply(variables, jnp.asarray(sequence)))
+  np.testing.assert_array_equal(out[0], logits[0, 39:47].argmax(-1))
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  draws = {int(sample(logits, jax.random.PRNGKey(i), temperature=1.0, top_p=0.75)[0]) for i in range(200)}
+  assert draws == {0, 1}
+  assert int(sample(logits, jax.random.PRNGKey(0))[0]) == 0
