@@ -35,13 +35,14 @@ def prefill(model, variables, tokens, lengths, cache, chunk=DEFAULT_CHUNK):
 
   Args:
     tokens: `[batch, P]` int32; lengths: `[batch]` real prompt lengths (>= 1).
-    chunk: tokens per forward call (one compile for all chunks).
+    chunk: tokens per forward call (one compile for all chunks), rounded up to whole query blocks.
 
   Returns:
     (logits `[batch, P, vocab]` for every prompt position (padding positions hold garbage), cache).
   """
   batch, prompt_len = tokens.shape
-  chunk = min(chunk, prompt_len)
+  block = model.config.attention.block  # chunks of whole query blocks (the FS-L bounded cache needs them)
+  chunk = -(-min(chunk, prompt_len) // block) * block
   padded = -(-prompt_len // chunk) * chunk
   tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (0, padded - prompt_len)))
   lengths = jnp.asarray(lengths, jnp.int32)

@@ -89,3 +89,44 @@ def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
   draws = {int(sample(logits, jax.random.PRNGKey(i), temperature=1.0, top_p=0.75)[0]) for i in range(200)}
   assert draws == {0, 1}
   assert int(sample(logits, jax.random.PRNGKey(0))[0]) == 0
+
+
+def _cache_bytes(cache):
+  return sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
+
+
+def test_fsl_bounded_cache_size_does_not_grow_with_context():
+  config, _, _ = _setup("fsl")
+  assert _cache_bytes(init_cache(config, 1, 1024)) == _cache_bytes(init_cache(config, 1, 8192))
+  # The archive (FS) does grow: the comparison above is not vacuous.
+  assert _cache_bytes(init_cache(config, 1, 8192, bounded=False)) > 4 * _cache_bytes(init_cache(config, 1, 1024,
+                                                                                                   bounded=False))
+
+
+def test_fsl_bounded_cache_selects_the_masked_operators_cells_at_every_step(rng):
+  """300 tokens = 37 cells with P=2, W=1: most cells are evicted long before the end."""
+  from fsjax import ops
+  config, model, variables = _setup("fsl")
+  att = config.attention
+  seq, prompt = 300, 100
+  tokens = _distinct_tokens(rng, config.vocab_size, 2, seq)
+  _, captured = model.apply(variables, tokens, capture_intermediates=True, mutable=["intermediates"])
+  cache = init_cache(config, 2, seq)
+  logits, cache = prefill(model, variables, tokens[:, :prompt], jnp.full((2,), prompt), cache, chunk=64)
+  selected = {}
+  for t in range(prompt, seq):
+    _, cache, inter = extend(model, variables, tokens[:, t:t + 1], cache, jnp.full((2, 1), t),
+                             jnp.ones((2, 1), bool))
+    for layer in range(config.num_layers):
+      selected.setdefault(layer, []).append(np.asarray(inter[f"layer_{layer}"]["attention"]["selected_cells"][0]))
+  for layer in range(config.num_layers):
+    module = captured["intermediates"][f"layer_{layer}"]["attention"]
+    q, k = module["q_proj"]["__call__"][0], module["k_proj"]["__call__"][0]
+    expected = np.asarray(ops.select_cells(q, k, variant="fsl", lam=att.lam, sigma=att.sigma, cell=att.cell,
+                                           block=att.block, top_k=att.top_k, retain_top=att.retain_top,
+                                           retain_recent=att.retain_recent))[:, prompt:]
+    actual = np.concatenate(selected[layer], axis=1)
+    as_sets = lambda a: [[[set(a[b, i, h][a[b, i, h] >= 0]) for h in range(a.shape[2])] for i in range(a.shape[1])]
+                         for b in range(a.shape[0])]
+    assert as_sets(actual) == as_sets(expected), layer
+    assert np.all(expected[:, -1] >= 0)  # late queries really select (K cells available)

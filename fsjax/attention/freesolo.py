@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from fsjax import ops
 from fsjax.attention.projections import project_heads, project_out
 from fsjax.cache import archive as archive_lib
+from fsjax.cache import bounded as bounded_lib
 from fsjax.ops.common import compute_dtype
 
 ROUTING = "routing"  # collection of λ and σ: buffers with no gradient (FS Sec. 3.3 "Training")
@@ -18,9 +19,10 @@ class FreeSoloAttention(nn.Module):
   (Eq. 2, init 1), `lr_gain` `[head_dim]` (readout RMSNorm gain, init 1); collection "routing": `lam`, `sigma`
   `[heads]` (Eq. 7, init λ and σ), which no gradient reaches.
 
-  With a `cache` (an FS `Archive`), `x` is a chunk at `positions` `[batch, C]` with `valid` `[batch, C]`; the
-  call returns `(y, new_cache)` and sows the selected cells `[batch, C, heads, K]` as
-  intermediates/selected_cells for routing probes.
+  With a `cache` (an FS `Archive`, or for FS-L a `BoundedCache`), `x` is a chunk at `positions` `[batch, C]`
+  with `valid` `[batch, C]`; the call returns `(y, new_cache)` and sows the selected cells `[batch, C, heads, K]`
+  as intermediates/selected_cells for routing probes. A chunk for the bounded cache is one token or whole
+  query blocks starting at a block boundary.
   """
   num_heads: int
   head_dim: int
@@ -56,12 +58,33 @@ class FreeSoloAttention(nn.Module):
 
     dtype = compute_dtype(q.dtype)
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-    cache = archive_lib.extend(cache, k, v, positions, valid, self.cell)
-    local = archive_lib.local_branch(cache, q, positions, window=self.window, rope_theta=self.rope_theta)
-    long_range, cell_idx = archive_lib.long_range_branch(
-        cache, q, positions, lr_gain=lr_gain.astype(dtype), variant=self.variant, lam=lam, sigma=sigma,
-        cell=self.cell, block=self.block, top_k=self.top_k, retain_top=self.retain_top,
-        retain_recent=self.retain_recent)
+    if isinstance(cache, bounded_lib.BoundedCache):
+      local, long_range, cell_idx, cache = self._extend_bounded(cache, q, k, v, positions, valid,
+                                                                lr_gain.astype(dtype), lam, sigma)
+    else:
+      cache = archive_lib.extend(cache, k, v, positions, valid, self.cell)
+      local = archive_lib.local_branch(cache, q, positions, window=self.window, rope_theta=self.rope_theta)
+      long_range, cell_idx = archive_lib.long_range_branch(
+          cache, q, positions, lr_gain=lr_gain.astype(dtype), variant=self.variant, lam=lam, sigma=sigma,
+          cell=self.cell, block=self.block, top_k=self.top_k, retain_top=self.retain_top,
+          retain_recent=self.retain_recent)
     self.sow("intermediates", "selected_cells", cell_idx)
     o = local + alpha.astype(dtype)[:, None] * long_range
     return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
+
+  def _extend_bounded(self, cache, q, k, v, positions, valid, lr_gain, lam, sigma):
+    """Runs the chunk block by block through the bounded cache (availability changes at block boundaries)."""
+    chunk = q.shape[1]
+    if chunk > 1 and chunk % self.block:
+      raise ValueError(f"a chunk for the FS-L bounded cache must be 1 token or whole blocks, got {chunk} tokens "
+                       f"with block={self.block}")
+    outputs = []
+    for start in range(0, chunk, self.block):
+      segment = slice(start, start + self.block)
+      *branches, cache = bounded_lib.extend_segment(
+          cache, q[:, segment], k[:, segment], v[:, segment], positions[:, segment], valid[:, segment],
+          window=self.window, rope_theta=self.rope_theta, lam=lam, sigma=sigma, lr_gain=lr_gain, cell=self.cell,
+          top_k=self.top_k, retain_top=self.retain_top)
+      outputs.append(branches)
+    local, long_range, cell_idx = (jnp.concatenate(parts, axis=1) for parts in zip(*outputs))
+    return local, long_range, cell_idx, cache

@@ -1,4 +1,4 @@
-"""Decode caches: a positional KV store (dense cache, SWA ring) and the FS archive.
+"""Decode caches: a positional KV store (dense cache, SWA ring), the FS archive and the FS-L bounded cache.
 
 `init_cache(config, batch, max_len)` builds one cache per layer, shaped for the model's attention kind.
 """
@@ -8,6 +8,7 @@ import math
 import jax.numpy as jnp
 
 from fsjax.cache.archive import Archive, empty_archive
+from fsjax.cache.bounded import BoundedCache, empty_bounded
 from fsjax.cache.store import KVStore, empty_store
 from fsjax.config import ModelConfig
 
@@ -21,12 +22,19 @@ def cache_capacity(config: ModelConfig, max_len):
   return -(-max_len // unit) * unit
 
 
-def init_cache(config: ModelConfig, batch, max_len, dtype=jnp.float32):
-  """Empty per-layer caches `{"layer_i": KVStore | Archive}` for sequences of up to `max_len` tokens."""
+def init_cache(config: ModelConfig, batch, max_len, dtype=jnp.float32, bounded=True):
+  """Empty per-layer caches `{"layer_i": KVStore | Archive | BoundedCache}` for up to `max_len` tokens.
+
+  FS-L gets the bounded cache (its size ignores `max_len`) unless `bounded=False` asks for the archive.
+  """
   att = config.attention
   capacity = cache_capacity(config, max_len)
   shape = (batch, capacity, config.num_heads, config.head_dim)
-  if att.kind in ("fs", "fsl"):
+  if att.kind == "fsl" and bounded:
+    make = lambda: empty_bounded(batch, config.num_heads, config.head_dim, window=att.window, cell=att.cell,
+                                 block=att.block, retain_top=att.retain_top, retain_recent=att.retain_recent,
+                                 dtype=dtype)
+  elif att.kind in ("fs", "fsl"):
     make = lambda: empty_archive(*shape, att.cell, dtype)
   elif att.kind in ("tfpp", "swa", "moba"):
     make = lambda: empty_store(*shape, dtype)
@@ -35,4 +43,4 @@ def init_cache(config: ModelConfig, batch, max_len, dtype=jnp.float32):
   return {f"layer_{i}": make() for i in range(config.num_layers)}
 
 
-__all__ = ["Archive", "KVStore", "cache_capacity", "init_cache"]
+__all__ = ["Archive", "BoundedCache", "KVStore", "cache_capacity", "init_cache"]

@@ -1,0 +1,160 @@
+"""FS-L bounded cache (FS Sec. 3.3 "Inference", App. C "Bounded cache", Eq. 15): constant memory at any length.
+
+Per layer, sequence and head it keeps
+  - the local ring: the last w + 1 RoPE-rotated keys and values (Eq. 3-4);
+  - the block buffer: the raw keys and values of the query block in progress;
+  - the recent cells: the W most recent eligible cells (shared by the heads, stored per head);
+  - the pool: the P eligible cells of largest max key norm (per head).
+When a block completes, its B/s cells become eligible: they enter the recent cells (the oldest leave), and the
+pool becomes `TopP(pool ∪ new cells)` by (max norm desc, index asc), which equals TopP over every eligible cell
+(Eq. 15) because a cell outside the top P never re-enters it. A query scores `pool ∪ recent` (Eq. 8) with Eq. 7,
+ties to the lower cell index, exactly as the masked operator. Array sizes depend on (P, W, s, w, B, d) only.
+"""
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from fsjax.cache import store as kv
+from fsjax.ops import cells as cells_lib
+from fsjax.ops.common import PRECISION
+from fsjax.ops.freesolo import rms_norm
+from fsjax.ops.rope import apply_rope
+from fsjax.ops.softmax import masked_softmax
+
+NO_CELL = -1
+
+
+@flax.struct.dataclass
+class BoundedCache:
+  """ring: KVStore of w + 1 rotated keys; block_k, block_v `[batch, B, heads, d]` (slot = position mod B);
+  recent_ids `[batch, W]`, recent_k/v `[batch, heads, W, s, d]`, recent_mean `[batch, heads, W, d]`,
+  recent_norm `[batch, heads, W]`; pool_ids `[batch, heads, P]`, pool_k/v `[batch, heads, P, s, d]`,
+  pool_mean `[batch, heads, P, d]`, pool_norm `[batch, heads, P]`. Ids are cell indices, -1 = empty."""
+  ring: kv.KVStore
+  block_k: jax.Array
+  block_v: jax.Array
+  recent_ids: jax.Array
+  recent_k: jax.Array
+  recent_v: jax.Array
+  recent_mean: jax.Array
+  recent_norm: jax.Array
+  pool_ids: jax.Array
+  pool_k: jax.Array
+  pool_v: jax.Array
+  pool_mean: jax.Array
+  pool_norm: jax.Array
+
+
+def empty_bounded(batch, heads, head_dim, *, window, cell, block, retain_top, retain_recent, dtype=jnp.float32):
+  cells = lambda n: dict(ids=jnp.full((batch, heads, n), NO_CELL, jnp.int32),
+                         k=jnp.zeros((batch, heads, n, cell, head_dim), dtype),
+                         v=jnp.zeros((batch, heads, n, cell, head_dim), dtype),
+                         mean=jnp.zeros((batch, heads, n, head_dim), dtype), norm=jnp.zeros((batch, heads, n), dtype))
+  recent, pool = cells(retain_recent), cells(retain_top)
+  return BoundedCache(
+      ring=kv.empty_store(batch, window + 1, heads, head_dim, dtype),
+      block_k=jnp.zeros((batch, block, heads, head_dim), dtype),
+      block_v=jnp.zeros((batch, block, heads, head_dim), dtype),
+      recent_ids=recent["ids"][:, 0], recent_k=recent["k"], recent_v=recent["v"], recent_mean=recent["mean"],
+      recent_norm=recent["norm"], pool_ids=pool["ids"], pool_k=pool["k"], pool_v=pool["v"], pool_mean=pool["mean"],
+      pool_norm=pool["norm"])
+
+
+def _candidates(cache: BoundedCache):
+  """`pool ∪ recent` per head, sorted by cell id (empties last), duplicates removed: (ids, mean, norm, k, v)."""
+  heads = cache.pool_ids.shape[1]
+  recent_ids = jnp.broadcast_to(cache.recent_ids[:, None], (cache.recent_ids.shape[0], heads,
+                                                           cache.recent_ids.shape[1]))
+  in_pool = jnp.any(recent_ids[..., None] == cache.pool_ids[:, :, None, :], axis=-1) & (recent_ids >= 0)
+  ids = jnp.concatenate([cache.pool_ids, jnp.where(in_pool, NO_CELL, recent_ids)], axis=-1)  # [batch, heads, N]
+  order = jnp.argsort(jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max), axis=-1, stable=True)
+  take = lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 3)), axis=2)
+  return (take(ids), take(jnp.concatenate([cache.pool_mean, cache.recent_mean], 2)),
+          take(jnp.concatenate([cache.pool_norm, cache.recent_norm], 2)),
+          take(jnp.concatenate([cache.pool_k, cache.recent_k], 2)),
+          take(jnp.concatenate([cache.pool_v, cache.recent_v], 2)))
+
+
+def long_range(cache: BoundedCache, q, pos, *, lam, sigma, lr_gain, cell, top_k):
+  """Eq. 7-9 for queries at `pos` over `pool ∪ recent`: (o_lr `[batch, C, heads, d]`, cells `[.., K]`)."""
+  ids, mean, norm, k_cells, v_cells = _candidates(cache)
+  head_dim = q.shape[-1]
+  q_sel = jax.lax.stop_gradient(q)
+  content = jnp.einsum("bthd,bhnd->bthn", q_sel, mean, precision=PRECISION) / math.sqrt(head_dim)
+  distance = pos.astype(q.dtype)[:, :, None, None] - (ids.astype(q.dtype)[:, None] + 0.5) * cell
+  prior = jax.scipy.special.erf(distance / (2.0 * sigma[:, None]))  # [batch, C, heads, N]
+  scores = content + lam[:, None] * norm[:, None] * prior
+  available = jnp.broadcast_to((ids >= 0)[:, None], scores.shape)
+  slots = cells_lib.top_k_cells(scores, available, top_k)  # candidate slots, sorted by cell id: ties → lower id
+  selected = jnp.where(slots >= 0, jnp.take_along_axis(jnp.broadcast_to(ids[:, None], scores.shape),
+                                                       jnp.maximum(slots, 0), axis=-1), NO_CELL)
+  gather = lambda x: jax.vmap(jax.vmap(lambda xh, ih: xh[ih], in_axes=(0, 1), out_axes=1))(
+      x, jnp.maximum(slots, 0))  # [batch, C, heads, K, s, d]
+  k_sel, v_sel = gather(k_cells), gather(v_cells)
+  logits = jnp.einsum("bthd,bthksd->bthks", q, k_sel, precision=PRECISION) / math.sqrt(head_dim)
+  probs = masked_softmax(logits, (slots >= 0)[..., None], axis=(-2, -1))
+  u = jnp.einsum("bthks,bthksd->bthd", probs, v_sel, precision=PRECISION)
+  return rms_norm(u, lr_gain), selected
+
+
+def _cells_of_block(cache: BoundedCache, cell):
+  """The block buffer as cells: (k, v `[batch, heads, B/s, s, d]`, mean `[batch, heads, B/s, d]`, norm)."""
+  batch, block, heads, head_dim = cache.block_k.shape
+  split = lambda x: jnp.transpose(x.reshape(batch, block // cell, cell, heads, head_dim), (0, 3, 1, 2, 4))
+  k, v = split(cache.block_k), split(cache.block_v)
+  return k, v, jnp.mean(k, axis=3), jnp.max(jnp.linalg.norm(k, axis=-1), axis=3)
+
+
+def _merge(cache: BoundedCache, block_index, complete, *, cell, retain_top):
+  """At the end of block `block_index` (per row, where `complete`): its cells join recent and the pool (Eq. 15)."""
+  k, v, mean, norm = _cells_of_block(cache, cell)
+  batch, heads, per_block = norm.shape
+  new_ids = block_index[:, None] * per_block + jnp.arange(per_block)  # [batch, B/s]
+  heads_ids = jnp.broadcast_to(new_ids[:, None], (batch, heads, per_block))
+  keep = lambda new, old: jnp.where(complete.reshape((batch,) + (1,) * (old.ndim - 1)), new, old)
+
+  width = cache.recent_ids.shape[1]
+  last = lambda old, new, axis: jnp.concatenate([old, new], axis=axis)[(slice(None),) * axis + (slice(-width, None),)] \
+      if width else old
+  recent = dict(recent_ids=last(cache.recent_ids, new_ids, 1), recent_k=last(cache.recent_k, k, 2),
+                recent_v=last(cache.recent_v, v, 2), recent_mean=last(cache.recent_mean, mean, 2),
+                recent_norm=last(cache.recent_norm, norm, 2))
+
+  ids = jnp.concatenate([cache.pool_ids, heads_ids], axis=2)
+  norms = jnp.concatenate([cache.pool_norm, norm], axis=2)
+  # Rank by (max norm desc, cell id asc); empty slots last.
+  primary = jnp.where(ids >= 0, -norms, jnp.inf)
+  secondary = jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max)
+  order = jax.lax.sort((primary, secondary, jnp.broadcast_to(jnp.arange(ids.shape[2]), ids.shape)),
+                       dimension=2, num_keys=2)[2][:, :, :retain_top]
+  take = lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 3)), axis=2)
+  pool = dict(pool_ids=take(ids), pool_norm=take(norms),
+              pool_k=take(jnp.concatenate([cache.pool_k, k], 2)), pool_v=take(jnp.concatenate([cache.pool_v, v], 2)),
+              pool_mean=take(jnp.concatenate([cache.pool_mean, mean], 2)))
+  return cache.replace(**{name: keep(value, getattr(cache, name)) for name, value in {**recent, **pool}.items()})
+
+
+def extend_segment(cache: BoundedCache, q, k, v, pos, valid, *, window, rope_theta, lam, sigma, lr_gain, cell,
+                   top_k, retain_top):
+  """Queries/keys at `pos` `[batch, L]`, every row's valid tokens inside one query block, in order.
+
+  Returns:
+    (o_sr, o_lr) `[batch, L, heads, d]`, selected cells `[batch, L, heads, K]`, the new cache (merged at the
+    end of a completed block).
+  """
+  block = cache.block_k.shape[1]
+  q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
+  local = kv.attend(q_rot, pos, *kv.concat(cache.ring, k_rot, v, pos, valid), window=window)
+  long, selected = long_range(cache, q, pos, lam=lam, sigma=sigma, lr_gain=lr_gain, cell=cell, top_k=top_k)
+  rows = jnp.arange(pos.shape[0])[:, None]
+  slot = jnp.where(valid, pos % block, block)
+  cache = cache.replace(ring=kv.write(cache.ring, k_rot, v, pos, valid),
+                        block_k=cache.block_k.at[rows, slot].set(k, mode="drop"),
+                        block_v=cache.block_v.at[rows, slot].set(v, mode="drop"))
+  complete = jnp.any(valid & (pos % block == block - 1), axis=1)
+  last_pos = jnp.max(jnp.where(valid, pos, 0), axis=1)
+  cache = _merge(cache, last_pos // block, complete, cell=cell, retain_top=retain_top)
+  return local, long, selected, cache
