@@ -79,42 +79,65 @@ class _Loop:
   done: jax.Array  # [batch]
   step: jax.Array
   rng: jax.Array
+  cells: jax.Array  # [batch, max_new_tokens, layers, heads, K] selected cells, or [0] when not recorded
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "eos_id", "temperature", "top_p"),
-                   donate_argnames=("cache",))
+def _stack_cells(intermediates, num_layers):
+  """Selected cells sown by every layer for a one-token step: `[batch, layers, heads, K]`."""
+  per_layer = [intermediates[f"layer_{i}"]["attention"]["selected_cells"][0][:, 0] for i in range(num_layers)]
+  return jnp.stack(per_layer, axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "eos_id", "temperature", "top_p",
+                                             "return_cells"), donate_argnames=("cache",))
 def decode_loop(model, variables, cache, first_token, position, rng, *, max_new_tokens, eos_id, temperature,
-                top_p):
+                top_p, return_cells=False):
   """Generates on device with `lax.while_loop` until every row emitted EOS or `max_new_tokens` tokens.
 
   Args:
     first_token: `[batch]` the token sampled from the prompt's last logits; position: `[batch]` its position.
+    return_cells: also return, for FreeSolo models, the cells each layer and head selected when consuming
+      generated token j: `cells[:, j]` `[batch, layers, heads, K]` (-1 = none; the last token is never consumed).
 
   Returns:
-    `[batch, max_new_tokens]` int32 tokens (first_token first); after EOS a row holds EOS.
+    `[batch, max_new_tokens]` int32 tokens (first_token first; after EOS a row holds EOS), and the cells when
+    `return_cells`.
   """
   batch = first_token.shape[0]
+  config = model.config
   out = jnp.full((batch, max_new_tokens), eos_id, jnp.int32).at[:, 0].set(first_token)
+  cells_shape = ((batch, max_new_tokens, config.num_layers, config.num_heads, config.attention.top_k)
+                 if return_cells else (0,))
   state = _Loop(cache=cache, token=first_token, position=position, out=out, done=first_token == eos_id,
-                step=jnp.int32(1), rng=rng)
+                step=jnp.int32(1), rng=rng, cells=jnp.full(cells_shape, -1, jnp.int32))
 
   def cond(s):
     return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
   def body(s):
-    logits, cache, _ = _apply(model, variables, s.token[:, None], s.cache, s.position[:, None],
-                              jnp.ones((batch, 1), bool))
+    logits, cache, intermediates = _apply(model, variables, s.token[:, None], s.cache, s.position[:, None],
+                                          jnp.ones((batch, 1), bool))
     rng, key = jax.random.split(s.rng)
     token = jnp.where(s.done, eos_id, sample(logits[:, 0], key, temperature, top_p))
+    cells = s.cells.at[:, s.step - 1].set(_stack_cells(intermediates, config.num_layers)) if return_cells \
+        else s.cells
     return _Loop(cache=cache, token=token, position=s.position + 1, out=s.out.at[:, s.step].set(token),
-                 done=s.done | (token == eos_id), step=s.step + 1, rng=rng)
+                 done=s.done | (token == eos_id), step=s.step + 1, rng=rng, cells=cells)
 
-  return jax.lax.while_loop(cond, body, state).out
+  final = jax.lax.while_loop(cond, body, state)
+  return (final.out, final.cells) if return_cells else final.out
 
 
 def generate(model, variables, tokens, lengths, *, max_new_tokens, eos_id, temperature=0.0, top_p=1.0, seed=0,
-             chunk=DEFAULT_CHUNK, max_len=None):
-  """Prefill right-padded prompts, then decode on device. Returns `[batch, max_new_tokens]` int32 tokens."""
+             chunk=DEFAULT_CHUNK, max_len=None, return_cells=False):
+  """Prefill right-padded prompts, then decode on device.
+
+  Returns:
+    `[batch, max_new_tokens]` int32 tokens; with `return_cells` (FreeSolo models) also the selected cells
+    `[batch, max_new_tokens, layers, heads, K]` (see `decode_loop`).
+  """
+  if return_cells and model.config.attention.kind not in ("fs", "fsl"):
+    raise ValueError(f"return_cells needs a FreeSolo model, got attention kind {model.config.attention.kind!r}")
   tokens = jnp.asarray(tokens, jnp.int32)
   lengths = jnp.asarray(lengths, jnp.int32)
   max_len = max_len or tokens.shape[1] + max_new_tokens
@@ -127,4 +150,4 @@ def generate(model, variables, tokens, lengths, *, max_new_tokens, eos_id, tempe
   rng, key = jax.random.split(jax.random.PRNGKey(seed))
   first = sample(last, key, temperature, top_p)
   return decode_loop(model, variables, cache, first, lengths, rng, max_new_tokens=max_new_tokens, eos_id=eos_id,
-                     temperature=temperature, top_p=top_p)
+                     temperature=temperature, top_p=top_p, return_cells=return_cells)

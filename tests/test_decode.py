@@ -130,3 +130,15 @@ def test_fsl_bounded_cache_selects_the_masked_operators_cells_at_every_step(rng)
                          for b in range(a.shape[0])]
     assert as_sets(actual) == as_sets(expected), layer
     assert np.all(expected[:, -1] >= 0)  # late queries really select (K cells available)
+
+
+def test_generation_returns_the_cells_each_step_selected(rng):
+  config, model, variables = _setup("fs")
+  prompt = _distinct_tokens(rng, config.vocab_size, 1, 90)
+  out, cells = generate(model, variables, prompt, [90], max_new_tokens=6, eos_id=-1, chunk=32, return_cells=True)
+  assert cells.shape == (1, 6, config.num_layers, config.num_heads, config.attention.top_k)
+  cells = np.asarray(cells)
+  # Consuming generated token j (position 90 + j, block 2) may read the 8 cells before position 64.
+  assert np.all((cells[:, :5] >= 0) & (cells[:, :5] < 8)) and np.all(cells[:, 5] == -1)
+  with pytest.raises(ValueError, match="return_cells needs a FreeSolo model"):
+    generate(*_setup("tfpp")[1:], prompt, [90], max_new_tokens=2, eos_id=-1, return_cells=True)
