@@ -1,0 +1,114 @@
+"""Prefill and decode throughput, attention-state bytes and the HBM roofline: FS-L, FS, TF++ and SWA.
+
+    python benchmarks/decode.py [--lengths 4096,16384,65536,262144] [--kinds fsl,fs,tfpp,swa]
+        [--decode-tokens 64] [--preset fs_341m]
+
+Batch 1, random weights, bf16 parameters and caches. Each (kind, length) runs in its own subprocess. Prefill goes
+through `fsjax.decode.prefill` (2048-token chunks); decode through the on-device `decode_loop`. The roofline
+is the bytes a decode step must read (parameters + attention state) divided by the device's measured copy
+bandwidth. Prints one table with ratios to TF++ at the same length.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def copy_bandwidth():
+  """Bytes per second of a large on-device copy (read + write counted)."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((256 * 2**20,), jnp.float32)  # 1 GiB
+  copy = jax.jit(lambda a: a + 1.0)
+  copy(x).block_until_ready()
+  start = time.perf_counter()
+  for _ in range(5):
+    y = copy(x)
+  y.block_until_ready()
+  return 2 * x.nbytes * 5 / (time.perf_counter() - start)
+
+
+def run_case(kind, length, decode_tokens, preset, chunk):
+  import jax
+  import jax.numpy as jnp
+
+  from fsjax.cache import init_cache
+  from fsjax.config import model_preset
+  from fsjax.decode import decode_loop, prefill
+  from fsjax.model import Transformer, init_variables
+
+  config = dataclasses.replace(model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16")
+  model = Transformer(config)
+  variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, config.vocab_size)
+  max_len = length + decode_tokens
+  fresh = lambda: init_cache(config, 1, max_len, dtype=jnp.bfloat16)
+  state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(fresh()))
+  lengths = jnp.array([length])
+  _, cache = prefill(model, variables, tokens[:, :chunk], jnp.array([chunk]), fresh(), chunk)  # compile
+  start = time.perf_counter()
+  logits, cache = prefill(model, variables, tokens, lengths, fresh(), chunk)
+  logits.block_until_ready()
+  prefill_s = time.perf_counter() - start
+  loop = lambda c: decode_loop(model, variables, c, tokens[:, -1], lengths, jax.random.PRNGKey(2),
+                               max_new_tokens=decode_tokens, eos_id=-1, temperature=0.0, top_p=1.0)
+  _, warm = prefill(model, variables, tokens, lengths, fresh(), chunk)
+  loop(warm).block_until_ready()  # compile
+  start = time.perf_counter()
+  loop(cache).block_until_ready()
+  decode_s = (time.perf_counter() - start) / (decode_tokens - 1)
+  param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(variables))
+  return dict(kind=kind, length=length, prefill_tok_s=length / prefill_s, decode_tok_s=1 / decode_s,
+              state_mib=state_bytes / 2**20, roofline_tok_s=copy_bandwidth() / (param_bytes + state_bytes),
+              device=jax.devices()[0].device_kind)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--lengths", default="4096,16384,65536,262144")
+  parser.add_argument("--kinds", default="tfpp,swa,fs,fsl")
+  parser.add_argument("--decode-tokens", type=int, default=64)
+  parser.add_argument("--chunk", type=int, default=2048)
+  parser.add_argument("--preset", default="fs_341m")
+  parser.add_argument("--case-timeout", type=float, default=None, help="seconds per case, compile included")
+  parser.add_argument("--case", help=argparse.SUPPRESS)  # "kind:length", run in a subprocess
+  args = parser.parse_args()
+  if args.case:
+    kind, length = args.case.split(":")
+    print(json.dumps(run_case(kind, int(length), args.decode_tokens, args.preset, args.chunk)))
+    return
+
+  rows = []
+  for length in map(int, args.lengths.split(",")):
+    for kind in args.kinds.split(","):
+      cmd = [sys.executable, __file__, "--case", f"{kind}:{length}", "--decode-tokens", str(args.decode_tokens),
+             "--chunk", str(args.chunk), "--preset", args.preset]
+      try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.case_timeout,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        rows.append(json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else
+                    dict(kind=kind, length=length, error=(result.stderr.strip().splitlines() or ["?"])[-1][:100]))
+      except subprocess.TimeoutExpired:
+        rows.append(dict(kind=kind, length=length, error=f"not done after {args.case_timeout:.0f} s"))
+      print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+
+  base = {r["length"]: r for r in rows if r["kind"] == "tfpp" and "error" not in r}
+  print(f"\n{args.preset}, batch 1, bf16, {next((r['device'] for r in rows if 'device' in r), '?')}")
+  print("| kind | length | prefill tok/s | vs TF++ | decode tok/s | vs TF++ | roofline tok/s | state MiB |")
+  print("|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    if "error" in r:
+      print(f"| {r['kind']} | {r['length']} | failed: {r['error']} | | | | | |")
+      continue
+    b = base.get(r["length"])
+    ratio = lambda key: f"{r[key] / b[key]:.2f}x" if b else "–"
+    print(f"| {r['kind']} | {r['length']} | {r['prefill_tok_s']:,.0f} | {ratio('prefill_tok_s')} | "
+          f"{r['decode_tok_s']:,.1f} | {ratio('decode_tok_s')} | {r['roofline_tok_s']:,.0f} | {r['state_mib']:.1f} |")
+
+
+if __name__ == "__main__":
+  main()
