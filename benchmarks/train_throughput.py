@@ -19,7 +19,6 @@ import time
 
 def run_case(kind, seq_len, tokens_per_step, steps, preset):
   import jax
-  import jax.numpy as jnp
 
   from fsjax.config import TrainConfig, model_preset
   from fsjax.model import Transformer, init_variables

@@ -108,6 +108,14 @@ def _cells_of_block(cache: BoundedCache, cell):
   return k, v, jnp.mean(k, axis=3), jnp.max(jnp.linalg.norm(k, axis=-1), axis=3)
 
 
+def _keep_last(old, new, axis, width):
+  """The last `width` entries along `axis` of `old` followed by `new`: the highest-index (most recent) cells."""
+  if width == 0:
+    return old
+  joined = jnp.concatenate([old, new], axis=axis)
+  return jax.lax.slice_in_dim(joined, joined.shape[axis] - width, joined.shape[axis], axis=axis)
+
+
 def _merge(cache: BoundedCache, block_index, complete, *, cell, retain_top):
   """At the end of block `block_index` (per row, where `complete`): its cells join recent and the pool (Eq. 15)."""
   k, v, mean, norm = _cells_of_block(cache, cell)
@@ -117,8 +125,7 @@ def _merge(cache: BoundedCache, block_index, complete, *, cell, retain_top):
   keep = lambda new, old: jnp.where(complete.reshape((batch,) + (1,) * (old.ndim - 1)), new, old)
 
   width = cache.recent_ids.shape[1]
-  last = lambda old, new, axis: jnp.concatenate([old, new], axis=axis)[(slice(None),) * axis + (slice(-width, None),)] \
-      if width else old
+  last = lambda old, new, axis: _keep_last(old, new, axis, width)
   recent = dict(recent_ids=last(cache.recent_ids, new_ids, 1), recent_k=last(cache.recent_k, k, 2),
                 recent_v=last(cache.recent_v, v, 2), recent_mean=last(cache.recent_mean, mean, 2),
                 recent_norm=last(cache.recent_norm, norm, 2))

@@ -1,14 +1,11 @@
 """The training loop: build or resume, step, log, checkpoint, evaluate."""
 
-import dataclasses
 import json
 import math
 import os
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from fsjax.config import Config, ConfigError, to_dict
 from fsjax.model import Transformer, init_variables, param_counts
