@@ -12,10 +12,9 @@ bandwidth. Prints one table with ratios to TF++ at the same length.
 import argparse
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import time
+
+from cases import run_cases
 
 
 def copy_bandwidth():
@@ -82,19 +81,9 @@ def main():
     print(json.dumps(run_case(kind, int(length), args.decode_tokens, args.preset, args.chunk)))
     return
 
-  rows = []
-  for length in map(int, args.lengths.split(",")):
-    for kind in args.kinds.split(","):
-      cmd = [sys.executable, __file__, "--case", f"{kind}:{length}", "--decode-tokens", str(args.decode_tokens),
-             "--chunk", str(args.chunk), "--preset", args.preset]
-      try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.case_timeout,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        rows.append(json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else
-                    dict(kind=kind, length=length, error=(result.stderr.strip().splitlines() or ["?"])[-1][:100]))
-      except subprocess.TimeoutExpired:
-        rows.append(dict(kind=kind, length=length, error=f"not done after {args.case_timeout:.0f} s"))
-      print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+  rows = run_cases(__file__, args.kinds.split(","), [int(n) for n in args.lengths.split(",")],
+                   ["--decode-tokens", args.decode_tokens, "--chunk", args.chunk, "--preset", args.preset],
+                   args.case_timeout)
 
   base = {r["length"]: r for r in rows if r["kind"] == "tfpp" and "error" not in r}
   print(f"\n{args.preset}, batch 1, bf16, {next((r['device'] for r in rows if 'device' in r), '?')}")

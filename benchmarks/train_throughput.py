@@ -12,9 +12,9 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import time
+
+from cases import run_cases
 
 
 def run_case(kind, seq_len, tokens_per_step, steps, preset):
@@ -44,7 +44,7 @@ def run_case(kind, seq_len, tokens_per_step, steps, preset):
   jax.block_until_ready(metrics["loss"])
   step_s = (time.perf_counter() - start) / steps
   stats = jax.local_devices()[0].memory_stats() or {}
-  return dict(kind=kind, seq_len=seq_len, batch=batch, step_ms=1e3 * step_s, tokens_per_s=batch * seq_len / step_s,
+  return dict(kind=kind, length=seq_len, batch=batch, step_ms=1e3 * step_s, tokens_per_s=batch * seq_len / step_s,
               peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, compile_s=compile_s,
               loss=float(metrics["loss"]), device=jax.devices()[0].device_kind)
 
@@ -64,36 +64,21 @@ def main():
     print(json.dumps(run_case(kind, int(seq_len), args.tokens_per_step, args.steps, args.preset)))
     return
 
-  rows = []
-  for seq_len in map(int, args.lengths.split(",")):
-    for kind in args.kinds.split(","):
-      cmd = [sys.executable, __file__, "--case", f"{kind}:{seq_len}", "--tokens-per-step",
-             str(args.tokens_per_step), "--steps", str(args.steps), "--preset", args.preset]
-      try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.case_timeout,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-      except subprocess.TimeoutExpired:
-        rows.append(dict(kind=kind, seq_len=seq_len, error=f"not done after {args.case_timeout:.0f} s"))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        continue
-      if result.returncode:
-        error = (result.stderr.strip().splitlines() or ["?"])[-1][:120]
-        rows.append(dict(kind=kind, seq_len=seq_len, error=error))
-      else:
-        rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
-      print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+  rows = run_cases(__file__, args.kinds.split(","), [int(n) for n in args.lengths.split(",")],
+                   ["--tokens-per-step", args.tokens_per_step, "--steps", args.steps, "--preset", args.preset],
+                   args.case_timeout)
 
-  baseline = {r["seq_len"]: r["tokens_per_s"] for r in rows if r["kind"] == "tfpp" and "error" not in r}
+  baseline = {r["length"]: r["tokens_per_s"] for r in rows if r["kind"] == "tfpp" and "error" not in r}
   print(f"\n{args.preset}, {args.tokens_per_step} tokens per step, bf16 compute, remat, "
         f"{next((r['device'] for r in rows if 'device' in r), '?')}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   print("| kind | length | batch | step ms | tokens/s | vs TF++ | peak GiB | compile s |")
   print("|---|---|---|---|---|---|---|---|")
   for r in rows:
     if "error" in r:
-      print(f"| {r['kind']} | {r['seq_len']} | – | – | failed: {r['error']} | – | – | – |")
+      print(f"| {r['kind']} | {r['length']} | – | – | failed: {r['error']} | – | – | – |")
       continue
-    ratio = r["tokens_per_s"] / baseline[r["seq_len"]] if r["seq_len"] in baseline else float("nan")
-    print(f"| {r['kind']} | {r['seq_len']} | {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+    ratio = r["tokens_per_s"] / baseline[r["length"]] if r["length"] in baseline else float("nan")
+    print(f"| {r['kind']} | {r['length']} | {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
           f"{ratio:.2f}x | {r['peak_gib']:.1f} | {r['compile_s']:.0f} |")
 
 

@@ -1,0 +1,29 @@
+"""Runs each benchmark case in its own subprocess, so a device's peak-memory counter and compile caches belong to
+that case alone, and a case that hangs or runs out of memory is reported instead of ending the table."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def run_cases(script, kinds, lengths, extra_args, timeout=None):
+  """For every length and kind, runs `script --case kind:length *extra_args` and parses its last stdout line.
+
+  Returns:
+    list of dicts: the case's JSON, or `{"kind", "length", "error"}` when it failed or timed out.
+  """
+  rows = []
+  for length in lengths:
+    for kind in kinds:
+      cmd = [sys.executable, script, "--case", f"{kind}:{length}", *map(str, extra_args)]
+      try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        row = (json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else
+               dict(kind=kind, length=length, error=(result.stderr.strip().splitlines() or ["?"])[-1][:100]))
+      except subprocess.TimeoutExpired:
+        row = dict(kind=kind, length=length, error=f"not done after {timeout:.0f} s")
+      rows.append(row)
+      print(json.dumps(row), file=sys.stderr, flush=True)
+  return rows
