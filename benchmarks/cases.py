@@ -1,10 +1,23 @@
 """Runs each benchmark case in its own subprocess, so a device's peak-memory counter and compile caches belong to
 that case alone, and a case that hangs or runs out of memory is reported instead of ending the table."""
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+
+
+def case_parser(description, default_lengths):
+  """An argument parser with the options every benchmark shares: lengths, kinds, preset, case timeout, and the
+  hidden --case "kind:length" that a subprocess runs."""
+  parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--lengths", default=default_lengths, type=lambda s: [int(n) for n in s.split(",")])
+  parser.add_argument("--kinds", default="tfpp,swa,fs,fsl", type=lambda s: s.split(","))
+  parser.add_argument("--preset", default="fs_341m")
+  parser.add_argument("--case-timeout", type=float, default=None, help="seconds per case, compile included")
+  parser.add_argument("--case", type=lambda s: (s.split(":")[0], int(s.split(":")[1])), help=argparse.SUPPRESS)
+  return parser
 
 
 def run_cases(script, kinds, lengths, extra_args, timeout=None):

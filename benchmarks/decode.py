@@ -9,12 +9,11 @@ is the bytes a decode step must read (parameters + attention state) divided by t
 bandwidth. Prints one table with ratios to TF++ at the same length.
 """
 
-import argparse
 import dataclasses
 import json
 import time
 
-from cases import run_cases
+from cases import case_parser, run_cases
 
 
 def copy_bandwidth():
@@ -67,21 +66,14 @@ def run_case(kind, length, decode_tokens, preset, chunk):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--lengths", default="4096,16384,65536,262144")
-  parser.add_argument("--kinds", default="tfpp,swa,fs,fsl")
+  parser = case_parser(__doc__, "4096,16384,65536,262144")
   parser.add_argument("--decode-tokens", type=int, default=64)
   parser.add_argument("--chunk", type=int, default=2048)
-  parser.add_argument("--preset", default="fs_341m")
-  parser.add_argument("--case-timeout", type=float, default=None, help="seconds per case, compile included")
-  parser.add_argument("--case", help=argparse.SUPPRESS)  # "kind:length", run in a subprocess
   args = parser.parse_args()
   if args.case:
-    kind, length = args.case.split(":")
-    print(json.dumps(run_case(kind, int(length), args.decode_tokens, args.preset, args.chunk)))
+    print(json.dumps(run_case(*args.case, args.decode_tokens, args.preset, args.chunk)))
     return
-
-  rows = run_cases(__file__, args.kinds.split(","), [int(n) for n in args.lengths.split(",")],
+  rows = run_cases(__file__, args.kinds, args.lengths,
                    ["--decode-tokens", args.decode_tokens, "--chunk", args.chunk, "--preset", args.preset],
                    args.case_timeout)
 

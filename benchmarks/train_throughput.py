@@ -8,13 +8,12 @@ Random tokens and weights; bf16 compute, fp32 master params, AdamW, per-layer re
 attention on GPU. Prints one table with tokens/s and the ratio to TF++ at the same length.
 """
 
-import argparse
 import dataclasses
 import json
 import os
 import time
 
-from cases import run_cases
+from cases import case_parser, run_cases
 
 
 def run_case(kind, seq_len, tokens_per_step, steps, preset):
@@ -50,21 +49,14 @@ def run_case(kind, seq_len, tokens_per_step, steps, preset):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--lengths", default="4096,16384")
-  parser.add_argument("--kinds", default="tfpp,swa,fs,fsl")
+  parser = case_parser(__doc__, "4096,16384")
   parser.add_argument("--tokens-per-step", type=int, default=32768)
   parser.add_argument("--steps", type=int, default=5)
-  parser.add_argument("--preset", default="fs_341m")
-  parser.add_argument("--case-timeout", type=float, default=None, help="seconds per case, compile included")
-  parser.add_argument("--case", help=argparse.SUPPRESS)  # "kind:length", run in a subprocess
   args = parser.parse_args()
   if args.case:
-    kind, seq_len = args.case.split(":")
-    print(json.dumps(run_case(kind, int(seq_len), args.tokens_per_step, args.steps, args.preset)))
+    print(json.dumps(run_case(*args.case, args.tokens_per_step, args.steps, args.preset)))
     return
-
-  rows = run_cases(__file__, args.kinds.split(","), [int(n) for n in args.lengths.split(",")],
+  rows = run_cases(__file__, args.kinds, args.lengths,
                    ["--tokens-per-step", args.tokens_per_step, "--steps", args.steps, "--preset", args.preset],
                    args.case_timeout)
 
