@@ -40,3 +40,31 @@ def seeded_rng(name):
 def random_qkv(rng, shape, dtype=np.float64):
   """Three independent standard-normal arrays of `shape` [batch, seq, heads, head_dim]."""
   return tuple(rng.standard_normal(shape).astype(dtype) for _ in range(3))
+
+
+def kernel_modes():
+  """Pallas run modes for kernel tests: interpreted everywhere (CI), compiled only where a GPU exists."""
+  import jax
+  import pytest
+  compiled = pytest.param(False, id="compiled",
+                          marks=pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"))
+  return [pytest.param(True, id="interpret"), compiled]
+
+
+def assert_same_cells(actual, expected, scores, atol):
+  """Selected-cell sets per query are equal, forgiving only swaps between cells whose reference scores tie
+  within `atol` (float rounding of one score formula computed in two orders).
+
+  Args:
+    actual, expected: `[batch, T, heads, K]` int cell indices, -1 for none.
+    scores: `[batch, T, heads, M]` reference scores (masked cells arbitrary).
+  """
+  actual, expected, scores = np.asarray(actual), np.asarray(expected), np.asarray(scores, np.float64)
+  assert actual.shape == expected.shape, (actual.shape, expected.shape)
+  np.testing.assert_array_equal(actual >= 0, expected >= 0, err_msg="different numbers of selected cells")
+  for where in zip(*np.nonzero(np.any(np.sort(actual, -1) != np.sort(expected, -1), axis=-1))):
+    got, want = set(actual[where]) - {-1}, set(expected[where]) - {-1}
+    extra = np.array(sorted(got - want))
+    missing = np.array(sorted(want - got))
+    gap = np.max(np.abs(scores[where][extra][:, None] - scores[where][missing][None, :]))
+    assert gap <= atol, f"query {where}: got {sorted(got)}, want {sorted(want)} (score gap {gap:.3g})"

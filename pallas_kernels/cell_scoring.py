@@ -1,0 +1,209 @@
+"""Fused FreeSolo cell scoring and top-K (FS Eq. 6-8): the selection of `fsjax.ops.select_cells`, without ever
+writing the `[T, #cells]` score matrix.
+
+One program scores a tile of queries of one (batch, head) against the cells in chunks, and keeps a running
+top-K per query in registers: the chunk's scores that beat a query's current K-th best are extracted one at a
+time (max, lowest index among equals; as many passes as the tile's most-improved query needs, at most K) and
+inserted into the running list with strict comparisons, so among equal scores the lower cell index wins, as in
+`lax.top_k`. Cells are visited in increasing index; a tile stops at the last cell any of its queries may see.
+The erf prior is evaluated only for chunks close enough to the tile for it not to have saturated.
+
+Cost per (batch, head): `T · m · (2d + ~40)` flops for `m` eligible cells per query (the dot product in float32,
+the erf prior and the selection network), `T·d` + `M·d` bytes read and `T·K` int32 written.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fsjax.ops import cells as cells_ref
+from pallas_kernels.common import NO_CELL, check_compilable, default_interpret, erf, pad_axis, pad_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Queries per program and cells scored per loop step (both powers of two, >= 16 when compiled)."""
+  queries: int = 64
+  cells: int = 64
+  num_warps: int = 4
+  num_stages: int = 2
+
+  @classmethod
+  def get_default(cls):
+    return cls()
+
+
+def _insert(top_values, top_indices, value, index):
+  """Inserts one candidate per query into running lists sorted by (score desc, index asc).
+
+  Candidates arrive in increasing cell index, so an equal score stays behind the entries already held.
+  """
+  values, indices = list(top_values), list(top_indices)
+  shifting = jnp.zeros(value.shape, jnp.bool_)
+  for p in range(len(values)):
+    take = shifting | (value > values[p])
+    values[p], value = jnp.where(take, value, values[p]), jnp.where(take, values[p], value)
+    indices[p], index = jnp.where(take, index, indices[p]), jnp.where(take, indices[p], index)
+    shifting = take
+  return tuple(values), tuple(indices)
+
+
+def _extract_into(carry, *, first, lane):
+  """Moves each query's best remaining chunk score (lowest lane among equals) into its running top-K."""
+  top_values, top_indices, scores = carry
+  best = jnp.max(scores, axis=1)
+  arg = jnp.argmax(scores, axis=1).astype(jnp.int32)
+  index = jnp.where(best > -jnp.inf, first + arg, NO_CELL)
+  top_values, top_indices = _insert(top_values, top_indices, best, index)
+  return top_values, top_indices, jnp.where(lane[None, :] == arg[:, None], -jnp.inf, scores)
+
+
+def _cell_topk_kernel(q_ref, pos_ref, mean_ref, amp_ref, death_ref, inv_sigma_ref, idx_ref, *, cell, block,
+                      top_k, retain_recent, chunk, pruned, scale, precision):
+  """q_ref `[Bq, d]`, pos_ref `[Bq]`, mean_ref `[M', d]`, amp_ref / death_ref `[M']` (λ_h a_c and Eq. 8 death
+  blocks), inv_sigma_ref `[H']` (1/(2σ_h)) → idx_ref `[Bq, K']`."""
+  q = q_ref[...].astype(jnp.float32)
+  pos = pos_ref[...]
+  query_block = pos // block
+  num_eligible = query_block * (block // cell)  # Eq. 6: m_n cells precede the query's block
+  inv_two_sigma = inv_sigma_ref[pl.program_id(2)]
+  lane = jnp.arange(chunk)
+  nearest_query = jnp.min(pos).astype(jnp.float32)
+
+  def body(step, carry):
+    top_values, top_indices = carry
+    first = step * chunk
+    c = first + lane
+    mean = mean_ref[pl.ds(first, chunk), :].astype(jnp.float32)
+    content = jax.lax.dot_general(q, mean, (((1,), (1,)), ((), ())), precision=precision,
+                                  preferred_element_type=jnp.float32) * scale
+    amplitude = amp_ref[pl.ds(first, chunk)][None, :]
+
+    def prior_with_erf():
+      distance = pos.astype(jnp.float32)[:, None] - (c.astype(jnp.float32)[None, :] + 0.5) * cell
+      return amplitude * erf(distance * inv_two_sigma)
+
+    # erf saturates to 1 in float32 beyond 4: only the chunks nearest the tile's queries need it.
+    saturated = (nearest_query - (first + chunk - 0.5) * cell) * inv_two_sigma >= 4.0
+    prior = jax.lax.cond(saturated, lambda: jnp.broadcast_to(amplitude, content.shape), prior_with_erf)
+    scores = content + prior  # Eq. 7
+    available = c[None, :] < num_eligible[:, None]
+    if pruned:  # Eq. 8: Recent_W ∪ TopP
+      recent = c[None, :] >= num_eligible[:, None] - retain_recent
+      in_pool = query_block[:, None] < death_ref[pl.ds(first, chunk)][None, :]
+      available &= recent | in_pool
+    # Only scores above a query's current K-th best can enter its list (an equal one loses on index).
+    scores = jnp.where(available & (scores > top_values[-1][:, None]), scores, -jnp.inf)
+    contenders = jnp.minimum(jnp.max(jnp.sum((scores > -jnp.inf).astype(jnp.int32), axis=1)), top_k)
+    top_values, top_indices, _ = jax.lax.fori_loop(
+        0, contenders, lambda _, carry: _extract_into(carry, first=first, lane=lane),
+        (top_values, top_indices, scores))
+    return top_values, top_indices
+
+  init = (tuple(jnp.full(pos.shape, -jnp.inf, jnp.float32) for _ in range(top_k)),
+          tuple(jnp.full(pos.shape, NO_CELL, jnp.int32) for _ in range(top_k)))
+  num_steps = (jnp.max(num_eligible) + chunk - 1) // chunk
+  _, top_indices = jax.lax.fori_loop(0, num_steps, body, init)
+  slot = jnp.arange(idx_ref.shape[-1])[None, :]
+  out = jnp.full(idx_ref.shape, NO_CELL, jnp.int32)
+  for p, index in enumerate(top_indices):
+    out = jnp.where(slot == p, index[:, None], out)
+  idx_ref[...] = out
+
+
+@functools.partial(jax.jit, static_argnames=("variant", "cell", "block", "top_k", "retain_top", "retain_recent",
+                                             "block_sizes", "interpret"))
+def select_from_summaries(q, positions, mean_keys, max_norms, *, variant="fs", lam=1.0, sigma=4.0, cell=32,
+                          block=128, top_k=4, retain_top=64, retain_recent=8, block_sizes=None, interpret=None):
+  """Top-K cells (Eq. 6-8) for queries at `positions`, given the cell summaries (Eq. 5).
+
+  Args:
+    q: `[batch, T, heads, d]` unrotated queries.
+    positions: `[batch, T]` int32 query positions, or None for `0..T-1`.
+    mean_keys: `[batch, M, heads, d]`; max_norms: `[batch, M, heads]` of cells `0..M-1` (only cells that
+      end before a query's block are ever read, so later cells may hold anything).
+    variant: "fs" or "fsl"; lam, sigma: scalars or `[heads]`; cell, block, top_k, retain_top, retain_recent:
+      `s`, `B`, `K`, `P`, `W`.
+    block_sizes: `BlockSizes`; interpret: None = compiled on GPU, interpreted elsewhere.
+
+  Returns:
+    `[batch, T, heads, K]` int32, best first (ties: lower index), -1 where fewer than K cells are available.
+  """
+  interpret = default_interpret() if interpret is None else interpret
+  sizes = block_sizes or BlockSizes.get_default()
+  batch, seq, heads, head_dim = q.shape
+  check_compilable(cell=cell, head_dim=head_dim, interpret=interpret)
+  if variant not in ("fs", "fsl"):
+    raise ValueError(f"variant must be 'fs' or 'fsl' for the cell-scoring kernel, got {variant!r}")
+  num_cells = max_norms.shape[1]
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+  q, mean_keys, max_norms = (jax.lax.stop_gradient(x.astype(jnp.float32)) for x in (q, mean_keys, max_norms))
+  lam = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (heads,))
+  sigma = jnp.broadcast_to(jnp.asarray(sigma, jnp.float32), (heads,))
+  if variant == "fsl":
+    death = cells_ref.retention_death_block(max_norms, cell=cell, block=block, retain_top=retain_top)
+  else:
+    death = jnp.zeros_like(max_norms, jnp.int32)
+
+  tile, chunk = min(sizes.queries, pl.next_power_of_2(seq)), sizes.cells
+  padded_seq = pl.cdiv(seq, tile) * tile
+  padded_cells = pl.cdiv(num_cells, chunk) * chunk
+  padded_k = pl.next_power_of_2(top_k)
+  q = pad_axis(pad_head_dim(q), 1, padded_seq)
+  positions = pad_axis(positions.astype(jnp.int32), 1, padded_seq)
+  mean_keys = pad_axis(pad_head_dim(mean_keys), 1, padded_cells)
+  amplitude = pad_axis(lam * max_norms, 1, padded_cells)  # λ_h a_c of Eq. 7
+  death = pad_axis(death, 1, padded_cells)
+  inv_two_sigma = pad_axis(1.0 / (2.0 * sigma), 0, pl.next_power_of_2(heads), 1.0)
+  dim = q.shape[-1]
+
+  kernel = functools.partial(_cell_topk_kernel, cell=cell, block=block, top_k=top_k,
+                             retain_recent=retain_recent, chunk=chunk, pruned=variant == "fsl",
+                             scale=1.0 / math.sqrt(head_dim),
+                             # Tensor cores in three TF32 passes keep float32 accuracy; the CPU interpreter has
+                             # no such algorithm and multiplies in full float32.
+                             precision=(jax.lax.Precision.HIGHEST if interpret
+                                        else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3))
+  idx = pl.pallas_call(
+      kernel,
+      grid=(padded_seq // tile, batch, heads),
+      in_specs=[
+          pl.BlockSpec((None, tile, None, dim), lambda i, b, h: (b, i, h, 0)),
+          pl.BlockSpec((None, tile), lambda i, b, h: (b, i)),
+          pl.BlockSpec((None, padded_cells, None, dim), lambda i, b, h: (b, 0, h, 0)),
+          pl.BlockSpec((None, padded_cells, None), lambda i, b, h: (b, 0, h)),
+          pl.BlockSpec((None, padded_cells, None), lambda i, b, h: (b, 0, h)),
+          pl.BlockSpec(inv_two_sigma.shape, lambda i, b, h: (0,)),
+      ],
+      out_specs=pl.BlockSpec((None, tile, None, padded_k), lambda i, b, h: (b, i, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((batch, padded_seq, heads, padded_k), jnp.int32),
+      compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
+      interpret=interpret,
+      name="freesolo_cell_topk",
+  )(q, positions, mean_keys, amplitude, death, inv_two_sigma)
+  return idx[:, :seq, :, :top_k]
+
+
+def select_cells(q, k, *, variant="fs", lam=1.0, sigma=4.0, cell=32, block=128, top_k=4, retain_top=64,
+                 retain_recent=8, block_sizes=None, interpret=None):
+  """Kernel twin of `fsjax.ops.select_cells` (same arguments and result): cell summaries in XLA (Eq. 5),
+  scoring and top-K fused.
+
+  Args:
+    q, k: `[batch, T, heads, d]` unrotated.
+
+  Returns:
+    `[batch, T, heads, K]` int32 cell indices, -1 where fewer than K cells are available.
+  """
+  if q.shape[1] < cell:
+    return jnp.full(q.shape[:3] + (top_k,), NO_CELL, jnp.int32)
+  mean_keys, max_norms, _ = cells_ref.cell_summaries(jax.lax.stop_gradient(k).astype(jnp.float32), cell)
+  return select_from_summaries(q, None, mean_keys, max_norms, variant=variant, lam=lam, sigma=sigma, cell=cell,
+                               block=block, top_k=top_k, retain_top=retain_top, retain_recent=retain_recent,
+                               block_sizes=block_sizes, interpret=interpret)

@@ -1,0 +1,69 @@
+"""What the FreeSolo kernels share: interpret-mode default, power-of-two padding, an in-kernel erf.
+
+Triton tiles must have power-of-two shapes and `tl.dot` needs every matmul dimension >= 16, so the launchers
+pad head_dim and top_k to powers of two (zeros and -1 change nothing) and reject cells smaller than 16 when
+compiling for a GPU; interpret mode (CPU) takes any size.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+MIN_DOT_DIM = 16  # Triton's tl.dot tile minimum
+NO_CELL = -1
+
+# XLA's float32 erf (clamp to [-4, 4], then x·P(x²)/Q(x²)); Triton has no erf, and using XLA's own
+# approximation keeps the kernel's scores within float32 rounding of the reference's.
+_ERF_ALPHA = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+              -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_ERF_BETA = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+             -1.42647390514189e-02)
+
+
+def default_interpret():
+  """Kernels run compiled (Triton) on a GPU and in Pallas interpret mode anywhere else."""
+  return jax.default_backend() != "gpu"
+
+
+def compilable(*, cell, head_dim):
+  """Whether Triton can tile this geometry."""
+  return cell >= MIN_DOT_DIM and cell & (cell - 1) == 0 and head_dim >= MIN_DOT_DIM
+
+
+def check_compilable(*, cell, head_dim, interpret):
+  """Raises ValueError if Triton cannot compile tiles of this geometry (interpret mode accepts any)."""
+  if interpret or compilable(cell=cell, head_dim=head_dim):
+    return
+  if cell < MIN_DOT_DIM or cell & (cell - 1):
+    raise ValueError(f"cell must be a power of two >= {MIN_DOT_DIM} for the compiled Pallas kernels, got {cell}")
+  if head_dim < MIN_DOT_DIM:
+    raise ValueError(f"head_dim must be >= {MIN_DOT_DIM} for the compiled Pallas kernels, got {head_dim}")
+
+
+def pad_axis(x, axis, size, value=0):
+  """Pads `x` along `axis` up to `size` with `value` (no-op when already that size)."""
+  extra = size - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def pad_head_dim(x):
+  """`[..., d]` → `[..., next_power_of_two(d)]` with zeros (dot products are unchanged)."""
+  return pad_axis(x, -1, pl.next_power_of_2(x.shape[-1]))
+
+
+def _polynomial(x, coefficients):
+  result = jnp.full_like(x, coefficients[0])
+  for c in coefficients[1:]:
+    result = result * x + c
+  return result
+
+
+def erf(x):
+  """float32 erf usable inside a Triton kernel (absolute error about 1e-7)."""
+  x = jnp.clip(x, -4.0, 4.0)
+  x2 = x * x
+  return x * _polynomial(x2, _ERF_ALPHA) / _polynomial(x2, _ERF_BETA)

@@ -1,0 +1,87 @@
+"""pallas_kernels.cell_scoring against the reference selection (fsjax.ops.select_cells, Eq. 5-8)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fsjax import ops
+from fsjax.ops import cells
+from helpers import assert_same_cells, kernel_modes
+from pallas_kernels import cell_scoring
+from pallas_kernels.common import erf
+
+SIZES = cell_scoring.BlockSizes(queries=32, cells=16)
+SCORE_ATOL = 1e-5  # float32 rounding of Eq. 7 computed in a different order (and XLA's erf approximation)
+
+# (batch, seq, heads, head_dim, cell, block, top_k, retain_top, retain_recent)
+GEOMETRIES = [
+    pytest.param(2, 256, 2, 64, 16, 32, 4, 5, 2, id="B2-T256-d64"),
+    pytest.param(1, 203, 3, 96, 16, 32, 3, 4, 1, id="T203-not-multiple-of-tile-d96"),
+    pytest.param(1, 160, 2, 16, 16, 64, 8, 3, 0, id="K-above-available-W0"),
+    pytest.param(1, 40, 1, 32, 16, 32, 2, 2, 1, id="first-block-and-one-cell"),
+]
+
+
+def _inputs(rng, batch, seq, heads, dim, dtype):
+  q, k = (jnp.asarray(rng.standard_normal((batch, seq, heads, dim)), dtype) for _ in range(2))
+  return q, k, rng.uniform(0.3, 2.0, heads).astype(np.float32), rng.uniform(1.0, 8.0, heads).astype(np.float32)
+
+
+def _reference_scores(q, k, lam, sigma, cell, positions=None):
+  mean_keys, max_norms, centers = cells.cell_summaries(k.astype(jnp.float32), cell)
+  return cells.cell_scores(q.astype(jnp.float32), mean_keys, max_norms, centers, lam=jnp.asarray(lam),
+                           sigma=jnp.asarray(sigma), positions=positions)
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+@pytest.mark.parametrize("batch,seq,heads,dim,cell,block,top_k,retain_top,retain_recent", GEOMETRIES)
+def test_select_cells_matches_reference(rng, interpret, dtype, variant, batch, seq, heads, dim, cell, block,
+                                        top_k, retain_top, retain_recent):
+  q, k, lam, sigma = _inputs(rng, batch, seq, heads, dim, dtype)
+  routing = dict(variant=variant, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
+                 retain_top=retain_top, retain_recent=retain_recent)
+  got = cell_scoring.select_cells(q, k, block_sizes=SIZES, interpret=interpret, **routing)
+  want = ops.select_cells(q, k, **routing)
+  assert got.dtype == jnp.int32 and got.shape == want.shape
+  assert_same_cells(got, want, _reference_scores(q, k, lam, sigma, cell), SCORE_ATOL)
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+def test_select_from_summaries_at_decode_positions(rng, interpret, variant):
+  """Rows at different positions (a decode batch): eligibility, the prior and FS-L pools follow each query's
+  own position; summaries of cells no query may see yet hold garbage that must never be read."""
+  batch, heads, dim, cell, block, top_k, num_cells = 2, 2, 32, 16, 32, 4, 24
+  q = jnp.asarray(rng.standard_normal((batch, 5, heads, dim)), jnp.float32)
+  mean_keys = jnp.asarray(rng.standard_normal((batch, num_cells, heads, dim)), jnp.float32)
+  max_norms = jnp.asarray(rng.uniform(0.5, 3.0, (batch, num_cells, heads)), jnp.float32)
+  positions = jnp.array([[31, 32, 100, 200, 383], [64, 65, 66, 300, 301]], jnp.int32)
+  lam, sigma = rng.uniform(0.3, 2.0, heads).astype(np.float32), rng.uniform(1.0, 8.0, heads).astype(np.float32)
+  routing = dict(variant=variant, cell=cell, block=block, retain_top=3, retain_recent=1)
+  got = cell_scoring.select_from_summaries(q, positions, mean_keys, max_norms, lam=lam, sigma=sigma, top_k=top_k,
+                                           block_sizes=SIZES, interpret=interpret, **routing)
+  centers = (jnp.arange(num_cells) + 0.5) * cell
+  scores = cells.cell_scores(q, mean_keys, max_norms, centers, lam=jnp.asarray(lam), sigma=jnp.asarray(sigma),
+                             positions=positions)
+  available = cells.available_cells(max_norms, 5, positions=positions, **routing)
+  assert_same_cells(got, cells.top_k_cells(scores, available, top_k), scores, SCORE_ATOL)
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+def test_equal_scores_go_to_the_lower_cell_index(rng, interpret):
+  """Identical cells score exactly alike: the kernel must keep the lowest indices, best first, like lax.top_k."""
+  cell, dim = 16, 16
+  k = jnp.tile(jnp.asarray(rng.standard_normal((1, cell, 1, dim)), jnp.float32), (1, 12, 1, 1))
+  q = jnp.asarray(rng.standard_normal((1, 12 * cell, 1, dim)), jnp.float32)
+  got = cell_scoring.select_cells(q, k, lam=0.0, cell=cell, block=32, top_k=4, block_sizes=SIZES,
+                                  interpret=interpret)
+  np.testing.assert_array_equal(got, ops.select_cells(q, k, lam=0.0, cell=cell, block=32, top_k=4))
+  np.testing.assert_array_equal(got[0, -1, 0], [0, 1, 2, 3])
+
+
+def test_erf_matches_xla_within_float32_rounding():
+  x = jnp.linspace(-6.0, 6.0, 100_001, dtype=jnp.float32)
+  assert float(jnp.max(jnp.abs(erf(x) - jax.scipy.special.erf(x)))) < 1e-6
