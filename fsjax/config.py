@@ -55,7 +55,7 @@ class AttentionConfig:
     rope_theta: RoPE base θ.
     moba_block: MoBA block size in tokens.
     moba_top_k: MoBA blocks read per query, the current one included.
-    impl: "reference" | "auto" | "pallas": kernel dispatch (auto: Pallas on GPU once kernels exist).
+    impl: "reference" | "auto" | "pallas": kernel dispatch (auto: Pallas kernels and cuDNN on GPU).
   """
   kind: str = "fs"
   window: int = 512

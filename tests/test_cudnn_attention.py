@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fsjax import ops
-from fsjax.attention.cudnn import causal_rope_attention_cudnn
+from fsjax.ops.cudnn import causal_rope_attention_cudnn
 from helpers import assert_close, random_qkv
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")

@@ -51,6 +51,20 @@ def test_prefill_and_decode_equal_the_full_forward(rng, kind):
   assert_close(_teacher_forced(model, variables, tokens, PROMPT, chunk=32), full, np.float32, scale=5)
 
 
+def _with_impl(config, impl):
+  return Transformer(dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl)))
+
+
+def test_prefill_and_decode_through_the_kernels_equal_the_reference_forward(rng):
+  """The FS archive path with impl="pallas" (interpreted on CPU): selection from cached summaries at each row's
+  positions and the readout over the archived keys, against the reference full forward."""
+  config, _, variables = _setup("fs")
+  tokens = _distinct_tokens(rng, config.vocab_size, 2, 110)
+  full = np.asarray(jax.jit(_with_impl(config, "reference").apply)(variables, tokens))
+  assert_close(_teacher_forced(_with_impl(config, "pallas"), variables, tokens, PROMPT, chunk=32), full,
+               np.float32, scale=5)
+
+
 @pytest.mark.parametrize("kind", ["fsl", "swa"])
 def test_prefill_chunk_size_does_not_change_logits(rng, kind):
   config, model, variables = _setup(kind)

@@ -4,7 +4,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from fsjax import ops
-from fsjax.attention.cudnn import causal_rope_attention_cudnn, cudnn_usable
+from fsjax.ops.cudnn import causal_rope_attention_cudnn, cudnn_usable
 from fsjax.attention.projections import project_heads, project_out
 from fsjax.cache import moba as moba_cache
 from fsjax.cache import store as kv

@@ -67,7 +67,7 @@ class FreeSoloAttention(nn.Module):
       long_range, cell_idx = archive_lib.long_range_branch(
           cache, q, positions, lr_gain=lr_gain.astype(dtype), variant=self.variant, lam=lam, sigma=sigma,
           cell=self.cell, block=self.block, top_k=self.top_k, retain_top=self.retain_top,
-          retain_recent=self.retain_recent)
+          retain_recent=self.retain_recent, impl=self.impl)
     self.sow("intermediates", "selected_cells", cell_idx)
     o = local + alpha.astype(dtype)[:, None] * long_range
     return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from fsjax.cache import store as kv
 from fsjax.ops import cells
-from fsjax.ops.freesolo import rms_norm, sparse_readout
+from fsjax.ops.freesolo import rms_norm, sparse_readout, use_kernels
 from fsjax.ops.rope import apply_rope
 
 
@@ -61,8 +61,13 @@ def local_branch(archive: Archive, q, pos, *, window, rope_theta):
 
 
 def select_from_archive(archive: Archive, q, pos, *, variant, lam, sigma, cell, block, top_k, retain_top,
-                        retain_recent):
+                        retain_recent, kernels=False):
   """Top-K cells (Eq. 6-8) for queries at `pos`: `[batch, C, heads, K]`, -1 for none. No gradient."""
+  routing = dict(variant=variant, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
+                 retain_top=retain_top, retain_recent=retain_recent)
+  if kernels:
+    from pallas_kernels import cell_scoring  # lazy: the kernels import ops
+    return cell_scoring.select_from_summaries(q, pos, archive.mean_keys, archive.max_norms, **routing)
   num_cells = archive.max_norms.shape[1]
   q = jax.lax.stop_gradient(q)
   centers = (jnp.arange(num_cells) + 0.5) * cell
@@ -73,8 +78,16 @@ def select_from_archive(archive: Archive, q, pos, *, variant, lam, sigma, cell, 
   return cells.top_k_cells(scores, available, top_k)
 
 
-def long_range_branch(archive: Archive, q, pos, *, lr_gain, **routing):
-  """Eq. 9 for queries at `pos`: `(o_lr [batch, C, heads, d], selected cells [batch, C, heads, K])`."""
-  cell_idx = select_from_archive(archive, q, pos, **routing)
-  u = sparse_readout(q, archive.tokens.k, archive.tokens.v, cell_idx, cell=routing["cell"])
-  return rms_norm(u, lr_gain), cell_idx
+def long_range_branch(archive: Archive, q, pos, *, lr_gain, impl="reference", **routing):
+  """Eq. 9 for queries at `pos`: `(o_lr [batch, C, heads, d], selected cells [batch, C, heads, K])`.
+
+  `impl` as in `ops.freesolo_long_range`: with kernels, selection and readout run in Pallas.
+  """
+  kernels = use_kernels(impl, cell=routing["cell"], head_dim=q.shape[-1])
+  cell_idx = select_from_archive(archive, q, pos, kernels=kernels, **routing)
+  if kernels:
+    from pallas_kernels import sparse_readout as readout_kernel
+    u = readout_kernel.sparse_readout(q, archive.tokens.k, archive.tokens.v, cell_idx, cell=routing["cell"])
+  else:
+    u = sparse_readout(q, archive.tokens.k, archive.tokens.v, cell_idx, cell=routing["cell"])
+  return rms_norm(u.astype(q.dtype), lr_gain), cell_idx

@@ -1,7 +1,6 @@
-"""Causal RoPE attention through cuDNN's fused kernel (GPU, half precision): the fast path for TF++ and SWA.
-
-Matches `fsjax.ops.local_attention` (the reference) within bf16 tolerance; tested on GPU in
-tests/test_cudnn_attention.py.
+"""Causal RoPE attention through cuDNN's fused kernel (GPU, half precision): the fast path of
+`local_attention` for TF++, SWA and FreeSolo's local branch. Not a reference: it is held to `local_attention`
+within bf16 tolerance on GPU (tests/test_cudnn_attention.py).
 """
 
 import jax

@@ -11,8 +11,10 @@ import jax.numpy as jnp
 
 from fsjax.ops import cells
 from fsjax.ops.common import PRECISION, check_qkv, compute_dtype
+from fsjax.ops.cudnn import causal_rope_attention_cudnn, cudnn_usable
 from fsjax.ops.local import local_attention
 from fsjax.ops.softmax import masked_softmax
+from pallas_kernels.common import compilable, default_interpret
 
 READOUT_NORM_EPS = 1e-8  # FS App. D.2
 IMPLS = ("reference", "auto", "pallas")
@@ -25,8 +27,14 @@ def _check_variant_and_impl(variant, impl):
     raise ValueError(f"variant must be one of {cells.VARIANTS}, got {variant!r}")
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  if impl == "pallas":
-    raise NotImplementedError("impl='pallas': the FreeSolo Pallas kernels are not implemented yet")
+
+
+def use_kernels(impl, *, cell, head_dim):
+  """Whether `impl` runs the Pallas kernels: "pallas" always (interpreted off GPU), "auto" on a GPU when
+  Triton can tile the geometry (cell a power of two >= 16, head_dim >= 16), "reference" never."""
+  if impl == "auto":
+    return not default_interpret() and compilable(cell=cell, head_dim=head_dim)
+  return impl == "pallas"
 
 
 def _per_head(value, heads, name, dtype):
@@ -120,7 +128,8 @@ def freesolo_long_range(q, k, v, *, variant="fs", lam=1.0, sigma=4.0, lr_gain=1.
     cell, block, top_k, retain_top, retain_recent: `s`, `B`, `K`, `P`, `W`.
     window: only validated here (the local radius must cover a block: `w >= B - 1`).
     tau, beam, bound_c: FS-B forest arguments (τ per head, beam width, c of Eq. 11); unused by fs/fsl.
-    impl: "reference" or "auto" (the reference until kernels exist).
+    impl: "reference" | "auto" | "pallas" (see `use_kernels`); the kernels read q, k, v in their own dtype
+      (bf16 on tensor cores) and score cells in float32.
 
   Returns:
     `[batch, T, heads, d]` in the dtype of `q`; zero where nothing is available (e.g. the first block).
@@ -130,9 +139,15 @@ def freesolo_long_range(q, k, v, *, variant="fs", lam=1.0, sigma=4.0, lr_gain=1.
   cells.validate_routing(cell=cell, block=block, window=window, top_k=top_k, retain_top=retain_top,
                          retain_recent=retain_recent)
   dtype = compute_dtype(q.dtype)
-  cell_idx = select_cells(q, k, variant=variant, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
-                          retain_top=retain_top, retain_recent=retain_recent)
-  u = sparse_readout(q.astype(dtype), k.astype(dtype), v.astype(dtype), cell_idx, cell=cell)
+  routing = dict(variant=variant, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
+                 retain_top=retain_top, retain_recent=retain_recent)
+  if use_kernels(impl, cell=cell, head_dim=q.shape[-1]):
+    from pallas_kernels import cell_scoring, sparse_readout as readout_kernel  # lazy: the kernels import ops
+    cell_idx = cell_scoring.select_cells(q, k, **routing)
+    u = readout_kernel.sparse_readout(q, k, v, cell_idx, cell=cell).astype(dtype)
+  else:
+    cell_idx = select_cells(q, k, **routing)
+    u = sparse_readout(q.astype(dtype), k.astype(dtype), v.astype(dtype), cell_idx, cell=cell)
   return rms_norm(u, jnp.asarray(lr_gain, dtype)).astype(q.dtype)
 
 
@@ -149,7 +164,7 @@ def freesolo_attention(q, k, v, *, variant="fs", alpha, lam=1.0, sigma=4.0, lr_g
     window: local radius `w` (Eq. 3-4), `w >= B - 1`.
     tau, beam, bound_c: FS-B forest arguments (τ per head, beam width, bound constant c of Eq. 11).
     rope_theta: RoPE base of the local branch.
-    impl: "reference" | "auto" | "pallas".
+    impl: "reference" | "auto" | "pallas"; with kernels, a half-precision local branch on GPU runs on cuDNN.
 
   Returns:
     `[batch, T, heads, d]` in the dtype of `q`.
@@ -158,7 +173,10 @@ def freesolo_attention(q, k, v, *, variant="fs", alpha, lam=1.0, sigma=4.0, lr_g
   long_range = freesolo_long_range(q, k, v, variant=variant, lam=lam, sigma=sigma, lr_gain=lr_gain, cell=cell,
                                    block=block, top_k=top_k, retain_top=retain_top, retain_recent=retain_recent,
                                    window=window, impl=impl, tau=tau, beam=beam, bound_c=bound_c)
-  local = local_attention(q, k, v, window=window, rope_theta=rope_theta)
+  if use_kernels(impl, cell=cell, head_dim=q.shape[-1]) and cudnn_usable(q.dtype):
+    local = causal_rope_attention_cudnn(q, k, v, window=window, rope_theta=rope_theta)
+  else:
+    local = local_attention(q, k, v, window=window, rope_theta=rope_theta)
   dtype = compute_dtype(q.dtype)
   alpha = _per_head(alpha, q.shape[2], "alpha", dtype)
   return (local.astype(dtype) + alpha[:, None] * long_range.astype(dtype)).astype(q.dtype)
