@@ -39,7 +39,8 @@ def run_case(kind, length, decode_tokens, preset, chunk):
   from fsjax.decode import decode_loop, prefill
   from fsjax.model import Transformer, init_variables
 
-  config = dataclasses.replace(model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16")
+  config = dataclasses.replace(model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16",
+                               scan_layers=True)
   model = Transformer(config)
   variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, config.vocab_size)
@@ -47,14 +48,15 @@ def run_case(kind, length, decode_tokens, preset, chunk):
   fresh = lambda: init_cache(config, 1, max_len, dtype=jnp.bfloat16)
   state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(fresh()))
   lengths = jnp.array([length])
-  _, cache = prefill(model, variables, tokens[:, :chunk], jnp.array([chunk]), fresh(), chunk)  # compile
+  _, cache = prefill(model, variables, tokens[:, :chunk], jnp.array([chunk]), fresh(), chunk,
+                     all_logits=False)  # compile
   start = time.perf_counter()
-  logits, cache = prefill(model, variables, tokens, lengths, fresh(), chunk)
+  logits, cache = prefill(model, variables, tokens, lengths, fresh(), chunk, all_logits=False)
   logits.block_until_ready()
   prefill_s = time.perf_counter() - start
   loop = lambda c: decode_loop(model, variables, c, tokens[:, -1], lengths, jax.random.PRNGKey(2),
                                max_new_tokens=decode_tokens, eos_id=-1, temperature=0.0, top_p=1.0)
-  _, warm = prefill(model, variables, tokens, lengths, fresh(), chunk)
+  _, warm = prefill(model, variables, tokens, lengths, fresh(), chunk, all_logits=False)
   loop(warm).block_until_ready()  # compile
   start = time.perf_counter()
   loop(cache).block_until_ready()

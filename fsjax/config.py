@@ -102,6 +102,9 @@ class ModelConfig:
     dtype: activation dtype ("float32" | "bfloat16" | "float16" | "float64").
     param_dtype: parameter dtype.
     remat: recompute each layer's activations in the backward pass (less memory, ~1/3 more compute).
+    scan_layers: run the layers with `nn.scan` over parameters stacked `[num_layers, ...]` (under
+      "layers/layer/..."): one compiled layer body instead of num_layers, so GPU compile time (and each Pallas
+      kernel's Triton compile) no longer grows with depth. Checkpoints of the two layouts do not mix.
     attention: the attention config.
   """
   vocab_size: int = 32000
@@ -115,6 +118,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: bool = False
+  scan_layers: bool = False
   attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
 
   def __post_init__(self):

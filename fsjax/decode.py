@@ -30,15 +30,17 @@ def extend(model, variables, tokens, cache, positions, valid):
   return _apply(model, variables, tokens, cache, positions, valid)
 
 
-def prefill(model, variables, tokens, lengths, cache, chunk=DEFAULT_CHUNK):
+def prefill(model, variables, tokens, lengths, cache, chunk=DEFAULT_CHUNK, all_logits=True):
   """Runs right-padded prompts through the model in chunks of `chunk` tokens, filling `cache`.
 
   Args:
     tokens: `[batch, P]` int32; lengths: `[batch]` real prompt lengths (>= 1).
     chunk: tokens per forward call (one compile for all chunks), rounded up to whole query blocks.
+    all_logits: return every position's logits; False keeps only each row's last prompt position (at 256k
+      tokens and a 32k vocabulary all of them would take 32 GiB).
 
   Returns:
-    (logits `[batch, P, vocab]` for every prompt position (padding positions hold garbage), cache).
+    (logits `[batch, P, vocab]` (padding positions hold garbage) or `[batch, vocab]`, cache).
   """
   batch, prompt_len = tokens.shape
   block = model.config.attention.block  # chunks of whole query blocks (the FS-L bounded cache needs them)
@@ -46,13 +48,19 @@ def prefill(model, variables, tokens, lengths, cache, chunk=DEFAULT_CHUNK):
   padded = -(-prompt_len // chunk) * chunk
   tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (0, padded - prompt_len)))
   lengths = jnp.asarray(lengths, jnp.int32)
-  outputs = []
+  outputs, last = [], None
   for start in range(0, padded, chunk):
     positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
     logits, cache, _ = extend(model, variables, tokens[:, start:start + chunk], cache, positions,
                               positions < lengths[:, None])
-    outputs.append(logits)
-  return jnp.concatenate(outputs, axis=1)[:, :prompt_len], cache
+    if all_logits:
+      outputs.append(logits)
+    else:
+      offset = jnp.clip(lengths - 1 - start, 0, chunk - 1)
+      here = jnp.take_along_axis(logits, offset[:, None, None], axis=1)[:, 0]
+      in_chunk = ((lengths - 1) // chunk == start // chunk)[:, None]
+      last = here if last is None else jnp.where(in_chunk, here, last)
+  return (jnp.concatenate(outputs, axis=1)[:, :prompt_len] if all_logits else last), cache
 
 
 def sample(logits, rng, temperature=0.0, top_p=1.0):
@@ -82,9 +90,12 @@ class _Loop:
   cells: jax.Array  # [batch, max_new_tokens, layers, heads, K] selected cells, or [0] when not recorded
 
 
-def _stack_cells(intermediates, num_layers):
+def _stack_cells(intermediates, config):
   """Selected cells sown by every layer for a one-token step: `[batch, layers, heads, K]`."""
-  per_layer = [intermediates[f"layer_{i}"]["attention"]["selected_cells"][0][:, 0] for i in range(num_layers)]
+  if config.scan_layers:  # sown inside the scan: [layers, batch, 1, heads, K]
+    return jnp.moveaxis(intermediates["layers"]["layer"]["attention"]["selected_cells"][0][:, :, 0], 0, 1)
+  per_layer = [intermediates[f"layer_{i}"]["attention"]["selected_cells"][0][:, 0]
+               for i in range(config.num_layers)]
   return jnp.stack(per_layer, axis=1)
 
 
@@ -119,7 +130,7 @@ def decode_loop(model, variables, cache, first_token, position, rng, *, max_new_
                                           jnp.ones((batch, 1), bool))
     rng, key = jax.random.split(s.rng)
     token = jnp.where(s.done, eos_id, sample(logits[:, 0], key, temperature, top_p))
-    cells = s.cells.at[:, s.step - 1].set(_stack_cells(intermediates, config.num_layers)) if return_cells \
+    cells = s.cells.at[:, s.step - 1].set(_stack_cells(intermediates, config)) if return_cells \
         else s.cells
     return _Loop(cache=cache, token=token, position=s.position + 1, out=s.out.at[:, s.step].set(token),
                  done=s.done | (token == eos_id), step=s.step + 1, rng=rng, cells=cells)
@@ -145,8 +156,7 @@ def generate(model, variables, tokens, lengths, *, max_new_tokens, eos_id, tempe
     raise ValueError(f"max_len ({max_len}) must hold the prompt ({tokens.shape[1]}) + max_new_tokens "
                      f"({max_new_tokens})")
   cache = init_cache(model.config, tokens.shape[0], max_len)
-  logits, cache = prefill(model, variables, tokens, lengths, cache, chunk)
-  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  last, cache = prefill(model, variables, tokens, lengths, cache, chunk, all_logits=False)
   rng, key = jax.random.split(jax.random.PRNGKey(seed))
   first = sample(last, key, temperature, top_p)
   return decode_loop(model, variables, cache, first, lengths, rng, max_new_tokens=max_new_tokens, eos_id=eos_id,

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.attention import DenseAttention, FreeSoloAttention
+from fsjax.attention.freesolo import ROUTING
 from fsjax.config import FREESOLO_KINDS, ModelConfig
 
 EMBED_INIT_STD = 0.02  # keeps tied-embedding logits O(1) at init (LLaMA's choice)
@@ -58,12 +59,32 @@ class DecoderLayer(nn.Module):
     return x if cache is None else (x, cache)
 
 
+class ScannedLayer(nn.Module):
+  """A DecoderLayer as the body of `nn.scan`: `(x, cache | None)` → `(x, new cache | None)`."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, cache, positions, valid):
+    layer = (nn.remat(DecoderLayer) if self.config.remat else DecoderLayer)(self.config, name="layer")
+    if cache is None:
+      return layer(x), None
+    return layer(x, cache, positions, valid)
+
+
+def _scanned_layers(config: ModelConfig):
+  """All layers as one scanned module: parameters, routing buffers and sown intermediates stacked on axis 0,
+  the cache scanned per layer, positions and valid broadcast."""
+  return nn.scan(ScannedLayer, variable_axes={"params": 0, ROUTING: 0, "intermediates": 0},
+                 split_rngs={"params": True}, in_axes=(0, nn.broadcast, nn.broadcast),
+                 length=config.num_layers)(config, name="layers")
+
+
 class Transformer(nn.Module):
   """Decoder-only LM: `tokens [batch, seq]` int → logits `[batch, seq, vocab]` (float32).
 
   Decoding: with `cache` (from `fsjax.cache.init_cache`), `tokens` is a chunk at `positions` `[batch, C]`
   (`valid` `[batch, C]` marks real tokens; right padding is not cached) and the call returns
-  `(logits, new_cache)`.
+  `(logits, new_cache)`. Layers are `layer_0..layer_{L-1}`, or one scanned `layers` (`config.scan_layers`).
   """
   config: ModelConfig
 
@@ -73,14 +94,17 @@ class Transformer(nn.Module):
     embed = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(EMBED_INIT_STD),
                      dtype=c.dtype, param_dtype=c.param_dtype, name="embed")
     x = embed(tokens)
-    layer = nn.remat(DecoderLayer) if c.remat else DecoderLayer
     new_cache = {}
-    for i in range(c.num_layers):
-      name = f"layer_{i}"
-      if cache is None:
-        x = layer(c, name=name)(x)
-      else:
-        x, new_cache[name] = layer(c, name=name)(x, cache[name], positions, valid)
+    if c.scan_layers:
+      x, new_cache["layers"] = _scanned_layers(c)(x, None if cache is None else cache["layers"], positions, valid)
+    else:
+      layer = nn.remat(DecoderLayer) if c.remat else DecoderLayer
+      for i in range(c.num_layers):
+        name = f"layer_{i}"
+        if cache is None:
+          x = layer(c, name=name)(x)
+        else:
+          x, new_cache[name] = layer(c, name=name)(x, cache[name], positions, valid)
     x = nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name="final_norm")(x)
     if c.tie_embeddings:
       logits = embed.attend(x)

@@ -2,8 +2,10 @@
 
 import zlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 # RMS-relative tolerance per dtype of the computation under test.
 TOLERANCE = {
@@ -44,8 +46,6 @@ def random_qkv(rng, shape, dtype=np.float64):
 
 def kernel_modes():
   """Pallas run modes for kernel tests: interpreted everywhere (CI), compiled only where a GPU exists."""
-  import jax
-  import pytest
   compiled = pytest.param(False, id="compiled",
                           marks=pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"))
   return [pytest.param(True, id="interpret"), compiled]
@@ -68,3 +68,13 @@ def assert_same_cells(actual, expected, scores, atol):
     missing = np.array(sorted(want - got))
     gap = np.max(np.abs(scores[where][extra][:, None] - scores[where][missing][None, :]))
     assert gap <= atol, f"query {where}: got {sorted(got)}, want {sorted(want)} (score gap {gap:.3g})"
+
+
+def stack_layers(variables, num_layers):
+  """Unrolled variables (`layer_i`) in the `scan_layers` layout (`layers/layer`, stacked on axis 0)."""
+  stacked = {}
+  for collection, tree in variables.items():
+    rest = {name: value for name, value in tree.items() if not name.startswith("layer_")}
+    layers = [tree[f"layer_{i}"] for i in range(num_layers)]
+    stacked[collection] = {**rest, "layers": {"layer": jax.tree_util.tree_map(lambda *x: jnp.stack(x), *layers)}}
+  return stacked

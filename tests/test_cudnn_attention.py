@@ -5,7 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dataclasses
+
 from fsjax import ops
+from fsjax.cache import init_cache
+from fsjax.config import model_preset
+from fsjax.decode import extend, prefill
+from fsjax.model import Transformer, init_variables
 from fsjax.ops.cudnn import causal_rope_attention_cudnn
 from helpers import assert_close, random_qkv
 
@@ -19,3 +25,21 @@ def test_cudnn_matches_reference_in_bf16(rng, window):
   reference = (ops.tfpp_attention(q, k, v) if window is None else ops.swa_attention(q, k, v, window=window))
   assert fast.dtype == jnp.bfloat16
   assert_close(np.asarray(fast, np.float32), np.asarray(reference, np.float32), jnp.bfloat16)
+
+
+def test_tfpp_cache_on_cudnn_matches_the_reference_cache_path(rng):
+  """Chunked prefill and one-token steps through cuDNN over the bf16 dense cache, against impl="reference"."""
+  config = dataclasses.replace(model_preset("tiny", kind="tfpp"), dtype="bfloat16", param_dtype="bfloat16")
+  variables = init_variables(config, jax.random.PRNGKey(0), 64)
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 100)))
+  lengths = jnp.array([96, 57])
+
+  def run(impl):
+    model = Transformer(dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl)))
+    cache = init_cache(config, 2, 100, dtype=jnp.bfloat16)
+    logits, cache = prefill(model, variables, tokens[:, :96], lengths, cache, chunk=32)
+    step, _, _ = extend(model, variables, tokens[:, 96:97], cache, lengths[:, None], jnp.ones((2, 1), bool))
+    logits, step = np.asarray(logits, np.float32), np.asarray(step, np.float32)
+    return np.concatenate([logits[0, :96], logits[1, :57], step[:, 0]])
+
+  assert_close(run("auto"), run("reference"), jnp.bfloat16)

@@ -11,14 +11,14 @@ from fsjax.cache import init_cache
 from fsjax.config import model_preset
 from fsjax.decode import extend, generate, prefill, sample
 from fsjax.model import Transformer, init_variables
-from helpers import assert_close
+from helpers import assert_close, stack_layers
 
 KINDS = ["fs", "fsl", "tfpp", "swa", "moba"]
 SEQ, PROMPT = 150, 70  # crosses four 32-token query blocks in the prompt and more while decoding
 
 
-def _setup(kind):
-  config = model_preset("tiny", kind=kind)
+def _setup(kind, scan_layers=False):
+  config = model_preset("tiny", kind=kind, scan_layers=scan_layers)
   config = dataclasses.replace(config, attention=dataclasses.replace(
       config.attention, window=40, moba_block=32, moba_top_k=2, retain_top=2, retain_recent=1))
   return config, Transformer(config), init_variables(config, jax.random.PRNGKey(0), 64)
@@ -43,9 +43,10 @@ def _teacher_forced(model, variables, tokens, prompt_len, chunk):
   return np.asarray(jnp.concatenate(steps, axis=1))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_prefill_and_decode_equal_the_full_forward(rng, kind):
-  config, model, variables = _setup(kind)
+@pytest.mark.parametrize("kind,scan_layers", [*((kind, False) for kind in KINDS), ("fsl", True), ("fs", True)])
+def test_prefill_and_decode_equal_the_full_forward(rng, kind, scan_layers):
+  """Also through a `scan_layers` model, whose cache is one stacked pytree scanned with the layers."""
+  config, model, variables = _setup(kind, scan_layers)
   tokens = _distinct_tokens(rng, config.vocab_size, 2, SEQ)
   full = np.asarray(jax.jit(model.apply)(variables, tokens))
   assert_close(_teacher_forced(model, variables, tokens, PROMPT, chunk=32), full, np.float32, scale=5)
@@ -73,6 +74,15 @@ def test_prefill_chunk_size_does_not_change_logits(rng, kind):
   small, _ = prefill(model, variables, tokens, lengths, init_cache(config, 1, 96), chunk=16)
   large, _ = prefill(model, variables, tokens, lengths, init_cache(config, 1, 96), chunk=96)
   assert_close(small, large, np.float32, scale=5)
+
+
+def test_prefill_can_keep_only_each_rows_last_logits(rng):
+  config, model, variables = _setup("fs")
+  tokens = _distinct_tokens(rng, config.vocab_size, 2, 100)
+  lengths = jnp.array([100, 41])
+  full, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, 100), chunk=32)
+  last, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, 100), chunk=32, all_logits=False)
+  np.testing.assert_array_equal(np.asarray(last), np.asarray(full)[[0, 1], [99, 40]])
 
 
 @pytest.mark.parametrize("kind", ["fs", "tfpp", "swa"])
@@ -154,5 +164,9 @@ def test_generation_returns_the_cells_each_step_selected(rng):
   cells = np.asarray(cells)
   # Consuming generated token j (position 90 + j, block 2) may read the 8 cells before position 64.
   assert np.all((cells[:, :5] >= 0) & (cells[:, :5] < 8)) and np.all(cells[:, 5] == -1)
+  _, scanned, _ = _setup("fs", scan_layers=True)
+  _, scanned_cells = generate(scanned, stack_layers(variables, config.num_layers), prompt, [90], max_new_tokens=6,
+                              eos_id=-1, chunk=32, return_cells=True)
+  np.testing.assert_array_equal(np.asarray(scanned_cells), cells)
   with pytest.raises(ValueError, match="return_cells needs a FreeSolo model"):
     generate(*_setup("tfpp")[1:], prompt, [90], max_new_tokens=2, eos_id=-1, return_cells=True)

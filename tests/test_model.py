@@ -1,6 +1,7 @@
 """The LLaMA-style decoder: every attention type runs, is causal, counts parameters, and learns."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 
 from fsjax.config import model_preset
 from fsjax.model import Transformer, init_variables, param_counts
+from helpers import assert_close, stack_layers
 
 KINDS = ["fs", "fsl", "tfpp", "swa", "moba"]
 SEQ = 96
@@ -73,3 +75,22 @@ def test_tiny_model_overfits_a_repeated_batch(rng, kind):
     params, opt_state, loss = step(params, opt_state)
     losses.append(float(loss))
   assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("kind", ["fsl", "tfpp"])
+def test_scanned_layers_equal_unrolled_layers(rng, kind):
+  config = dataclasses.replace(_tiny(kind), remat=True)
+  scanned = dataclasses.replace(config, scan_layers=True)
+  variables = init_variables(config, jax.random.PRNGKey(0), SEQ)
+  stacked = stack_layers(variables, config.num_layers)
+  assert jax.tree_util.tree_structure(stacked) == jax.tree_util.tree_structure(
+      init_variables(scanned, jax.random.PRNGKey(0), SEQ))
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, SEQ)))
+  loss = lambda model, params, others: jnp.mean(model.apply({"params": params, **others}, tokens) ** 2)
+  split = lambda v: (v["params"], {k: x for k, x in v.items() if k != "params"})
+  value, grads = jax.value_and_grad(functools.partial(loss, Transformer(config)))(*split(variables))
+  value_scan, grads_scan = jax.value_and_grad(functools.partial(loss, Transformer(scanned)))(*split(stacked))
+  assert_close(value_scan, value, np.float32)
+  for got, want in zip(jax.tree_util.tree_leaves(grads_scan),
+                       jax.tree_util.tree_leaves(stack_layers({"params": grads}, config.num_layers)["params"])):
+    assert_close(got, want, np.float32)

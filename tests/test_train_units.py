@@ -81,6 +81,11 @@ def test_partition_rules_shard_over_fsdp_and_replicate_what_does_not_divide():
   # Optimizer moments carry the parameter path as a suffix, so they follow the same rule.
   assert sharding.param_spec("opt_state/1/0/mu/embed/embedding", (32, 8), 2) == jax.sharding.PartitionSpec(
       "fsdp", None)
+  # scan_layers stacks parameters [layers, ...]: the layer axis stays whole, the rest follows the rule.
+  assert sharding.param_spec("layers/layer/attention/q_proj/kernel", (3, 64, 4, 16), 2) == \
+      jax.sharding.PartitionSpec(None, "fsdp", None, None)
+  assert sharding.param_spec("0/mu/layers/layer/mlp/down/kernel", (3, 256, 64), 2) == \
+      jax.sharding.PartitionSpec(None, None, "fsdp")
 
 
 def test_mesh_sizes_must_cover_the_devices():

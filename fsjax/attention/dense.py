@@ -1,6 +1,7 @@
 """Baseline attentions (TF++, SWA, MoBA) as a Flax linen module."""
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from fsjax import ops
@@ -22,7 +23,8 @@ class DenseAttention(nn.Module):
   `impl`: "reference" always runs `fsjax.ops`; otherwise TF++ and SWA use cuDNN on GPU in bf16/fp16.
 
   With a `cache` (a `KVStore`: dense for TF++/MoBA, a ring of window + 1 for SWA), `x` is a chunk at
-  `positions` `[batch, C]` with `valid` `[batch, C]`, and the call returns `(y, new_cache)`.
+  `positions` `[batch, C]` with `valid` `[batch, C]`, and the call returns `(y, new_cache)`; TF++ with a
+  half-precision cache on GPU attends it through cuDNN.
   """
   num_heads: int
   head_dim: int
@@ -57,6 +59,9 @@ class DenseAttention(nn.Module):
     return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
 
   def _extend(self, q, k, v, cache, positions, valid):
+    if (self.kind == "tfpp" and self.impl != "reference" and cudnn_usable(q.dtype)
+        and cudnn_usable(cache.k.dtype)):
+      return self._extend_cudnn(q, k, v, cache, positions, valid)
     dtype = compute_dtype(q.dtype)
     q_rot = apply_rope(q.astype(dtype), positions, self.rope_theta)
     k_rot = apply_rope(k.astype(dtype), positions, self.rope_theta)
@@ -70,3 +75,12 @@ class DenseAttention(nn.Module):
       extra = moba_cache.block_mask(q_rot, positions, cache, moba_block=self.moba_block,
                                     moba_top_k=self.moba_top_k)
     return kv.attend(q_rot, positions, cache.k, cache.v, cache.pos, extra_mask=extra), cache
+
+  def _extend_cudnn(self, q, k, v, cache, positions, valid):
+    """TF++ prefill/decode on cuDNN's fused kernel: the chunk attends the half-precision dense cache through a
+    position mask (the chunk is written first), so a 2048-token chunk at 256k never materializes its logits."""
+    q_rot = apply_rope(q, positions, self.rope_theta).astype(cache.k.dtype)
+    cache = kv.write(cache, apply_rope(k, positions, self.rope_theta), v, positions, valid)
+    mask = kv.visible(positions, cache.pos)[:, None]  # [batch, 1, C, N]
+    o = jax.nn.dot_product_attention(q_rot, cache.k, cache.v, mask=mask, implementation="cudnn")
+    return o, cache

@@ -5,6 +5,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from fsjax.cache.archive import Archive, empty_archive
@@ -23,7 +24,8 @@ def cache_capacity(config: ModelConfig, max_len):
 
 
 def init_cache(config: ModelConfig, batch, max_len, dtype=jnp.float32, bounded=True):
-  """Empty per-layer caches `{"layer_i": KVStore | Archive | BoundedCache}` for up to `max_len` tokens.
+  """Empty per-layer caches `{"layer_i": KVStore | Archive | BoundedCache}` for up to `max_len` tokens, or
+  `{"layers": ...}` with every array stacked `[num_layers, ...]` for a `scan_layers` model.
 
   FS-L gets the bounded cache (its size ignores `max_len`) unless `bounded=False` asks for the archive.
   """
@@ -40,6 +42,8 @@ def init_cache(config: ModelConfig, batch, max_len, dtype=jnp.float32, bounded=T
     make = lambda: empty_store(*shape, dtype)
   else:
     raise NotImplementedError(f"no decode cache for attention kind {att.kind!r} yet")
+  if config.scan_layers:
+    return {"layers": jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (config.num_layers, *x.shape)), make())}
   return {f"layer_{i}": make() for i in range(config.num_layers)}
 
 

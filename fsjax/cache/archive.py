@@ -54,10 +54,16 @@ def extend(archive: Archive, k, v, pos, valid, cell):
 
 
 def local_branch(archive: Archive, q, pos, *, window, rope_theta):
-  """Eq. 3-4 for queries at `pos` over the archived keys (the chunk must already be written)."""
+  """Eq. 3-4 for queries at `pos` `[batch, C]` (consecutive per row) over the archived keys (the chunk must
+  already be written). Reads only the `window + C` slots each row's chunk can see, so a step costs O(w), not
+  O(archive length)."""
   tokens = archive.tokens
-  k_rot = apply_rope(tokens.k, jnp.maximum(tokens.pos, 0), rope_theta)
-  return kv.attend(apply_rope(q, pos, rope_theta), pos, k_rot, tokens.v, tokens.pos, window=window)
+  span = min(window + q.shape[1], tokens.capacity)
+  start = jnp.clip(jnp.min(pos, axis=1) - window, 0, tokens.capacity - span)  # slot = position
+  window_of = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, span, axis=0))
+  k, v, k_pos = (window_of(x, start) for x in (tokens.k, tokens.v, tokens.pos))
+  k_rot = apply_rope(k, jnp.maximum(k_pos, 0), rope_theta)
+  return kv.attend(apply_rope(q, pos, rope_theta), pos, k_rot, v, k_pos, window=window)
 
 
 def select_from_archive(archive: Archive, q, pos, *, variant, lam, sigma, cell, block, top_k, retain_top,

@@ -52,6 +52,13 @@ def write(store: KVStore, k, v, pos, valid):
                  pos=store.pos.at[rows, slot].set(pos, mode="drop"))
 
 
+def visible(q_pos, k_pos, window=None):
+  """`[batch, C, N]` bool: key slot n is filled and `0 <= q_pos - k_pos <= window` (no bound for None)."""
+  offset = q_pos[:, :, None] - k_pos[:, None, :]
+  mask = (k_pos[:, None, :] >= 0) & (offset >= 0)
+  return mask if window is None else mask & (offset <= window)
+
+
 def attend(q, q_pos, k, v, k_pos, window=None, extra_mask=None):
   """Softmax attention of queries at positions over keys at positions: `j <= i` and `i - j <= window`.
 
@@ -64,11 +71,7 @@ def attend(q, q_pos, k, v, k_pos, window=None, extra_mask=None):
   Returns:
     `[batch, C, heads, d]` float32 (or wider), zero for a query that sees nothing.
   """
-  offset = q_pos[:, :, None] - k_pos[:, None, :]  # [batch, C, N]
-  mask = (k_pos[:, None, :] >= 0) & (offset >= 0)
-  if window is not None:
-    mask &= offset <= window
-  mask = mask[:, None]
+  mask = visible(q_pos, k_pos, window)[:, None]
   if extra_mask is not None:
     mask &= extra_mask
   logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=PRECISION) / math.sqrt(q.shape[-1])

@@ -57,7 +57,10 @@ def path_name(path):
 
 
 def param_spec(name, shape, fsdp_size):
-  """The PartitionSpec of one parameter: its rule's spec, with non-divisible axes replicated."""
+  """The PartitionSpec of one parameter: its rule's spec, with non-divisible axes replicated. Parameters
+  stacked by `scan_layers` ("layers/layer/...") keep their layer axis unsharded."""
+  if re.search(r"(^|/)layers/layer/", name) and shape:
+    return P(None, *param_spec(name.replace("layers/layer/", "layer/"), shape[1:], fsdp_size))
   for pattern, spec in PARTITION_RULES:
     if re.search(pattern, name) and len(spec) == len(shape):
       return P(*(axis if axis is None or shape[i] % fsdp_size == 0 else None for i, axis in enumerate(spec)))
