@@ -276,7 +276,8 @@ def sparse_readout(q, k, v, cell_idx, *, cell, block_sizes=None, interpret=None)
 
   Args:
     q: `[batch, T, heads, d]` unrotated queries (NoPE readout).
-    k, v: `[batch, T_k, heads, d]` keys and values (T_k may differ from T, e.g. a decode archive).
+    k, v: `[batch, T_k, heads, d]` keys and values (T_k may differ from T, e.g. a decode archive); the
+      tiles multiply in the dtype of k.
     cell_idx: `[batch, T, heads, K]` int32 selected cells, -1 for none; each query's cells are distinct.
     cell: cell size `s`.
     block_sizes: `BlockSizes`; interpret: None = compiled on GPU, interpreted elsewhere.
@@ -291,5 +292,8 @@ def sparse_readout(q, k, v, cell_idx, *, cell, block_sizes=None, interpret=None)
     raise ValueError(f"cell_idx must be [batch, T, heads, K] matching q {q.shape[:3]}, got {cell_idx.shape}")
   interpret = default_interpret() if interpret is None else interpret
   check_compilable(cell=cell, head_dim=q.shape[-1], interpret=interpret)
-  return _readout(q, k.astype(q.dtype), v.astype(q.dtype), cell_idx.astype(jnp.int32), cell,
-                  block_sizes or BlockSizes.get_default(), interpret)
+  # The tiles multiply in the keys' storage dtype: casting the (short) queries is cheap, casting a decode
+  # archive's keys and values would copy all of them at every step.
+  u = _readout(q.astype(k.dtype), k, v.astype(k.dtype), cell_idx.astype(jnp.int32), cell,
+               block_sizes or BlockSizes.get_default(), interpret)
+  return u.astype(q.dtype)

@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 
 from fsjax import ops
-from fsjax.ops.cudnn import causal_rope_attention_cudnn, cudnn_usable
 from fsjax.attention.projections import project_heads, project_out
 from fsjax.cache import moba as moba_cache
 from fsjax.cache import store as kv
 from fsjax.ops.common import compute_dtype
+from fsjax.ops.cudnn import causal_rope_attention_cudnn, cudnn_usable
 from fsjax.ops.rope import apply_rope
 
 KINDS = ("tfpp", "swa", "moba")
