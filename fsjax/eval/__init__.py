@@ -1,0 +1,1 @@
+"""RULER-style evaluation: task generators, RULER file formats and scoring."""

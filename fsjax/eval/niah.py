@@ -1,0 +1,164 @@
+"""RULER's needle-in-a-haystack family (NVIDIA RULER c3f5e3b, scripts/data/synthetic/niah.py): S-NIAH-1/2/3,
+MK-NIAH-1/2/3, MV-NIAH and MQ-NIAH, with RULER's task arguments, base template and answer prefix.
+
+A sample is a pure function of (task, haystack size, sample seed), so the haystack size can be found by binary
+search: the largest number of haystack units (essay words, noise sentences or distractor needles) for which
+the prompt's tokens plus the generation budget fit the target length under the given tokenizer.
+"""
+
+import dataclasses
+import random
+
+import numpy as np
+
+from fsjax.eval.haystack import NEEDLE, NOISE, essay_words, random_value, split_sentences
+
+TOKENS_TO_GENERATE = 128
+TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
+            "I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
+            "{type_needle_v} for {query} mentioned in the provided text?")
+ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
+DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]  # needle depths, percent
+
+
+@dataclasses.dataclass(frozen=True)
+class NiahTask:
+  """RULER's niah arguments: haystack ("noise" | "essay" | "needle"), key/value types, needle counts."""
+  haystack: str
+  key_type: str
+  value_type: str
+  num_keys: int = 1
+  num_values: int = 1
+  num_queries: int = 1
+
+
+TASKS = {
+    "niah_single_1": NiahTask("noise", "words", "numbers"),
+    "niah_single_2": NiahTask("essay", "words", "numbers"),
+    "niah_single_3": NiahTask("essay", "words", "uuids"),
+    "niah_multikey_1": NiahTask("essay", "words", "numbers", num_keys=4),
+    "niah_multikey_2": NiahTask("needle", "words", "numbers"),
+    "niah_multikey_3": NiahTask("needle", "uuids", "uuids"),
+    "niah_multivalue": NiahTask("essay", "words", "numbers", num_values=4),
+    "niah_multiquery": NiahTask("essay", "words", "numbers", num_queries=4),
+}
+
+
+def _template(task):
+  """The prompt template with the answer prefix; singular wording when one value is asked for (as RULER)."""
+  template, type_needle_v = TEMPLATE + ANSWER_PREFIX, task.value_type
+  if task.num_queries * task.num_values == 1:
+    for plural, singular in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
+      template = template.replace(plural, singular)
+    type_needle_v = type_needle_v[:-1]
+  return template, type_needle_v
+
+
+def _context(task, needles, size, rng, corpus):
+  """The haystack of `size` units with the needles inserted (RULER's insertion rules)."""
+  if task.haystack == "essay":
+    words = essay_words(corpus)
+    text = " ".join(words[i % len(words)] for i in range(size))  # repeated when the corpus is short
+    sentences = split_sentences(text)
+    cuts = sorted(int(len(sentences) * depth / 100) for depth in rng.sample(DEPTHS, len(needles)))
+    pieces, last = [], 0
+    for cut, needle in zip(cuts, needles):
+      pieces += [" ".join(sentences[last:cut]), needle]
+      last = cut
+    return " ".join(pieces + [" ".join(sentences[last:])])
+  if task.haystack == "noise":
+    sentences = [NOISE] * size
+  else:  # distractor needles, drawn first so a larger haystack extends a smaller one
+    sentences = [NEEDLE.format(type_needle_v=task.value_type, key=random_value(task.key_type, rng),
+                               value=random_value(task.value_type, rng)) for _ in range(size)]
+  slots = sorted(rng.sample(range(size), len(needles)), reverse=True) if size >= len(needles) else [0] * len(needles)
+  for slot, needle in zip(slots, needles):
+    sentences.insert(slot, needle)
+  return "\n".join(sentences)
+
+
+def make_sample(task_name, size, seed, corpus=None):
+  """One sample with `size` haystack units.
+
+  Returns:
+    (input text, answer prefix, expected values); the model's prompt is `input + answer_prefix`.
+  """
+  task = TASKS[task_name]
+  rng = random.Random(seed)
+  num_keys = max(task.num_keys, task.num_queries)
+  keys, values, needles = [], [], []
+  for _ in range(num_keys):
+    keys.append(random_value(task.key_type, rng))
+    values.append([random_value(task.value_type, rng) for _ in range(task.num_values)])
+    needles += [NEEDLE.format(type_needle_v=task.value_type, key=keys[-1], value=v) for v in values[-1]]
+  random.Random(seed).shuffle(needles)  # RULER shuffles with a fresh generator on the seed
+  asked = rng.sample(range(num_keys), task.num_queries)
+  queries = [keys[i] for i in asked]
+  answers = [v for i in asked for v in values[i]]
+  query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
+  template, type_needle_v = _template(task)
+  text = template.format(type_needle_v=type_needle_v, context=_context(task, needles, size, rng, corpus),
+                         query=query)
+  cut = text.rfind(ANSWER_PREFIX[:10])  # RULER locates the prefix by its first ten characters
+  return text[:cut], text[cut:], answers
+
+
+def largest_fitting(fits, guess):
+  """The largest n >= 0 with `fits(n)`, for `fits` true up to some n and false beyond; galloping from `guess`.
+
+  Raises ValueError when even n = 0 does not fit.
+  """
+  if not fits(0):
+    raise ValueError("the target length cannot hold even an empty haystack plus the generation budget")
+  lo, step = 0, max(1, guess // 32)
+  if fits(guess):
+    lo = guess
+    while fits(lo + step):
+      lo, step = lo + step, 2 * step
+    hi = lo + step
+  else:
+    hi = guess
+    while hi - step > 0 and not fits(hi - step):
+      hi, step = hi - step, 2 * step
+    lo = max(0, hi - step)
+  while hi - lo > 1:  # fits(lo), not fits(hi)
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+  return lo
+
+
+def sample_seed(seed, task_name, length, index):
+  """The seed of sample `index` of a (task, length) under the run's `seed`: independent streams per sample."""
+  return random.Random(f"{seed}/{task_name}/{length}/{index}").getrandbits(64)
+
+
+def generate(task_name, length, num_samples, count_tokens, *, seed=42, corpus=None,
+             tokens_to_generate=TOKENS_TO_GENERATE):
+  """RULER-format records for one task and target length.
+
+  Args:
+    task_name: a key of TASKS; length: target tokens (prompt + generation budget).
+    count_tokens: `text -> int`, the model's tokenizer.
+    seed: the run's seed (RULER: 42); sample i uses its own seed derived from (seed, task, length, i).
+    corpus: essay haystack source (see `haystack.essay_words`).
+
+  Returns:
+    list of dicts with RULER's fields `index`, `input`, `outputs`, `length`, `length_w_model_temp`,
+    `answer_prefix`, and `haystack_size`.
+  """
+  if task_name not in TASKS:
+    raise ValueError(f"task must be one of {sorted(TASKS)}, got {task_name!r}")
+  budget = length - tokens_to_generate
+  records, guess = [], max(1, budget // 2)
+  for index in range(num_samples):
+    this_seed = sample_seed(seed, task_name, length, index)
+    prompt_tokens = lambda size: count_tokens("".join(make_sample(task_name, size, this_seed, corpus)[:2]))
+    try:
+      guess = largest_fitting(lambda size: prompt_tokens(size) <= budget, guess)
+    except ValueError as e:
+      raise ValueError(f"{task_name} at {length} tokens: {e}") from None
+    text, prefix, answers = make_sample(task_name, guess, this_seed, corpus)
+    used = prompt_tokens(guess) + tokens_to_generate
+    records.append(dict(index=index, input=text, outputs=answers, length=used, length_w_model_temp=used,
+                        answer_prefix=prefix, haystack_size=guess))
+  return records

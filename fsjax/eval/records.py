@@ -1,0 +1,46 @@
+"""RULER's jsonl files: read generated tasks (ours or RULER's own), write and read predictions.
+
+A task record has `index`, `input`, `outputs` (expected strings), `length` and `answer_prefix`; the model's prompt
+is `input + answer_prefix`. In RULER's NIAH files `index` is not a sample number, so records keep file order
+and carry `index` through unchanged. A prediction record adds `pred` to the task record (RULER's field).
+"""
+
+import json
+from pathlib import Path
+
+REQUIRED = ("index", "input", "outputs", "answer_prefix")
+
+
+def read_jsonl(path):
+  """Records of a jsonl file, in order. Raises ValueError naming the file and line of a record that lacks a
+  RULER field or whose `outputs` is not a list of strings."""
+  path = Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"RULER file not found: {path}")
+  records = []
+  with path.open(encoding="utf-8") as f:
+    for line_number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      record = json.loads(line)
+      missing = [k for k in REQUIRED if k not in record]
+      if missing:
+        raise ValueError(f"{path}:{line_number}: record lacks RULER field(s) {missing}")
+      if not isinstance(record["outputs"], list) or not all(isinstance(o, str) for o in record["outputs"]):
+        raise ValueError(f"{path}:{line_number}: outputs must be a list of strings")
+      records.append(record)
+  return records
+
+
+def write_jsonl(path, records):
+  """Writes records one JSON object per line (UTF-8, non-ASCII kept), creating parent directories."""
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with path.open("w", encoding="utf-8") as f:
+    for record in records:
+      f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def prompt(record):
+  """The text the model continues: `input + answer_prefix`."""
+  return record["input"] + record["answer_prefix"]

@@ -1,0 +1,150 @@
+"""RULER-style evaluation of one or more checkpoints across tasks and lengths.
+
+    python -m fsjax.eval.ruler --checkpoint runs/tiny_fs --tasks niah_single_1,niah_single_2 \\
+        --lengths 1024,4096 --num-samples 50 [--out runs/ruler] [--batch-size 4]
+    python -m fsjax.eval.ruler --checkpoint A B --ruler-data DIR ...   # score RULER's own files
+
+Tasks are generated offline (the NIAH family: niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue,
+niah_multiquery) under each model's tokenizer, seed 42 by default; `--ruler-data DIR` reads RULER-generated
+files `DIR/<length>/<task>/validation.jsonl` instead (any of its 13 tasks). Greedy decoding with EOS stopping and
+RULER's generation caps; scores are RULER's (string_match_all, string_match_part for QA) on 0-100.
+
+Writes `<out>/<model>/<length>/<task>.jsonl` (records with `pred`), `<out>/scores.csv`, `<out>/scores.png`
+(accuracy vs length per task, a line per model) and prints the table.
+"""
+
+import argparse
+import csv
+import sys
+import warnings
+from pathlib import Path
+
+from fsjax.config import ConfigError
+from fsjax.eval import niah, records, scoring
+from fsjax.train.checkpoint import CheckpointError
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--checkpoint", nargs="+", required=True, help="training workdirs or step directories")
+  parser.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3",
+                      type=lambda s: [t for t in s.split(",") if t])
+  parser.add_argument("--lengths", default="4096", type=lambda s: [int(n) for n in s.split(",") if n])
+  parser.add_argument("--num-samples", type=int, default=50)
+  parser.add_argument("--batch-size", type=int, default=1)
+  parser.add_argument("--seed", type=int, default=42)
+  parser.add_argument("--corpus", default=None, help="essay haystack jsonl/txt (default: packaged held-out books)")
+  parser.add_argument("--ruler-data", default=None, help="read RULER-generated files instead of generating")
+  parser.add_argument("--out", default="runs/ruler")
+  parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
+  return parser.parse_args(argv)
+
+
+def check_args(args):
+  """One clear error per bad argument, before any model is loaded."""
+  if args.num_samples < 1 or args.batch_size < 1:
+    raise ConfigError("--num-samples and --batch-size must be >= 1")
+  if not args.tasks or not args.lengths:
+    raise ConfigError("--tasks and --lengths must each name at least one value")
+  for task in args.tasks:
+    if args.ruler_data is None and task not in niah.TASKS:
+      raise ConfigError(f"--tasks: {task!r} cannot be generated offline (available: {sorted(niah.TASKS)}); "
+                        "RULER's other tasks can be read from its files with --ruler-data")
+    scoring.task_family(task)  # ValueError for a name that is no RULER task
+  for length in args.lengths:
+    if length <= scoring.TOKENS_TO_GENERATE["niah"]:
+      raise ConfigError(f"--lengths: {length} leaves no room for a prompt")
+
+
+def task_records(args, task, length, count_tokens):
+  if args.ruler_data is None:
+    return niah.generate(task, length, args.num_samples, count_tokens, seed=args.seed, corpus=args.corpus,
+                         tokens_to_generate=scoring.TOKENS_TO_GENERATE[scoring.task_family(task)])
+  return records.read_jsonl(Path(args.ruler_data) / str(length) / task / "validation.jsonl")[:args.num_samples]
+
+
+def evaluate_checkpoint(args, path, progress):
+  """Scores of one checkpoint: list of dicts (model, task, length, score, samples)."""
+  from fsjax.data.tokenizer import eos_id, load_tokenizer
+  from fsjax.eval.runner import predict
+  from fsjax.model import Transformer
+  from fsjax.train import checkpoint
+
+  config, params, frozen, step = checkpoint.load(path)
+  tokenizer = load_tokenizer(config.data.tokenizer)
+  count_tokens = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+  model, variables = Transformer(config.model), {"params": params, **frozen}
+  name = f"{Path(path).name}@{step}"
+  rows = []
+  for length in args.lengths:
+    for task in args.tasks:
+      cap = scoring.TOKENS_TO_GENERATE[scoring.task_family(task)]
+      task_data = task_records(args, task, length, count_tokens)
+      predictions = predict(model, variables, tokenizer, task_data, max_new_tokens=cap, eos_id=eos_id(tokenizer),
+                            max_len=length, batch_size=args.batch_size, chunk=args.chunk, progress=progress)
+      records.write_jsonl(Path(args.out) / name / str(length) / f"{task}.jsonl",
+                          [{**r, "pred": p} for r, p in zip(task_data, predictions)])
+      rows.append(dict(model=name, task=task, length=length, samples=len(task_data),
+                       score=scoring.score(task, predictions, [r["outputs"] for r in task_data])))
+  return rows
+
+
+def write_csv(path, rows):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with path.open("w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=["model", "task", "length", "samples", "score"])
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def plot(path, rows):
+  """Accuracy vs length, one panel per task, one line per model (log2 length axis)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  tasks = sorted({r["task"] for r in rows})
+  figure, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.2), squeeze=False)
+  for ax, task in zip(axes[0], tasks):
+    for model in sorted({r["model"] for r in rows}):
+      points = sorted((r["length"], r["score"]) for r in rows if r["task"] == task and r["model"] == model)
+      ax.plot(*zip(*points), marker="o", label=model)
+    ax.set_xscale("log", base=2)
+    ax.set(title=task, xlabel="length (tokens)", ylabel="score (0-100)", ylim=(-5, 105))
+  axes[0][0].legend(fontsize="small")
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+  plt.close(figure)
+
+
+def format_table(rows):
+  lengths = sorted({r["length"] for r in rows})
+  lines = ["| model | task | " + " | ".join(map(str, lengths)) + " |", "|---|---|" + "---|" * len(lengths)]
+  for model, task in sorted({(r["model"], r["task"]) for r in rows}):
+    scores = {r["length"]: r["score"] for r in rows if r["model"] == model and r["task"] == task}
+    lines.append(f"| {model} | {task} | " + " | ".join(f"{scores.get(n, float('nan')):.1f}" for n in lengths) + " |")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+  try:
+    check_args(args)
+    from tqdm import tqdm
+    total = len(args.checkpoint) * len(args.tasks) * len(args.lengths) * args.num_samples
+    with tqdm(total=total, desc="RULER", unit="sample", file=sys.stderr) as bar:
+      rows = [row for path in args.checkpoint for row in evaluate_checkpoint(args, path, bar.update)]
+  except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  out = Path(args.out)
+  write_csv(out / "scores.csv", rows)
+  plot(out / "scores.png", rows)
+  print(format_table(rows))
+  print(f"wrote {out / 'scores.csv'} and {out / 'scores.png'}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,43 @@
+"""Greedy batched generation over RULER records with a fsjax model (RULER's protocol: the prompt is
+`input + answer_prefix`, greedy decoding, EOS stops, a generation cap per task family)."""
+
+import numpy as np
+
+from fsjax.decode import generate
+from fsjax.eval.records import prompt
+
+
+def predict(model, variables, tokenizer, task_records, *, max_new_tokens, eos_id, max_len, batch_size=1,
+            chunk=2048, progress=None):
+  """Predictions (decoded text up to EOS) for records of one task and length.
+
+  Args:
+    tokenizer: a `tokenizers.Tokenizer` (no special tokens are added to prompts).
+    max_new_tokens: the task's generation cap; max_len: cache length (the target length), the same for every
+      batch so each (task, length) compiles once.
+    batch_size: prompts per generate call, right-padded to `max_len - max_new_tokens` tokens.
+    progress: optional callable(n) told after every batch how many records it finished.
+
+  Returns:
+    list of str, one per record, in order.
+  """
+  width = max_len - max_new_tokens  # every batch has the same shape: one compile per (task, length)
+  predictions = []
+  for start in range(0, len(task_records), batch_size):
+    batch = task_records[start:start + batch_size]
+    ids = [tokenizer.encode(prompt(r), add_special_tokens=False).ids for r in batch]
+    if max(map(len, ids)) > width:
+      raise ValueError(f"a prompt of {max(map(len, ids))} tokens + {max_new_tokens} new tokens exceeds "
+                       f"max_len={max_len}")
+    ids += [ids[0]] * (batch_size - len(ids))  # a short last batch is filled with copies, then dropped
+    tokens = np.zeros((batch_size, width), np.int32)
+    for row, row_ids in enumerate(ids):
+      tokens[row, :len(row_ids)] = row_ids
+    out = np.asarray(generate(model, variables, tokens, [len(i) for i in ids], max_new_tokens=max_new_tokens,
+                              eos_id=eos_id, chunk=chunk, max_len=max_len))
+    for row in out[:len(batch)]:
+      row = [int(t) for t in row]
+      predictions.append(tokenizer.decode(row[:row.index(eos_id)] if eos_id in row else row))
+    if progress is not None:
+      progress(len(batch))
+  return predictions
