@@ -1,9 +1,13 @@
 """Shared fixtures and settings."""
 
+import os
+
 import jax
 import pytest
 
 from helpers import seeded_rng
+
+MICRO_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "micro_fs.yaml")
 
 # Tests check math: on GPUs, float32 matmuls outside the references would otherwise default to TF32.
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -13,3 +17,13 @@ jax.config.update("jax_default_matmul_precision", "highest")
 def rng(request):
   """Fresh random inputs (never zeros), seeded from the test's id so every run draws the same ones."""
   return seeded_rng(request.node.nodeid)
+
+
+@pytest.fixture(scope="session")
+def micro_workdir(tmp_path_factory):
+  """A training workdir of the micro FS config after 2 steps (checkpoints at step 2), shared by CLI tests."""
+  from fsjax.config import load_config
+  from fsjax.train import loop
+  path = tmp_path_factory.mktemp("micro_run")
+  loop.train(load_config(MICRO_CONFIG, ["train.steps=2", "checkpoint.async_save=false"]), str(path))
+  return path

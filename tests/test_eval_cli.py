@@ -2,25 +2,14 @@
 the pipeline — generation, predictions, RULER scores, CSV, plot — not the scores)."""
 
 import csv
-import os
 
 import pytest
 
-from fsjax.config import load_config
 from fsjax.eval import records, ruler
-from fsjax.train import loop
-
-MICRO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "micro_fs.yaml")
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-  path = tmp_path_factory.mktemp("run")
-  loop.train(load_config(MICRO, ["train.steps=1", "checkpoint.async_save=false"]), str(path))
-  return path
-
-
-def test_two_tasks_at_two_lengths_write_predictions_scores_and_plot(workdir, tmp_path, capsys):
+def test_two_tasks_at_two_lengths_write_predictions_scores_and_plot(micro_workdir, tmp_path, capsys):
+  workdir = micro_workdir
   out = tmp_path / "ruler"
   assert ruler.main(["--checkpoint", str(workdir), "--tasks", "niah_single_1,niah_multivalue", "--lengths",
                      "384,512", "--num-samples", "3", "--batch-size", "2", "--out", str(out)]) == 0
@@ -30,20 +19,21 @@ def test_two_tasks_at_two_lengths_write_predictions_scores_and_plot(workdir, tmp
                                                        for n in ("384", "512")}
   assert all(r["samples"] == "3" and 0.0 <= float(r["score"]) <= 100.0 for r in rows)
   assert (out / "scores.png").stat().st_size > 0
-  predictions = records.read_jsonl(out / f"{workdir.name}@1" / "512" / "niah_multivalue.jsonl")
+  predictions = records.read_jsonl(out / f"{workdir.name}@2" / "512" / "niah_multivalue.jsonl")
   assert len(predictions) == 3 and all(isinstance(p["pred"], str) for p in predictions)
   assert "| niah_multivalue |" in capsys.readouterr().out
 
 
-def test_ruler_files_are_read_and_scored(workdir, tmp_path):
+def test_ruler_files_are_read_and_scored(micro_workdir, tmp_path):
   """A RULER-generated file (non-sequential index) is evaluated as given."""
+  workdir = micro_workdir
   data = tmp_path / "data" / "384" / "qa_1" / "validation.jsonl"
   records.write_jsonl(data, [dict(index=40 + i, input=f"Question {i}?", outputs=["Paris", "paris"], length=20,
                                   length_w_model_temp=20, answer_prefix=" Answer:") for i in range(2)])
   out = tmp_path / "out"
   assert ruler.main(["--checkpoint", str(workdir), "--tasks", "qa_1", "--lengths", "384", "--num-samples", "5",
                      "--ruler-data", str(tmp_path / "data"), "--out", str(out)]) == 0
-  scored = records.read_jsonl(out / f"{workdir.name}@1" / "384" / "qa_1.jsonl")
+  scored = records.read_jsonl(out / f"{workdir.name}@2" / "384" / "qa_1.jsonl")
   assert [r["index"] for r in scored] == [40, 41]
 
 

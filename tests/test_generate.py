@@ -1,24 +1,10 @@
 """The generation CLI on a checkpoint written by the training loop."""
 
-import os
-
-import pytest
-
 from fsjax import generate
-from fsjax.config import load_config
-from fsjax.train import loop
-
-MICRO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "micro_fs.yaml")
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-  path = tmp_path_factory.mktemp("run")
-  loop.train(load_config(MICRO, ["train.steps=2", "checkpoint.async_save=false"]), str(path))
-  return path
-
-
-def test_generates_from_a_training_workdir_and_a_step_directory(workdir, capsys, tmp_path):
+def test_generates_from_a_training_workdir_and_a_step_directory(micro_workdir, capsys, tmp_path):
+  workdir = micro_workdir
   assert generate.main(["--checkpoint", str(workdir), "--prompt", "The sea was", "--max-new-tokens", "5"]) == 0
   assert capsys.readouterr().out.startswith("The sea was")
   prompt_file = tmp_path / "prompt.txt"
