@@ -263,15 +263,23 @@ class EvalConfig:
     batches: held-out batches of `batch_size` sequences of `data.seq_len` tokens.
     batch_size: sequences per evaluation batch.
     every: evaluate every this many steps; null = only at the end.
+    niah_samples: at the end, also score RULER's S-NIAH-1 (fsjax.eval) on this many generated samples at 1x
+      and 4x `data.seq_len`, greedy; 0 = off.
   """
   batches: int = 8
   batch_size: int = 8
   every: int | None = None
+  niah_samples: int = 0
 
   def __post_init__(self):
     _positive(self, "eval.", "batches", "batch_size")
+    if self.niah_samples < 0:
+      raise ConfigError(f"eval.niah_samples must be >= 0, got {self.niah_samples}")
     if self.every is not None:
       _positive(self, "eval.", "every")
+
+
+NIAH_MIN_LENGTH = 256  # S-NIAH-1: 128 generated tokens + the template, a needle and some haystack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +309,9 @@ class Config:
   def __post_init__(self):
     if self.train.recall_beta + self.train.recall_switch_beta > 0 and not self.data.recall_masks:
       raise ConfigError("data.recall_masks must be true when train.recall_beta or train.recall_switch_beta > 0")
+    if self.eval.niah_samples and self.data.seq_len < NIAH_MIN_LENGTH:
+      raise ConfigError(f"eval.niah_samples needs data.seq_len >= {NIAH_MIN_LENGTH} (S-NIAH's 128-token "
+                        f"generation budget plus its prompt), got {self.data.seq_len}")
 
 
 def _check_type(value, annotation, path):

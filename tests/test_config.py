@@ -63,6 +63,7 @@ def test_yaml_round_trip_and_overrides(tmp_path):
     ("model:\n  tie_embeddings: 1\n", "model.tie_embeddings must be of type bool"),
     ("model:\n  attention: [1]\n", "model.attention must be a mapping"),
     ("model:\n  attention:\n    block: 100\n", "attention.block must be a multiple of attention.cell"),
+    ("data: {seq_len: 128}\neval: {niah_samples: 4}\n", "eval.niah_samples needs data.seq_len >= 256"),
 ])
 def test_bad_yaml_raises_naming_the_field(tmp_path, yaml_text, message):
   path = tmp_path / "bad.yaml"

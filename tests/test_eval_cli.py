@@ -46,3 +46,14 @@ def test_ruler_files_are_read_and_scored(micro_workdir, tmp_path):
 def test_bad_arguments_are_one_clear_error(tmp_path, capsys, args, message):
   assert ruler.main(["--checkpoint", str(tmp_path), *args]) == 2
   assert message in capsys.readouterr().err
+
+
+def test_training_reports_s_niah_at_one_and_four_times_its_length(tmp_path):
+  from conftest import MICRO_CONFIG
+  from fsjax.config import load_config
+  from fsjax.train import loop
+  config = load_config(MICRO_CONFIG, ["train.steps=1", "data.seq_len=256", "eval.niah_samples=2",
+                                      "checkpoint.async_save=false"])
+  summary = loop.train(config, str(tmp_path / "run"))
+  assert set(summary) >= {"s_niah_1@256", "s_niah_1@1024"}
+  assert all(0.0 <= summary[k] <= 100.0 for k in ("s_niah_1@256", "s_niah_1@1024"))

@@ -16,7 +16,6 @@ Writes `<out>/<model>/<length>/<task>.jsonl` (records with `pred`), `<out>/score
 import argparse
 import csv
 import sys
-import warnings
 from pathlib import Path
 
 from fsjax.config import ConfigError
@@ -56,36 +55,30 @@ def check_args(args):
       raise ConfigError(f"--lengths: {length} leaves no room for a prompt")
 
 
-def task_records(args, task, length, count_tokens):
-  if args.ruler_data is None:
-    return niah.generate(task, length, args.num_samples, count_tokens, seed=args.seed, corpus=args.corpus,
-                         tokens_to_generate=scoring.TOKENS_TO_GENERATE[scoring.task_family(task)])
-  return records.read_jsonl(Path(args.ruler_data) / str(length) / task / "validation.jsonl")[:args.num_samples]
-
-
 def evaluate_checkpoint(args, path, progress):
-  """Scores of one checkpoint: list of dicts (model, task, length, score, samples)."""
+  """Scores of one checkpoint: list of dicts (model, task, length, samples, score)."""
   from fsjax.data.tokenizer import eos_id, load_tokenizer
-  from fsjax.eval.runner import predict
+  from fsjax.eval.runner import run_task
   from fsjax.model import Transformer
   from fsjax.train import checkpoint
 
   config, params, frozen, step = checkpoint.load(path)
   tokenizer = load_tokenizer(config.data.tokenizer)
-  count_tokens = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
   model, variables = Transformer(config.model), {"params": params, **frozen}
   name = f"{Path(path).name}@{step}"
   rows = []
   for length in args.lengths:
     for task in args.tasks:
-      cap = scoring.TOKENS_TO_GENERATE[scoring.task_family(task)]
-      task_data = task_records(args, task, length, count_tokens)
-      predictions = predict(model, variables, tokenizer, task_data, max_new_tokens=cap, eos_id=eos_id(tokenizer),
-                            max_len=length, batch_size=args.batch_size, chunk=args.chunk, progress=progress)
-      records.write_jsonl(Path(args.out) / name / str(length) / f"{task}.jsonl",
-                          [{**r, "pred": p} for r, p in zip(task_data, predictions)])
-      rows.append(dict(model=name, task=task, length=length, samples=len(task_data),
-                       score=scoring.score(task, predictions, [r["outputs"] for r in task_data])))
+      given = None
+      if args.ruler_data is not None:
+        given = records.read_jsonl(Path(args.ruler_data) / str(length) / task / "validation.jsonl")
+        given = given[:args.num_samples]
+      score, predicted = run_task(model, variables, tokenizer, task, length, eos_id=eos_id(tokenizer),
+                                  num_samples=args.num_samples, task_records=given, seed=args.seed,
+                                  corpus=args.corpus, batch_size=args.batch_size, chunk=args.chunk,
+                                  progress=progress)
+      records.write_jsonl(Path(args.out) / name / str(length) / f"{task}.jsonl", predicted)
+      rows.append(dict(model=name, task=task, length=length, samples=len(predicted), score=score))
   return rows
 
 
@@ -128,7 +121,6 @@ def format_table(rows):
 
 def main(argv=None):
   args = parse_args(argv)
-  warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
   try:
     check_args(args)
     from tqdm import tqdm

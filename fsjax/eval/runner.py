@@ -1,9 +1,12 @@
 """Greedy batched generation over RULER records with a fsjax model (RULER's protocol: the prompt is
 `input + answer_prefix`, greedy decoding, EOS stops, a generation cap per task family)."""
 
+import warnings
+
 import numpy as np
 
 from fsjax.decode import generate
+from fsjax.eval import niah, scoring
 from fsjax.eval.records import prompt
 
 
@@ -33,11 +36,34 @@ def predict(model, variables, tokenizer, task_records, *, max_new_tokens, eos_id
     tokens = np.zeros((batch_size, width), np.int32)
     for row, row_ids in enumerate(ids):
       tokens[row, :len(row_ids)] = row_ids
-    out = np.asarray(generate(model, variables, tokens, [len(i) for i in ids], max_new_tokens=max_new_tokens,
-                              eos_id=eos_id, chunk=chunk, max_len=max_len))
+    with warnings.catch_warnings():  # on CPU XLA cannot alias the donated cache: a copy, not a problem
+      warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+      out = np.asarray(generate(model, variables, tokens, [len(i) for i in ids], max_new_tokens=max_new_tokens,
+                                eos_id=eos_id, chunk=chunk, max_len=max_len))
     for row in out[:len(batch)]:
       row = [int(t) for t in row]
       predictions.append(tokenizer.decode(row[:row.index(eos_id)] if eos_id in row else row))
     if progress is not None:
       progress(len(batch))
   return predictions
+
+
+def run_task(model, variables, tokenizer, task, length, *, eos_id, num_samples=None, task_records=None, seed=42,
+             corpus=None, batch_size=1, chunk=2048, progress=None):
+  """Generates (or takes) one task's records at one length, predicts and scores them.
+
+  Args:
+    task_records: RULER records to use as given; None generates `num_samples` NIAH samples offline.
+
+  Returns:
+    (RULER score 0-100, records with their prediction in `pred`).
+  """
+  cap = scoring.TOKENS_TO_GENERATE[scoring.task_family(task)]
+  if task_records is None:
+    count_tokens = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+    task_records = niah.generate(task, length, num_samples, count_tokens, seed=seed, corpus=corpus,
+                                 tokens_to_generate=cap)
+  predictions = predict(model, variables, tokenizer, task_records, max_new_tokens=cap, eos_id=eos_id,
+                        max_len=length, batch_size=batch_size, chunk=chunk, progress=progress)
+  score = scoring.score(task, predictions, [r["outputs"] for r in task_records])
+  return score, [{**r, "pred": p} for r, p in zip(task_records, predictions)]

@@ -8,6 +8,8 @@ import time
 import jax
 
 from fsjax.config import Config, ConfigError, to_dict
+from fsjax.data.tokenizer import eos_id, load_tokenizer
+from fsjax.eval.runner import run_task
 from fsjax.model import Transformer, init_variables, param_counts
 from fsjax.train import checkpoint as ckpt_lib
 from fsjax.train import sharding
@@ -77,6 +79,14 @@ def evaluate(model, params, frozen, batches, mesh):
     total, count = total + float(nll_sum), count + int(n)
   loss = total / count
   return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+
+def niah_scores(config: Config, model, variables):
+  """RULER S-NIAH-1 scores at 1x and 4x the training length: `{"s_niah_1@<length>": score}`."""
+  tokenizer = load_tokenizer(config.data.tokenizer)
+  return {f"s_niah_1@{length}": run_task(model, variables, tokenizer, "niah_single_1", length,
+                                         eos_id=eos_id(tokenizer), num_samples=config.eval.niah_samples)[0]
+          for length in (config.data.seq_len, 4 * config.data.seq_len)}
 
 
 def train(config: Config, workdir):
@@ -158,6 +168,8 @@ def train(config: Config, workdir):
   summary = dict(model=config.model.attention.kind, parameters=counts["total"], steps=step,
                  tokens_seen=step * tokens_per_step, heldout_loss=result["loss"],
                  heldout_perplexity=result["perplexity"])
+  if config.eval.niah_samples:
+    summary.update(niah_scores(config, model, {"params": state.params, **state.frozen}))
   with open(os.path.join(workdir, "eval.json"), "w") as f:
     json.dump(summary, f, indent=2)
   if jax.process_index() == 0:
