@@ -90,13 +90,13 @@ class _Loop:
   cells: jax.Array  # [batch, max_new_tokens, layers, heads, K] selected cells, or [0] when not recorded
 
 
-def _stack_cells(intermediates, config):
-  """Selected cells sown by every layer for a one-token step: `[batch, layers, heads, K]`."""
-  if config.scan_layers:  # sown inside the scan: [layers, batch, 1, heads, K]
-    return jnp.moveaxis(intermediates["layers"]["layer"]["attention"]["selected_cells"][0][:, :, 0], 0, 1)
-  per_layer = [intermediates[f"layer_{i}"]["attention"]["selected_cells"][0][:, 0]
-               for i in range(config.num_layers)]
-  return jnp.stack(per_layer, axis=1)
+def selected_cells(intermediates, config):
+  """The cells every FreeSolo layer selected for a chunk, from `extend`'s intermediates:
+  `[batch, C, layers, heads, K]` (-1 = none)."""
+  if config.scan_layers:  # sown inside the scan: [layers, batch, C, heads, K]
+    return jnp.moveaxis(intermediates["layers"]["layer"]["attention"]["selected_cells"][0], 0, 2)
+  per_layer = [intermediates[f"layer_{i}"]["attention"]["selected_cells"][0] for i in range(config.num_layers)]
+  return jnp.stack(per_layer, axis=2)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "eos_id", "temperature", "top_p",
@@ -130,7 +130,7 @@ def decode_loop(model, variables, cache, first_token, position, rng, *, max_new_
                                           jnp.ones((batch, 1), bool))
     rng, key = jax.random.split(s.rng)
     token = jnp.where(s.done, eos_id, sample(logits[:, 0], key, temperature, top_p))
-    cells = s.cells.at[:, s.step - 1].set(_stack_cells(intermediates, config)) if return_cells \
+    cells = s.cells.at[:, s.step - 1].set(selected_cells(intermediates, config)[:, 0]) if return_cells \
         else s.cells
     return _Loop(cache=cache, token=token, position=s.position + 1, out=s.out.at[:, s.step].set(token),
                  done=s.done | (token == eos_id), step=s.step + 1, rng=rng, cells=cells)
