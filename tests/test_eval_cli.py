@@ -37,9 +37,16 @@ def test_ruler_files_are_read_and_scored(micro_workdir, tmp_path):
   assert [r["index"] for r in scored] == [40, 41]
 
 
+def test_qa_without_its_dataset_is_skipped_with_a_message(micro_workdir, tmp_path, capsys):
+  assert ruler.main(["--checkpoint", str(micro_workdir), "--tasks", "fwe,qa_1", "--lengths", "384",
+                     "--num-samples", "1", "--out", str(tmp_path)]) == 0
+  captured = capsys.readouterr()
+  assert "skipping qa_1: it needs --squad" in captured.err
+  assert "| fwe |" in captured.out and "qa_1" not in captured.out
+
+
 @pytest.mark.parametrize("args,message", [
-    (["--tasks", "vt"], "cannot be generated offline"),
-    (["--tasks", "needle_9", "--ruler-data", "x"], "unknown RULER task"),
+    (["--tasks", "needle_9"], "is not a RULER task"),
     (["--lengths", "100"], "leaves no room for a prompt"),
     (["--num-samples", "0"], "--num-samples and --batch-size must be >= 1"),
 ])
@@ -57,3 +64,15 @@ def test_training_reports_s_niah_at_one_and_four_times_its_length(tmp_path):
   summary = loop.train(config, str(tmp_path / "run"))
   assert set(summary) >= {"s_niah_1@256", "s_niah_1@1024"}
   assert all(0.0 <= summary[k] <= 100.0 for k in ("s_niah_1@256", "s_niah_1@1024"))
+
+
+def test_task_files_written_offline_are_read_back_by_the_evaluator(micro_workdir, tmp_path):
+  from fsjax.eval import make_data
+  data = tmp_path / "data"
+  assert make_data.main(["--tasks", "niah_multikey_3,cwe", "--lengths", "1024", "--num-samples", "2",
+                         "--out", str(data)]) == 0
+  written = records.read_jsonl(data / "1024" / "cwe" / "validation.jsonl")
+  assert len(written) == 2 and all(r["length"] <= 1024 for r in written)
+  assert ruler.main(["--checkpoint", str(micro_workdir), "--tasks", "niah_multikey_3,cwe", "--lengths", "1024",
+                     "--num-samples", "2", "--ruler-data", str(data), "--out", str(tmp_path / "out")]) == 0
+  assert make_data.main(["--tasks", "qa_1", "--out", str(data)]) == 2

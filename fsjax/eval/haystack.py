@@ -23,13 +23,11 @@ NEEDLE_TYPES = ("numbers", "words", "uuids")
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s+[\"'(\[]?[A-Z0-9])")
 
 
-@functools.lru_cache(maxsize=1)
-def word_parts():
-  """The wonderwords adjective and noun lists (sorted, deduplicated) that RULER joins into `adjective-noun`."""
+@functools.lru_cache(maxsize=None)
+def wonderwords_list(name):
+  """A wonderwords word list (e.g. "nounlist.txt"), sorted and deduplicated."""
   assets = resources.files("wonderwords") / "assets"
-  read = lambda name: sorted({w.strip() for w in (assets / name).read_text(encoding="utf-8").splitlines()
-                              if w.strip()})
-  return read("adjectivelist.txt"), read("nounlist.txt")
+  return sorted({w.strip() for w in (assets / name).read_text(encoding="utf-8").splitlines() if w.strip()})
 
 
 def random_value(kind, rng):
@@ -43,7 +41,7 @@ def random_value(kind, rng):
   if kind == "words":
     # RULER draws uniformly from the list of all adjective-noun pairs; drawing the two parts independently
     # is the same distribution without materializing six million strings.
-    adjectives, nouns = word_parts()
+    adjectives, nouns = wonderwords_list("adjectivelist.txt"), wonderwords_list("nounlist.txt")
     return f"{rng.choice(adjectives)}-{rng.choice(nouns)}"
   if kind == "uuids":
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))

@@ -1,9 +1,8 @@
 """RULER's needle-in-a-haystack family (NVIDIA RULER c3f5e3b, scripts/data/synthetic/niah.py): S-NIAH-1/2/3,
 MK-NIAH-1/2/3, MV-NIAH and MQ-NIAH, with RULER's task arguments, base template and answer prefix.
 
-A sample is a pure function of (task, haystack size, sample seed), so the haystack size can be found by binary
-search: the largest number of haystack units (essay words, noise sentences or distractor needles) for which
-the prompt's tokens plus the generation budget fit the target length under the given tokenizer.
+A sample is a pure function of (task, haystack size, sample seed), growing with the size (essay words, noise
+sentences or distractor needles), so `tasks.generate` can fit it to a length by binary search.
 """
 
 import dataclasses
@@ -101,64 +100,3 @@ def make_sample(task_name, size, seed, corpus=None):
                          query=query)
   cut = text.rfind(ANSWER_PREFIX[:10])  # RULER locates the prefix by its first ten characters
   return text[:cut], text[cut:], answers
-
-
-def largest_fitting(fits, guess):
-  """The largest n >= 0 with `fits(n)`, for `fits` true up to some n and false beyond; galloping from `guess`.
-
-  Raises ValueError when even n = 0 does not fit.
-  """
-  if not fits(0):
-    raise ValueError("the target length cannot hold even an empty haystack plus the generation budget")
-  lo, step = 0, max(1, guess // 32)
-  if fits(guess):
-    lo = guess
-    while fits(lo + step):
-      lo, step = lo + step, 2 * step
-    hi = lo + step
-  else:
-    hi = guess
-    while hi - step > 0 and not fits(hi - step):
-      hi, step = hi - step, 2 * step
-    lo = max(0, hi - step)
-  while hi - lo > 1:  # fits(lo), not fits(hi)
-    mid = (lo + hi) // 2
-    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-  return lo
-
-
-def sample_seed(seed, task_name, length, index):
-  """The seed of sample `index` of a (task, length) under the run's `seed`: independent streams per sample."""
-  return random.Random(f"{seed}/{task_name}/{length}/{index}").getrandbits(64)
-
-
-def generate(task_name, length, num_samples, count_tokens, *, seed=42, corpus=None,
-             tokens_to_generate=TOKENS_TO_GENERATE):
-  """RULER-format records for one task and target length.
-
-  Args:
-    task_name: a key of TASKS; length: target tokens (prompt + generation budget).
-    count_tokens: `text -> int`, the model's tokenizer.
-    seed: the run's seed (RULER: 42); sample i uses its own seed derived from (seed, task, length, i).
-    corpus: essay haystack source (see `haystack.essay_words`).
-
-  Returns:
-    list of dicts with RULER's fields `index`, `input`, `outputs`, `length`, `length_w_model_temp`,
-    `answer_prefix`, and `haystack_size`.
-  """
-  if task_name not in TASKS:
-    raise ValueError(f"task must be one of {sorted(TASKS)}, got {task_name!r}")
-  budget = length - tokens_to_generate
-  records, guess = [], max(1, budget // 2)
-  for index in range(num_samples):
-    this_seed = sample_seed(seed, task_name, length, index)
-    prompt_tokens = lambda size: count_tokens("".join(make_sample(task_name, size, this_seed, corpus)[:2]))
-    try:
-      guess = largest_fitting(lambda size: prompt_tokens(size) <= budget, guess)
-    except ValueError as e:
-      raise ValueError(f"{task_name} at {length} tokens: {e}") from None
-    text, prefix, answers = make_sample(task_name, guess, this_seed, corpus)
-    used = prompt_tokens(guess) + tokens_to_generate
-    records.append(dict(index=index, input=text, outputs=answers, length=used, length_w_model_temp=used,
-                        answer_prefix=prefix, haystack_size=guess))
-  return records

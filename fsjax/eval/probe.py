@@ -71,13 +71,13 @@ def availability_at(cache, config, position):
 
 def probe(model, variables, tokenizer, *, task, length, seed, chunk=2048):
   """Runs the probe. Returns a dict of summary numbers and the raw arrays for the plots."""
-  from fsjax.eval import niah
+  from fsjax.eval import tasks
   config = model.config
   att = config.attention
   if att.kind not in ("fs", "fsl"):
     raise ConfigError(f"routing probes need a FreeSolo model (fs or fsl), got {att.kind!r}")
   count = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
-  (record,) = niah.generate(task, length, 1, count, seed=seed)
+  (record,) = tasks.generate(task, length, 1, count, seed=seed)
   prompt = record["input"] + record["answer_prefix"]
   tokens = np.asarray(tokenizer.encode(prompt, add_special_tokens=False).ids)
   first, last = needle_token_span(tokenizer, prompt, record["outputs"][0])

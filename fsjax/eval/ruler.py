@@ -4,9 +4,10 @@
         --lengths 1024,4096 --num-samples 50 [--out runs/ruler] [--batch-size 4]
     python -m fsjax.eval.ruler --checkpoint A B --ruler-data DIR ...   # score RULER's own files
 
-Tasks are generated offline (the NIAH family: niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue,
-niah_multiquery) under each model's tokenizer, seed 42 by default; `--ruler-data DIR` reads RULER-generated
-files `DIR/<length>/<task>/validation.jsonl` instead (any of its 13 tasks). Greedy decoding with EOS stopping and
+RULER's 13 tasks are generated offline under each model's tokenizer, seed 42 by default: niah_single_1/2/3,
+niah_multikey_1/2/3, niah_multivalue, niah_multiquery, vt, cwe, fwe, and qa_1 / qa_2 when `--squad` /
+`--hotpotqa` name their dataset files (otherwise they are skipped with a message). `--ruler-data DIR` reads
+RULER-generated files `DIR/<length>/<task>/validation.jsonl` instead. Greedy decoding with EOS stopping and
 RULER's generation caps; scores are RULER's (string_match_all, string_match_part for QA) on 0-100.
 
 Writes `<out>/<model>/<length>/<task>.jsonl` (records with `pred`), `<out>/scores.csv`, `<out>/scores.png`
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 
 from fsjax.config import ConfigError
-from fsjax.eval import niah, records, scoring
+from fsjax.eval import records, scoring, tasks
 from fsjax.train.checkpoint import CheckpointError
 
 
@@ -33,6 +34,8 @@ def parse_args(argv):
   parser.add_argument("--batch-size", type=int, default=1)
   parser.add_argument("--seed", type=int, default=42)
   parser.add_argument("--corpus", default=None, help="essay haystack jsonl/txt (default: packaged held-out books)")
+  parser.add_argument("--squad", default=None, help="SQuAD v2 dev json, for qa_1")
+  parser.add_argument("--hotpotqa", default=None, help="HotpotQA distractor dev json, for qa_2")
   parser.add_argument("--ruler-data", default=None, help="read RULER-generated files instead of generating")
   parser.add_argument("--out", default="runs/ruler")
   parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
@@ -46,13 +49,16 @@ def check_args(args):
   if not args.tasks or not args.lengths:
     raise ConfigError("--tasks and --lengths must each name at least one value")
   for task in args.tasks:
-    if args.ruler_data is None and task not in niah.TASKS:
-      raise ConfigError(f"--tasks: {task!r} cannot be generated offline (available: {sorted(niah.TASKS)}); "
-                        "RULER's other tasks can be read from its files with --ruler-data")
-    scoring.task_family(task)  # ValueError for a name that is no RULER task
+    if task not in tasks.TASKS:
+      raise ConfigError(f"--tasks: {task!r} is not a RULER task (one of {', '.join(tasks.TASKS)})")
   for length in args.lengths:
     if length <= scoring.TOKENS_TO_GENERATE["niah"]:
       raise ConfigError(f"--lengths: {length} leaves no room for a prompt")
+
+
+def task_source(task):
+  """The CLI option naming a QA task's dataset file."""
+  return "squad" if task == "qa_1" else "hotpotqa"
 
 
 def evaluate_checkpoint(args, path, progress):
@@ -69,14 +75,18 @@ def evaluate_checkpoint(args, path, progress):
   rows = []
   for length in args.lengths:
     for task in args.tasks:
+      if args.ruler_data is None and task in ("qa_1", "qa_2") and getattr(args, task_source(task)) is None:
+        print(f"skipping {task}: it needs --{task_source(task)} (the dataset file is not available offline)",
+              file=sys.stderr)
+        continue
       given = None
       if args.ruler_data is not None:
         given = records.read_jsonl(Path(args.ruler_data) / str(length) / task / "validation.jsonl")
         given = given[:args.num_samples]
       score, predicted = run_task(model, variables, tokenizer, task, length, eos_id=eos_id(tokenizer),
                                   num_samples=args.num_samples, task_records=given, seed=args.seed,
-                                  corpus=args.corpus, batch_size=args.batch_size, chunk=args.chunk,
-                                  progress=progress)
+                                  batch_size=args.batch_size, chunk=args.chunk, progress=progress,
+                                  corpus=args.corpus, squad=args.squad, hotpotqa=args.hotpotqa)
       records.write_jsonl(Path(args.out) / name / str(length) / f"{task}.jsonl", predicted)
       rows.append(dict(model=name, task=task, length=length, samples=len(predicted), score=score))
   return rows
@@ -129,6 +139,9 @@ def main(argv=None):
       rows = [row for path in args.checkpoint for row in evaluate_checkpoint(args, path, bar.update)]
   except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
+    return 2
+  if not rows:
+    print("error: no task could be evaluated", file=sys.stderr)
     return 2
   out = Path(args.out)
   write_csv(out / "scores.csv", rows)

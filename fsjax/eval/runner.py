@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 
 from fsjax.decode import generate
-from fsjax.eval import niah, scoring
+from fsjax.eval import scoring, tasks
 from fsjax.eval.records import prompt
 
 
@@ -49,11 +49,12 @@ def predict(model, variables, tokenizer, task_records, *, max_new_tokens, eos_id
 
 
 def run_task(model, variables, tokenizer, task, length, *, eos_id, num_samples=None, task_records=None, seed=42,
-             corpus=None, batch_size=1, chunk=2048, progress=None):
+             batch_size=1, chunk=2048, progress=None, **sources):
   """Generates (or takes) one task's records at one length, predicts and scores them.
 
   Args:
-    task_records: RULER records to use as given; None generates `num_samples` NIAH samples offline.
+    task_records: RULER records to use as given; None generates `num_samples` samples offline.
+    sources: `corpus`, `squad`, `hotpotqa` for `tasks.generate`.
 
   Returns:
     (RULER score 0-100, records with their prediction in `pred`).
@@ -61,8 +62,8 @@ def run_task(model, variables, tokenizer, task, length, *, eos_id, num_samples=N
   cap = scoring.TOKENS_TO_GENERATE[scoring.task_family(task)]
   if task_records is None:
     count_tokens = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
-    task_records = niah.generate(task, length, num_samples, count_tokens, seed=seed, corpus=corpus,
-                                 tokens_to_generate=cap)
+    task_records = tasks.generate(task, length, num_samples, count_tokens, seed=seed, tokens_to_generate=cap,
+                                  **sources)
   predictions = predict(model, variables, tokenizer, task_records, max_new_tokens=cap, eos_id=eos_id,
                         max_len=length, batch_size=batch_size, chunk=chunk, progress=progress)
   score = scoring.score(task, predictions, [r["outputs"] for r in task_records])
