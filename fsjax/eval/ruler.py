@@ -101,14 +101,18 @@ def write_csv(path, rows):
 
 
 def plot(path, rows):
-  """Accuracy vs length, one panel per task, one line per model (log2 length axis)."""
+  """Accuracy vs length, one panel per task (four per row), one line per model (log2 length axis)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  tasks = sorted({r["task"] for r in rows})
-  figure, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.2), squeeze=False)
-  for ax, task in zip(axes[0], tasks):
+  names = sorted({r["task"] for r in rows})
+  columns = min(4, len(names))
+  grid_rows = -(-len(names) // columns)
+  figure, axes = plt.subplots(grid_rows, columns, figsize=(4 * columns, 3.2 * grid_rows), squeeze=False)
+  for ax in axes.flat[len(names):]:
+    ax.set_visible(False)
+  for ax, task in zip(axes.flat, names):
     for model in sorted({r["model"] for r in rows}):
       points = sorted((r["length"], r["score"]) for r in rows if r["task"] == task and r["model"] == model)
       ax.plot(*zip(*points), marker="o", label=model)
