@@ -103,7 +103,9 @@ def test_ruler_jsonl_round_trip_keeps_order_and_index(tmp_path):
   records.write_jsonl(path, ruler_style)
   assert records.read_jsonl(path) == ruler_style
   assert records.prompt(ruler_style[0]) == "ctx Answer:"
-  (tmp_path / "bad.jsonl").write_text(json.dumps(dict(index=0, input="x", outputs=["1"])) + "\n")
+  (tmp_path / "old.jsonl").write_text(json.dumps(dict(index=0, input="x The answer is", outputs=["1"])) + "\n")
+  assert records.prompt(records.read_jsonl(tmp_path / "old.jsonl")[0]) == "x The answer is"
+  (tmp_path / "bad.jsonl").write_text(json.dumps(dict(index=0, input="x", answer_prefix="")) + "\n")
   with pytest.raises(ValueError, match="bad.jsonl:1: record lacks RULER field"):
     records.read_jsonl(tmp_path / "bad.jsonl")
 

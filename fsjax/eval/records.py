@@ -1,14 +1,15 @@
 """RULER's jsonl files: read generated tasks (ours or RULER's own), write and read predictions.
 
 A task record has `index`, `input`, `outputs` (expected strings), `length` and `answer_prefix`; the model's prompt
-is `input + answer_prefix`. In RULER's NIAH files `index` is not a sample number, so records keep file order
+is `input + answer_prefix` (files from RULER versions that keep the prefix inside `input` have no
+`answer_prefix`, which then reads as empty). In RULER's NIAH files `index` is not a sample number, so records keep file order
 and carry `index` through unchanged. A prediction record adds `pred` to the task record (RULER's field).
 """
 
 import json
 from pathlib import Path
 
-REQUIRED = ("index", "input", "outputs", "answer_prefix")
+REQUIRED = ("index", "input", "outputs")
 
 
 def read_jsonl(path):
@@ -28,7 +29,7 @@ def read_jsonl(path):
         raise ValueError(f"{path}:{line_number}: record lacks RULER field(s) {missing}")
       if not isinstance(record["outputs"], list) or not all(isinstance(o, str) for o in record["outputs"]):
         raise ValueError(f"{path}:{line_number}: outputs must be a list of strings")
-      records.append(record)
+      records.append({"answer_prefix": "", **record})
   return records
 
 
