@@ -20,11 +20,8 @@ def parse_args(argv):
                       type=lambda s: [t for t in s.split(",") if t])
   parser.add_argument("--lengths", default="4096", type=lambda s: [int(n) for n in s.split(",") if n])
   parser.add_argument("--num-samples", type=int, default=100)
-  parser.add_argument("--seed", type=int, default=42)
   parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the packaged one)")
-  parser.add_argument("--corpus", default=None, help="essay haystack jsonl/txt (default: packaged held-out books)")
-  parser.add_argument("--squad", default=None, help="SQuAD v2 dev json, for qa_1")
-  parser.add_argument("--hotpotqa", default=None, help="HotpotQA distractor dev json, for qa_2")
+  tasks.add_source_arguments(parser)
   parser.add_argument("--out", required=True)
   return parser.parse_args(argv)
 

@@ -100,3 +100,11 @@ def generate(task, length, num_samples, count_tokens, *, seed=42, tokens_to_gene
     records.append(dict(index=index, input=text, outputs=list(answers), length=used, length_w_model_temp=used,
                         answer_prefix=prefix, haystack_size=guess))
   return records
+
+
+def add_source_arguments(parser):
+  """The options every command that generates tasks shares: --seed, --corpus, --squad, --hotpotqa."""
+  parser.add_argument("--seed", type=int, default=42)
+  parser.add_argument("--corpus", default=None, help="essay haystack jsonl/txt (default: packaged held-out books)")
+  parser.add_argument("--squad", default=None, help="SQuAD v2 dev json, for qa_1")
+  parser.add_argument("--hotpotqa", default=None, help="HotpotQA distractor dev json, for qa_2")
