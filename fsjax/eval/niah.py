@@ -12,7 +12,6 @@ import numpy as np
 
 from fsjax.eval.haystack import NEEDLE, NOISE, essay_words, random_value, split_sentences
 
-TOKENS_TO_GENERATE = 128
 TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
             "I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
             "{type_needle_v} for {query} mentioned in the provided text?")

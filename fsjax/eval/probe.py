@@ -17,10 +17,15 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsjax.cache import init_cache
 from fsjax.config import ConfigError
+from fsjax.decode import extend, selected_cells
+from fsjax.eval import tasks
+from fsjax.ops import cells
 from fsjax.train.checkpoint import CheckpointError
 
 
@@ -36,8 +41,6 @@ def needle_token_span(tokenizer, prompt, value):
 def record_selections(model, variables, tokens, chunk):
   """Cells selected by every layer/head for every position: `[T, layers, heads, K]` (-1 = none), and the
   archive caches after the prompt."""
-  from fsjax.cache import init_cache
-  from fsjax.decode import extend, selected_cells
   config = model.config
   length = tokens.shape[0]
   block = config.attention.block
@@ -56,9 +59,6 @@ def record_selections(model, variables, tokens, chunk):
 
 def availability_at(cache, config, position):
   """`[layers, heads, M]` bool: the cells each layer and head may score at query `position` (Eq. 6, 8)."""
-  import jax
-
-  from fsjax.ops import cells
   att = config.attention
   if config.scan_layers:
     archives = [jax.tree_util.tree_map(lambda x, i=i: x[i], cache["layers"]) for i in range(config.num_layers)]
@@ -71,7 +71,6 @@ def availability_at(cache, config, position):
 
 def probe(model, variables, tokenizer, *, task, length, seed, chunk=2048):
   """Runs the probe. Returns a dict of summary numbers and the raw arrays for the plots."""
-  from fsjax.eval import tasks
   config = model.config
   att = config.attention
   if att.kind not in ("fs", "fsl"):

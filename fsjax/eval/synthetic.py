@@ -17,6 +17,7 @@ import numpy as np
 import scipy.special
 
 from fsjax.eval.haystack import NOISE, wonderwords_list
+from fsjax.eval.scoring import TOKENS_TO_GENERATE
 
 VT_TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
                "Question: Find all variables that are assigned the value {query} in the text above.")
@@ -32,7 +33,7 @@ FWE_TEMPLATE = ("Read the following coded text and track the frequency of each c
                 "the dots '....'. What are the three most frequently appeared words in the above coded text?")
 FWE_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
 
-VT_CHAINS, VT_HOPS, VT_EXAMPLE_LENGTH, VT_TOKENS = 1, 4, 500, 30
+VT_CHAINS, VT_HOPS, VT_EXAMPLE_LENGTH = 1, 4, 500
 CWE_COMMON, CWE_FREQ_COMMON, CWE_FREQ_UNCOMMON = 10, 30, 3
 FWE_WORD_LENGTH, FWE_ALPHA = 6, 2.0
 
@@ -82,7 +83,7 @@ def _vt_example(rng, count_tokens):
     return prompt + " " + " ".join(answer)
 
   size = VT_HOPS + 1
-  while count_tokens(text(size + 5)) + VT_TOKENS <= VT_EXAMPLE_LENGTH:
+  while count_tokens(text(size + 5)) + TOKENS_TO_GENERATE["vt"] <= VT_EXAMPLE_LENGTH:
     size += 5
   return text(size) + "\n\n\n\n"  # RULER ends the example with two newlines and joins with two more
 
