@@ -87,3 +87,81 @@ def moba(q, k, v, *, moba_block, moba_top_k, theta=10000.0):
         js = np.array(sorted(j for n in blocks for j in range(n * moba_block, (n + 1) * moba_block) if j <= i))
         out[b, i, h] = softmax_readout(k_rot[js] @ q_rot[i] / math.sqrt(d), v[b, js, h])
   return out
+
+
+def zha_tree(k_rot, refs, *, chunk, levels, theta):
+  """ZHA III-A per head: `{(level, node): (keys [R, d], biases [R])}`, from the paper's wording: level 1 attends
+  raw keys with each reference query rotated to the node's last key; a parent evaluates each child's tangent at
+  its own rotated reference query by adding the III-B correction <k̂_c, q̂_P − q̂_c>/√d, then summarizes."""
+  seq, d = k_rot.shape
+  rot = (lambda x, p: x) if theta is None else (lambda x, p: rope(x, p, theta))
+  tree = {}
+  for level in range(1, levels + 1):
+    span = chunk ** level
+    for m in range((seq - 1) // span):
+      last = (m + 1) * span
+      q_hat = np.stack([rot(r, last) for r in refs])  # [R, d]
+      if level == 1:
+        members = k_rot[1 + m * span: 1 + (m + 1) * span]  # [C, d]
+        logits = q_hat @ members.T / math.sqrt(d)  # [R, C]
+        values = np.broadcast_to(members, (len(refs),) + members.shape)
+      else:
+        children = [tree[(level - 1, m * chunk + c)] for c in range(chunk)]
+        child_q = [np.stack([rot(r, (m * chunk + c + 1) * chunk ** (level - 1)) for r in refs])
+                   for c in range(chunk)]
+        logits = np.stack([
+            [(bias[r] + child_q[c][r] @ keys[r] / math.sqrt(d)) + keys[r] @ (q_hat[r] - child_q[c][r]) / math.sqrt(d)
+             for c, (keys, bias) in enumerate(children)] for r in range(len(refs))])  # [R, C]
+        values = np.stack([[keys[r] for keys, _ in children] for r in range(len(refs))])  # [R, C, d]
+      top = logits.max(axis=1, keepdims=True)
+      w = np.exp(logits - top)
+      lse = np.log(w.sum(axis=1)) + top[:, 0]
+      w /= w.sum(axis=1, keepdims=True)
+      keys = np.einsum("rc,rcd->rd", w, values)
+      tree[(level, m)] = (keys, lse - np.einsum("rd,rd->r", q_hat, keys) / math.sqrt(d))
+  return tree
+
+
+def zha_keys(q_rot_i, i, tree, *, chunk, levels, top_p):
+  """The index set I(q) of ZHA III-C for the query at position i, by explicit candidate lists."""
+  d = q_rot_i.shape[0]
+  score = lambda node: max(q_rot_i @ k / math.sqrt(d) + b for k, b in zip(*tree[node]))
+  complete = lambda level, m: (level, m) in tree and (m + 1) * chunk ** level <= i
+  count = lambda level: sum(1 for (lv, _) in tree if lv == level)
+  candidates = [(levels, m) for m in range(count(levels)) if complete(levels, m)]
+  for level in range(levels, 0, -1):
+    ranked = sorted(candidates, key=lambda node: (-score(node), node[1]))
+    p = top_p[level - 1]
+    selected = ranked
+    if p < 1 and ranked:
+      scores = np.array([score(n) for n in ranked])
+      mass = np.exp(scores - scores.max())
+      cumulative = np.cumsum(mass) / mass.sum()
+      selected = ranked[:int(np.argmax(cumulative >= p)) + 1] if cumulative[-1] >= p else ranked
+    if level == 1:
+      break
+    candidates = [(level - 1, m * chunk + c) for (_, m) in selected for c in range(chunk)]
+    candidates += [(level - 1, m) for m in range(count(level - 1))
+                   if complete(level - 1, m) and not complete(level, m // chunk)]
+  keys = {0} | set(range(1 + chunk * (i // chunk), i + 1))
+  for _, m in selected:
+    keys |= set(range(1 + m * chunk, 1 + (m + 1) * chunk))
+  return sorted(keys)
+
+
+def zha(q, k, v, refs, *, chunk, levels, top_p, theta=10000.0):
+  """ZHA attention for every (batch, position, head): (outputs `[B, T, H, d]`, attended fractions `[B, T, H]`)."""
+  batch, seq, heads, d = q.shape
+  rot = (lambda x, p: x) if theta is None else (lambda x, p: rope(x, p, theta))
+  out = np.zeros_like(q, dtype=np.float64)
+  fraction = np.zeros((batch, seq, heads))
+  for b in range(batch):
+    for h in range(heads):
+      k_rot = np.stack([rot(k[b, j, h], j) for j in range(seq)])
+      tree = zha_tree(k_rot, refs[h], chunk=chunk, levels=levels, theta=theta)
+      for i in range(seq):
+        q_rot = rot(q[b, i, h], i)
+        js = zha_keys(q_rot, i, tree, chunk=chunk, levels=levels, top_p=top_p)
+        out[b, i, h] = softmax_readout(k_rot[js] @ q_rot / math.sqrt(d), v[b, js, h])
+        fraction[b, i, h] = len(js) / (i + 1)
+  return out, fraction

@@ -7,9 +7,10 @@ from fsjax.ops.freesolo import (freesolo_attention, freesolo_long_range, rms_nor
                                 sparse_readout)
 from fsjax.ops.local import local_attention
 from fsjax.ops.rope import apply_rope
+from fsjax.ops.zha import zha_attention, zha_kl_loss
 
 __all__ = [
     "apply_rope", "available_cells", "cell_scores", "cell_summaries", "freesolo_attention",
     "freesolo_long_range", "local_attention", "moba_attention", "retention_death_block", "rms_norm",
-    "select_cells", "sparse_readout", "swa_attention", "tfpp_attention", "top_k_cells", "validate_routing",
+    "select_cells", "sparse_readout", "swa_attention", "tfpp_attention", "top_k_cells", "validate_routing", "zha_attention", "zha_kl_loss",
 ]
