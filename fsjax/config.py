@@ -12,13 +12,15 @@ import typing
 import yaml
 
 from fsjax.ops.cells import validate_routing
+from fsjax.ops.zha import validate_zha
 
 FREESOLO_KINDS = ("fs", "fsl", "fsb")
 DENSE_KINDS = ("tfpp", "swa", "moba")
-ATTENTION_KINDS = FREESOLO_KINDS + DENSE_KINDS
+ATTENTION_KINDS = FREESOLO_KINDS + DENSE_KINDS + ("zha",)
 IMPLS = ("reference", "auto", "pallas")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 SCHEDULES = ("cosine", "wsd")
+OBJECTIVES = ("lm", "zha_kl")
 
 
 class ConfigError(ValueError):
@@ -43,7 +45,8 @@ class AttentionConfig:
   """Which attention a model uses and its geometry (FS App. A defaults).
 
   Attributes:
-    kind: "fs" | "fsl" | "fsb" (FreeSolo variants) or "tfpp" | "swa" | "moba" (baselines).
+    kind: "fs" | "fsl" | "fsb" (FreeSolo variants), "tfpp" | "swa" | "moba" (baselines) or "zha" (TF++
+      weights read through a ZHA tree, ZHA Sec. III).
     window: local radius w (FS Eq. 3-4) for FreeSolo; the window of SWA. Must be >= block - 1 for FreeSolo.
     cell: cell size s in tokens (FS Eq. 5).
     block: query block B in tokens, a multiple of cell (FS Eq. 6).
@@ -56,6 +59,13 @@ class AttentionConfig:
     moba_block: MoBA block size in tokens.
     moba_top_k: MoBA blocks read per query, the current one included.
     impl: "reference" | "auto" | "pallas": kernel dispatch (auto: Pallas kernels and cuDNN on GPU).
+    zha_refs: ZHA reference queries R per head.
+    zha_chunk: ZHA chunk C: children per node, keys per leaf.
+    zha_levels: ZHA tree levels L.
+    zha_top_p: ZHA routing threshold p: one value for every level, or one per level (level 1, the raw-key
+      chunks, first); >= 1 reads every key.
+    zha_distill: run the frozen dense (TF++) attention and sow each layer's ZHA KL loss instead of routing; set
+      by the training loop when `train.objective` is "zha_kl".
   """
   kind: str = "fs"
   window: int = 512
@@ -70,6 +80,11 @@ class AttentionConfig:
   moba_block: int = 512
   moba_top_k: int = 3
   impl: str = "auto"
+  zha_refs: int = 16
+  zha_chunk: int = 8
+  zha_levels: int = 2
+  zha_top_p: tuple[float, ...] = (0.9,)
+  zha_distill: bool = False
 
   def __post_init__(self):
     p = "attention."
@@ -84,6 +99,14 @@ class AttentionConfig:
                          retain_top=self.retain_top, retain_recent=self.retain_recent, prefix=p)
       except ValueError as e:
         raise ConfigError(str(e)) from None
+    if self.kind == "zha":
+      try:
+        validate_zha(chunk=self.zha_chunk, levels=self.zha_levels, top_p=self.zha_top_p, refs=self.zha_refs,
+                     prefix=f"{p}zha_")
+      except ValueError as e:
+        raise ConfigError(str(e)) from None
+    elif self.zha_distill:
+      raise ConfigError(f"{p}zha_distill needs {p}kind zha, got {self.kind!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +204,10 @@ class TrainConfig:
     recall_beta, recall_switch_beta: β and β_sw of the recall-weighted loss (FS Eq. 13); 0 = plain loss.
     max_bad_steps: consecutive non-finite steps (skipped) after which the run stops.
     init_from: parent checkpoint (workdir or step dir) whose params start this run with a fresh optimizer and
-      schedule (continued pretraining, FS Sec. 3.3); null = random init.
+      schedule (continued pretraining, FS Sec. 3.3); null = random init. A ZHA model may start from a TF++
+      checkpoint: its reference queries are the only arrays the parent lacks.
+    objective: "lm" (next-token loss) or "zha_kl" (ZHA III-B: the backbone is frozen and runs dense attention;
+      only the reference queries train, on the sum over levels of the chunk-mass KL, averaged over layers).
   """
   steps: int = 1000
   batch_size: int = 128
@@ -201,9 +227,11 @@ class TrainConfig:
   recall_switch_beta: float = 0.0
   max_bad_steps: int = 5
   init_from: str | None = None
+  objective: str = "lm"
 
   def __post_init__(self):
     p = "train."
+    _one_of(self, p, "objective", OBJECTIVES)
     _positive(self, p, "steps", "batch_size", "learning_rate", "clip_norm", "max_bad_steps", "eps")
     _one_of(self, p, "schedule", SCHEDULES)
     if self.decay_steps is not None:
@@ -307,6 +335,9 @@ class Config:
   log: LogConfig = dataclasses.field(default_factory=LogConfig)
 
   def __post_init__(self):
+    if self.train.objective == "zha_kl" and self.model.attention.kind != "zha":
+      raise ConfigError(f"train.objective zha_kl needs model.attention.kind zha, got "
+                        f"{self.model.attention.kind!r}")
     if self.train.recall_beta + self.train.recall_switch_beta > 0 and not self.data.recall_masks:
       raise ConfigError("data.recall_masks must be true when train.recall_beta or train.recall_switch_beta > 0")
     if self.eval.niah_samples and self.data.seq_len < NIAH_MIN_LENGTH:
@@ -321,6 +352,10 @@ def _check_type(value, annotation, path):
     if value is None and type(None) in args:
       return None
     (annotation,) = [a for a in args if a is not type(None)]
+  if typing.get_origin(annotation) is tuple:  # tuple[X, ...]: a list, or one scalar meaning a 1-tuple
+    (item, _) = typing.get_args(annotation)
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(_check_type(v, item, f"{path}[{i}]") for i, v in enumerate(values))
   if annotation is bool:
     if isinstance(value, bool):
       return value
@@ -411,8 +446,9 @@ def load_config(path=None, overrides=()):
 
 
 def to_dict(config):
-  """Plain nested dict of a config, ready for `yaml.safe_dump`."""
-  return dataclasses.asdict(config)
+  """Plain nested dict of a config (tuples as lists), ready for `yaml.safe_dump`."""
+  return dataclasses.asdict(config, dict_factory=lambda items: {k: list(v) if isinstance(v, tuple) else v
+                                                                 for k, v in items})
 
 
 # Model shapes of FS App. A and a tiny one for CPU tests.

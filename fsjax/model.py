@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fsjax.attention import DenseAttention, FreeSoloAttention
+from fsjax.attention import DenseAttention, FreeSoloAttention, ZHAAttention
 from fsjax.attention.freesolo import ROUTING
 from fsjax.config import FREESOLO_KINDS, ModelConfig
 
@@ -24,6 +24,9 @@ def make_attention(config: ModelConfig, name=None):
     return FreeSoloAttention(variant=att.kind, window=att.window, cell=att.cell, block=att.block,
                              top_k=att.top_k, retain_top=att.retain_top, retain_recent=att.retain_recent,
                              lam=att.lam, sigma=att.sigma, impl=att.impl, **common)
+  if att.kind == "zha":
+    return ZHAAttention(refs=att.zha_refs, chunk=att.zha_chunk, levels=att.zha_levels, top_p=att.zha_top_p,
+                        distill=att.zha_distill, impl=att.impl, **common)
   return DenseAttention(kind=att.kind, window=att.window, moba_block=att.moba_block,
                         moba_top_k=att.moba_top_k, impl=att.impl, **common)
 

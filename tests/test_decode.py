@@ -13,14 +13,15 @@ from fsjax.decode import extend, generate, prefill, sample
 from fsjax.model import Transformer, init_variables
 from helpers import assert_close, stack_layers
 
-KINDS = ["fs", "fsl", "tfpp", "swa", "moba"]
+KINDS = ["fs", "fsl", "tfpp", "swa", "moba", "zha"]
 SEQ, PROMPT = 150, 70  # crosses four 32-token query blocks in the prompt and more while decoding
 
 
 def _setup(kind, scan_layers=False):
   config = model_preset("tiny", kind=kind, scan_layers=scan_layers)
   config = dataclasses.replace(config, attention=dataclasses.replace(
-      config.attention, window=40, moba_block=32, moba_top_k=2, retain_top=2, retain_recent=1))
+      config.attention, window=40, moba_block=32, moba_top_k=2, retain_top=2, retain_recent=1, zha_refs=4,
+      zha_chunk=4, zha_top_p=(0.8,)))
   return config, Transformer(config), init_variables(config, jax.random.PRNGKey(0), 64)
 
 

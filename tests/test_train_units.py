@@ -10,7 +10,7 @@ from fsjax.config import ConfigError, MeshConfig, TrainConfig, model_preset
 from fsjax.model import Transformer, init_variables
 from fsjax.train import sharding
 from fsjax.train.optim import decay_mask, learning_rate_schedule, make_optimizer
-from fsjax.train.step import create_state, loss_weights, make_train_step, weighted_loss
+from fsjax.train.step import create_state, loss_weights, make_objective, make_train_step, weighted_loss
 
 
 def test_cosine_schedule_warms_up_decays_and_floors():
@@ -54,10 +54,10 @@ def test_recall_weighted_loss_matches_eq_13(rng):
 def test_non_finite_step_is_skipped_and_counted(rng):
   config = model_preset("tiny")
   model = Transformer(config)
-  train = TrainConfig(steps=10, warmup_steps=0, learning_rate=1e-2, lr_floor=0.0)
+  train = TrainConfig(steps=10, warmup_steps=0, learning_rate=1e-2, lr_floor=0.0, recall_beta=1.0)
   optimizer = make_optimizer(train)
   state = create_state(init_variables(config, jax.random.PRNGKey(0), 64), optimizer)
-  step = jax.jit(make_train_step(model, optimizer, learning_rate_schedule(train), recall_beta=1.0))
+  step = jax.jit(make_train_step(make_objective(model, train), optimizer, learning_rate_schedule(train)))
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 65)))
   good = dict(tokens=tokens, recall=jnp.zeros((2, 65)))
   poisoned = dict(tokens=tokens, recall=jnp.full((2, 65), jnp.nan))

@@ -2,5 +2,6 @@
 
 from fsjax.attention.dense import DenseAttention
 from fsjax.attention.freesolo import ROUTING, FreeSoloAttention
+from fsjax.attention.zha import ZHAAttention
 
-__all__ = ["DenseAttention", "FreeSoloAttention", "ROUTING"]
+__all__ = ["DenseAttention", "FreeSoloAttention", "ROUTING", "ZHAAttention"]

@@ -15,6 +15,16 @@ from fsjax.ops.rope import apply_rope
 KINDS = ("tfpp", "swa", "moba")
 
 
+def causal_attention(q, k, v, *, window, rope_theta, impl):
+  """TF++ (`window` None) or SWA attention without a cache: cuDNN on GPU in half precision unless
+  `impl="reference"`, else `fsjax.ops`. q, k, v `[batch, T, heads, d]` unrotated → `[batch, T, heads, d]`."""
+  if impl != "reference" and cudnn_usable(q.dtype):
+    return causal_rope_attention_cudnn(q, k, v, window=window, rope_theta=rope_theta)
+  if window is None:
+    return ops.tfpp_attention(q, k, v, rope_theta=rope_theta)
+  return ops.swa_attention(q, k, v, window=window, rope_theta=rope_theta)
+
+
 class DenseAttention(nn.Module):
   """`x [batch, seq, d_model]` → `[batch, seq, d_model]` through a RoPE baseline attention.
 
@@ -46,13 +56,9 @@ class DenseAttention(nn.Module):
     if cache is not None:
       o, cache = self._extend(q, k, v, cache, positions, valid)
       return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
-    if self.kind in ("tfpp", "swa") and self.impl != "reference" and cudnn_usable(q.dtype):
-      o = causal_rope_attention_cudnn(q, k, v, window=self.window if self.kind == "swa" else None,
-                                      rope_theta=self.rope_theta)
-    elif self.kind == "tfpp":
-      o = ops.tfpp_attention(q, k, v, rope_theta=self.rope_theta)
-    elif self.kind == "swa":
-      o = ops.swa_attention(q, k, v, window=self.window, rope_theta=self.rope_theta)
+    if self.kind in ("tfpp", "swa"):
+      o = causal_attention(q, k, v, window=self.window if self.kind == "swa" else None,
+                           rope_theta=self.rope_theta, impl=self.impl)
     else:
       o = ops.moba_attention(q, k, v, moba_block=self.moba_block, moba_top_k=self.moba_top_k,
                              rope_theta=self.rope_theta)

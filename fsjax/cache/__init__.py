@@ -1,4 +1,5 @@
-"""Decode caches: a positional KV store (dense cache, SWA ring), the FS archive and the FS-L bounded cache.
+"""Decode caches: a positional KV store (dense cache, SWA ring), the FS archive, the FS-L bounded cache and the
+ZHA tree cache.
 
 `init_cache(config, batch, max_len)` builds one cache per layer, shaped for the model's attention kind.
 """
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 from fsjax.cache.archive import Archive, empty_archive
 from fsjax.cache.bounded import BoundedCache, empty_bounded
 from fsjax.cache.store import KVStore, empty_store
+from fsjax.cache.zha import ZHACache, empty_zha
 from fsjax.config import ModelConfig
 
 
@@ -40,6 +42,8 @@ def init_cache(config: ModelConfig, batch, max_len, dtype=jnp.float32, bounded=T
     make = lambda: empty_archive(*shape, att.cell, dtype)
   elif att.kind in ("tfpp", "swa", "moba"):
     make = lambda: empty_store(*shape, dtype)
+  elif att.kind == "zha":
+    make = lambda: empty_zha(*shape, refs=att.zha_refs, chunk=att.zha_chunk, levels=att.zha_levels, dtype=dtype)
   else:
     raise NotImplementedError(f"no decode cache for attention kind {att.kind!r} yet")
   if config.scan_layers:
@@ -47,4 +51,4 @@ def init_cache(config: ModelConfig, batch, max_len, dtype=jnp.float32, bounded=T
   return {f"layer_{i}": make() for i in range(config.num_layers)}
 
 
-__all__ = ["Archive", "BoundedCache", "KVStore", "cache_capacity", "init_cache"]
+__all__ = ["Archive", "BoundedCache", "KVStore", "ZHACache", "cache_capacity", "init_cache"]

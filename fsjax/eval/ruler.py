@@ -19,7 +19,7 @@ import csv
 import sys
 from pathlib import Path
 
-from fsjax.config import ConfigError
+from fsjax.config import ConfigError, ModelConfig, apply_override, from_dict, to_dict
 from fsjax.eval import records, scoring, tasks
 from fsjax.train.checkpoint import CheckpointError
 
@@ -36,6 +36,9 @@ def parse_args(argv):
   parser.add_argument("--ruler-data", default=None, help="read RULER-generated files instead of generating")
   parser.add_argument("--out", default="runs/ruler")
   parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a model config field of every checkpoint, e.g. --set attention.zha_top_p=0.8 "
+                      "(repeatable; the model's name in the results records it)")
   return parser.parse_args(argv)
 
 
@@ -51,6 +54,16 @@ def check_args(args):
   for length in args.lengths:
     if length <= scoring.TOKENS_TO_GENERATE["niah"]:
       raise ConfigError(f"--lengths: {length} leaves no room for a prompt")
+  for assignment in args.set:
+    override_model(ModelConfig(), [assignment])
+
+
+def override_model(model_config, assignments):
+  """`model_config` with `key.sub=value` overrides applied (validated like a config file)."""
+  data = to_dict(model_config)
+  for assignment in assignments:
+    apply_override(data, assignment)
+  return from_dict(ModelConfig, data, "model")
 
 
 def task_source(task):
@@ -67,8 +80,9 @@ def evaluate_checkpoint(args, path, progress):
 
   config, params, frozen, step = checkpoint.load(path)
   tokenizer = load_tokenizer(config.data.tokenizer)
-  model, variables = Transformer(config.model), {"params": params, **frozen}
-  name = f"{Path(path).name}@{step}"
+  model, variables = Transformer(override_model(config.model, args.set)), {"params": params, **frozen}
+  name = f"{Path(path).name}@{step}" + "".join(f"[{a.split('=', 1)[0].split('.')[-1]}={a.split('=', 1)[1]}]"
+                                                 for a in args.set)
   rows = []
   for length in args.lengths:
     for task in args.tasks:

@@ -1,10 +1,12 @@
 """The training loop: build or resume, step, log, checkpoint, evaluate."""
 
+import dataclasses
 import json
 import math
 import os
 import time
 
+import flax.traverse_util
 import jax
 
 from fsjax.config import Config, ConfigError, to_dict
@@ -15,7 +17,7 @@ from fsjax.train import checkpoint as ckpt_lib
 from fsjax.train import sharding
 from fsjax.train.metrics import MetricsLog, print_table
 from fsjax.train.optim import learning_rate_schedule, make_optimizer
-from fsjax.train.step import create_state, make_eval_step, make_train_step
+from fsjax.train.step import create_state, make_eval_step, make_objective, make_train_step
 
 
 class TrainingStopped(RuntimeError):
@@ -59,10 +61,22 @@ def _eval_batches(config: Config):
   return [b[start:start + rows] for b in batches]  # each process feeds its share of every batch
 
 
+def _without_ref_queries(params):
+  flat = flax.traverse_util.flatten_dict(params)
+  return flax.traverse_util.unflatten_dict({k: v for k, v in flat.items() if "ref_queries" not in k})
+
+
 def _parent_variables(config: Config, abstract_params, abstract_frozen):
-  """Params and routing buffers of `train.init_from`, checked against this config's shapes."""
+  """Params and routing buffers of `train.init_from`, checked against this config's shapes. A TF++ parent of a
+  ZHA run (ZHA III-B conversion) lacks only the reference queries, which keep their fresh initialisation."""
   parent_config, params, frozen, step = ckpt_lib.load(config.train.init_from)
   where = f"{config.train.init_from} (step {step})"
+  parent_kind = parent_config.model.attention.kind
+  if config.model.attention.kind == "zha" and parent_kind != "zha":
+    if parent_kind != "tfpp":
+      raise ConfigError(f"train.init_from: a ZHA model converts a TF++ checkpoint (ZHA III-B), but {where} holds "
+                        f"a {parent_kind!r} model")
+    abstract_params = _without_ref_queries(abstract_params)
   ckpt_lib.check_shapes({"params": params, "frozen": frozen},
                         {"params": abstract_params, "frozen": abstract_frozen}, where)
   print(f"continuing from {where}: {parent_config.model.attention.kind} -> {config.model.attention.kind}, "
@@ -98,6 +112,10 @@ def train(config: Config, workdir):
   os.makedirs(workdir, exist_ok=True)
 
   model = Transformer(config.model)
+  train_model = model
+  if config.train.objective == "zha_kl":  # frozen dense forward, each layer sowing its KL
+    train_model = Transformer(dataclasses.replace(config.model, attention=dataclasses.replace(
+        config.model.attention, zha_distill=True)))
   optimizer = make_optimizer(config.train)
   schedule = learning_rate_schedule(config.train)
   rng = jax.random.PRNGKey(config.train.seed)
@@ -122,7 +140,11 @@ def train(config: Config, workdir):
               if config.train.init_from else None)
     state = jax.jit(init_state, out_shardings=state_shardings)()
     if parent is not None:
-      params, frozen = jax.device_put(parent, (state_shardings.params, state_shardings.frozen))
+      parent_params, parent_frozen = parent
+      fresh = flax.traverse_util.flatten_dict(jax.device_get(state.params))
+      fresh.update(flax.traverse_util.flatten_dict(parent_params))  # a ZHA conversion keeps fresh ref_queries
+      params, frozen = jax.device_put((flax.traverse_util.unflatten_dict(fresh), parent_frozen),
+                                      (state_shardings.params, state_shardings.frozen))
       state = state.replace(params=params, frozen=frozen, opt_state=optimizer.init(params))
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(to_dict(config), f, indent=2)
@@ -131,8 +153,7 @@ def train(config: Config, workdir):
   print(f"{config.model.attention.kind} model, {counts['total']:,} parameters, mesh {dict(mesh.shape)}, "
         f"{config.train.batch_size} x {config.data.seq_len} tokens per step", flush=True)
   batch_shardings = sharding.batch_sharding(mesh)
-  train_step = jax.jit(make_train_step(model, optimizer, schedule, config.train.recall_beta,
-                                       config.train.recall_switch_beta),
+  train_step = jax.jit(make_train_step(make_objective(train_model, config.train), optimizer, schedule),
                        in_shardings=(state_shardings, batch_shardings), out_shardings=(state_shardings, None),
                        donate_argnums=0)
   eval_batches = _eval_batches(config)
@@ -154,9 +175,10 @@ def train(config: Config, workdir):
       checkpoints.save(step, state, data.get_state(), config)
     if step % config.log.every == 0 or step == config.train.steps:
       now = time.perf_counter()
+      extra = {name: value for name, value in metrics.items() if name.startswith("kl_level_")}
       log.write(step, dict(loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                            learning_rate=metrics["learning_rate"], skipped=int(state.skipped),
-                           tokens_per_s=tokens_per_step * (step - last_step) / (now - last_time)))
+                           tokens_per_s=tokens_per_step * (step - last_step) / (now - last_time), **extra))
       last_time, last_step = now, step
     if config.eval.every and step % config.eval.every == 0:
       result = evaluate(model, state.params, state.frozen, eval_batches, mesh)

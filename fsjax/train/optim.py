@@ -32,9 +32,19 @@ def decay_mask(params):
   return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
 
 
+def trainable_labels(params):
+  """"train" for ZHA's reference queries, "frozen" for every other parameter (ZHA III-B freezes the backbone)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "train" if any(getattr(p, "key", None) == "ref_queries" for p in path) else "frozen", params)
+
+
 def make_optimizer(train: TrainConfig):
-  """Global-norm clipping, then AdamW with the schedule and the decay mask."""
-  return optax.chain(
+  """Global-norm clipping, then AdamW with the schedule and the decay mask; for the "zha_kl" objective only the
+  reference queries are updated (the others get zero updates and no optimizer state)."""
+  adamw = optax.chain(
       optax.clip_by_global_norm(train.clip_norm),
       optax.adamw(learning_rate_schedule(train), b1=train.beta1, b2=train.beta2, eps=train.eps,
                   weight_decay=train.weight_decay, mask=decay_mask))
+  if train.objective == "zha_kl":
+    return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, trainable_labels)
+  return adamw

@@ -1,4 +1,4 @@
-"""The train state, the (recall-weighted) loss and the jitted train and eval steps."""
+"""The train state, the objectives (recall-weighted LM loss, ZHA KL distillation) and the train and eval steps."""
 
 import flax.struct
 import jax
@@ -63,12 +63,30 @@ def weighted_loss(model, params, frozen, batch, recall_beta=0.0, recall_switch_b
   return jnp.sum(weights * nll) / jnp.sum(weights)
 
 
-def make_train_step(model, optimizer, schedule, recall_beta=0.0, recall_switch_beta=0.0):
-  """`(state, batch) -> (state, metrics)`; a non-finite loss or gradient skips the update and is counted."""
+def zha_kl_objective(model, params, frozen, batch):
+  """ZHA III-B: the per-level KL every layer sowed (its model runs with `zha_distill`), summed over levels and
+  averaged over layers. Returns `(loss, {"kl_level_ℓ": mean over layers})`."""
+  _, state = model.apply({"params": params, **frozen}, batch["tokens"][:, :-1], mutable=["intermediates"])
+  levels = model.config.attention.zha_levels
+  per_layer = jnp.concatenate([x.reshape(-1, levels) for x in jax.tree_util.tree_leaves(state["intermediates"])])
+  per_level = jnp.mean(per_layer, axis=0)
+  return jnp.sum(per_level), {f"kl_level_{i + 1}": per_level[i] for i in range(levels)}
+
+
+def make_objective(model, train):
+  """`(params, frozen, batch) -> (loss, extra metrics)` for `train.objective` (a `TrainConfig`)."""
+  if train.objective == "zha_kl":
+    return lambda params, frozen, batch: zha_kl_objective(model, params, frozen, batch)
+  return lambda params, frozen, batch: (weighted_loss(model, params, frozen, batch, train.recall_beta,
+                                                      train.recall_switch_beta), {})
+
+
+def make_train_step(objective, optimizer, schedule):
+  """`(state, batch) -> (state, metrics)` for an objective of `make_objective`; a non-finite loss or gradient
+  skips the update and is counted."""
 
   def train_step(state, batch):
-    loss, grads = jax.value_and_grad(weighted_loss, argnums=1)(model, state.params, state.frozen, batch,
-                                                               recall_beta, recall_switch_beta)
+    (loss, extra), grads = jax.value_and_grad(objective, has_aux=True)(state.params, state.frozen, batch)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -80,7 +98,7 @@ def make_train_step(model, optimizer, schedule, recall_beta=0.0, recall_switch_b
         opt_state=keep(new_opt_state, state.opt_state),
         bad_steps=jnp.where(finite, 0, state.bad_steps + 1),
         skipped=state.skipped + jnp.where(finite, 0, 1))
-    metrics = dict(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step), finite=finite)
+    metrics = dict(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step), finite=finite, **extra)
     return new_state, metrics
 
   return train_step

@@ -1,0 +1,102 @@
+"""The ZHA decode cache: a dense KV store (RoPE-rotated keys, slot = position) plus every tree level's node
+tangents, grown as chunks arrive (ZHA III-A: a level-ℓ node is added every C^ℓ tokens, from the keys or child
+tangents already in the cache). Routing and attention match `fsjax.ops.zha` exactly.
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from fsjax.cache import store as kv
+from fsjax.cache.store import KVStore, empty_store
+from fsjax.ops import zha
+
+
+@flax.struct.dataclass
+class ZHACache:
+  """store: the dense KV store; keys[ℓ-1] `[batch, N_ℓ, heads, R, d]`, bias[ℓ-1] `[batch, N_ℓ, heads, R]`:
+  the tangents of level ℓ's nodes, `N_ℓ = node_count(capacity, C, ℓ)` (a node is written once complete)."""
+  store: KVStore
+  keys: tuple
+  bias: tuple
+
+
+def empty_zha(batch, capacity, heads, head_dim, *, refs, chunk, levels, dtype=jnp.float32):
+  counts = [zha.node_count(capacity, chunk, level) for level in range(1, levels + 1)]
+  return ZHACache(store=empty_store(batch, capacity, heads, head_dim, dtype),
+                  keys=tuple(jnp.zeros((batch, n, heads, refs, head_dim), dtype) for n in counts),
+                  bias=tuple(jnp.zeros((batch, n, heads, refs), dtype) for n in counts))
+
+
+def _completed_nodes(positions, valid, chunk, level, count):
+  """Level-`level` nodes whose last key arrives in this chunk: indices `[batch, S]` and a write mask.
+
+  A chunk of n tokens starting at position p completes at most ⌈n / C^ℓ⌉ nodes, the first being
+  ⌈p / C^ℓ⌉ − 1.
+  """
+  span = chunk**level
+  slots = min(-(-positions.shape[1] // span), count)
+  first = -(-positions[:, :1] // span) - 1
+  index = first + jnp.arange(slots)  # [batch, S]
+  last_valid = jnp.max(jnp.where(valid, positions, -1), axis=1, keepdims=True)
+  last_key = zha.node_last_key(index, chunk, level)
+  done = (index >= 0) & (index < count) & (last_key >= positions[:, :1]) & (last_key <= last_valid)
+  return jnp.clip(index, 0, count - 1), done
+
+
+def _write_level(keys, bias, index, done, new_keys, new_bias):
+  rows = jnp.arange(index.shape[0])[:, None]
+  target = jnp.where(done, index, keys.shape[1])  # out of range: dropped
+  return (keys.at[rows, target].set(new_keys.astype(keys.dtype), mode="drop"),
+          bias.at[rows, target].set(new_bias.astype(bias.dtype), mode="drop"))
+
+
+def extend(cache: ZHACache, k_rot, v, positions, valid, ref_queries, *, chunk, rope_theta):
+  """Writes a chunk's keys and values, then summarizes every node it completes, level by level.
+
+  Args:
+    k_rot: `[batch, n, heads, d]` keys as attention sees them (rotated); v alike.
+    positions: `[batch, n]` consecutive positions per row; valid: `[batch, n]` (right padding is not cached).
+    ref_queries: `[heads, R, d]`.
+  """
+  store = kv.write(cache.store, k_rot, v, positions, valid)
+  batch, _, heads, dim = store.k.shape
+  rows = jnp.arange(batch)[:, None, None]
+  keys, bias = list(cache.keys), list(cache.bias)
+  for level in range(1, len(keys) + 1):
+    count = keys[level - 1].shape[1]
+    if count == 0:
+      continue
+    index, done = _completed_nodes(positions, valid, chunk, level, count)
+    child = index[..., None] * chunk + jnp.arange(chunk)  # [batch, S, C]
+    if level == 1:
+      children = store.k[rows, 1 + child].astype(k_rot.dtype)  # slot = position
+      child_bias = None
+    else:
+      children = keys[level - 2][rows, child].astype(k_rot.dtype)
+      child_bias = bias[level - 2][rows, child].astype(k_rot.dtype)
+    refs = zha.rotated_refs(ref_queries, zha.node_last_key(index, chunk, level), rope_theta, k_rot.dtype)
+    keys[level - 1], bias[level - 1] = _write_level(keys[level - 1], bias[level - 1], index, done,
+                                                    *zha.summarize(refs, children, child_bias))
+  return ZHACache(store=store, keys=tuple(keys), bias=tuple(bias))
+
+
+def attend(cache: ZHACache, q_rot, positions, *, chunk, top_p):
+  """ZHA attention of a chunk of queries over the cache (after `extend` wrote the chunk).
+
+  Args:
+    q_rot: `[batch, n, heads, d]` rotated queries at `positions` `[batch, n]`.
+    top_p: one threshold per level (`zha.level_top_p`).
+
+  Returns:
+    outputs `[batch, n, heads, d]` and the fraction of visible keys each query read, `[batch, n, heads]`.
+  """
+  scores = [zha.node_scores(q_rot, keys.astype(q_rot.dtype), bias.astype(q_rot.dtype))
+            for keys, bias in zip(cache.keys, cache.bias)]
+  leaves = zha.route(scores, positions, chunk=chunk, top_p=top_p)
+  mask = zha.key_mask(leaves, positions, cache.store.pos, chunk)
+  store = cache.store
+  out = kv.attend(q_rot, positions, store.k.astype(q_rot.dtype), store.v.astype(q_rot.dtype), store.pos,
+                  extra_mask=mask)
+  fraction = jnp.sum(mask, axis=-1) / (positions[:, None] + 1)
+  return out, jnp.moveaxis(fraction, 1, 2)

@@ -1,0 +1,119 @@
+"""ZHA inside the model: decode fractions, TF++ -> ZHA conversion by KL distillation, and the CLIs on the result."""
+
+import dataclasses
+import json
+
+import flax.traverse_util
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import MICRO_CONFIG
+from fsjax import generate, ops
+from fsjax.cache import init_cache
+from fsjax.cache import zha as zha_cache
+from fsjax.config import ConfigError, load_config, model_preset
+from fsjax.decode import extend, prefill
+from fsjax.eval import ruler
+from fsjax.model import Transformer, init_variables
+from fsjax.ops.rope import apply_rope
+from fsjax.train import checkpoint as ckpt_lib
+from fsjax.train import loop
+
+ZHA_MICRO = ["model.attention.kind=zha", "model.attention.zha_refs=4", "model.attention.zha_chunk=4",
+             "model.attention.zha_levels=2", "model.attention.zha_top_p=0.8"]
+DISTILL = ["train.objective=zha_kl", "train.steps=12", "train.learning_rate=3.2e-2", "train.lr_floor=3.2e-4",
+           "train.warmup_steps=2", "train.schedule=wsd", "train.decay_steps=12", "train.weight_decay=0.0",
+           "checkpoint.every=12", "checkpoint.async_save=false"]
+
+
+def test_decode_reports_the_fraction_of_keys_each_query_read(rng):
+  config = model_preset("tiny", kind="zha")
+  config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, zha_refs=2, zha_chunk=4,
+                                                                     zha_top_p=(0.6,)))
+  model = Transformer(config)
+  variables = init_variables(config, jax.random.PRNGKey(0), 32)
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (1, 96)))
+  _, cache = prefill(model, variables, tokens[:, :95], jnp.array([95]), init_cache(config, 1, 96), chunk=32)
+  _, _, intermediates = extend(model, variables, tokens[:, 95:], cache, jnp.array([[95]]), jnp.ones((1, 1), bool))
+  fraction = intermediates["layer_0"]["attention"]["attended_fraction"][0]  # [1, 1, heads]
+  assert fraction.shape == (1, 1, config.num_heads)
+  assert np.all((np.asarray(fraction) > 0) & (np.asarray(fraction) < 1))
+
+
+@pytest.fixture(scope="module")
+def tfpp_workdir(tmp_path_factory):
+  path = tmp_path_factory.mktemp("micro_tfpp")
+  loop.train(load_config(MICRO_CONFIG, ["model.attention.kind=tfpp", "train.steps=2",
+                                        "checkpoint.async_save=false"]), str(path))
+  return path
+
+
+@pytest.fixture(scope="module")
+def zha_workdir(tfpp_workdir, tmp_path_factory):
+  path = tmp_path_factory.mktemp("micro_zha")
+  loop.train(load_config(MICRO_CONFIG, [*ZHA_MICRO, *DISTILL, f"train.init_from={tfpp_workdir}",
+                                        "log.every=1"]), str(path))
+  return path
+
+
+def test_distillation_trains_only_the_reference_queries_and_lowers_the_kl(tfpp_workdir, zha_workdir):
+  with open(zha_workdir / "metrics.jsonl") as f:
+    logged = [json.loads(line) for line in f]
+  assert [r["step"] for r in logged] == list(range(1, 13))
+  assert all(abs(r["loss"] - r["kl_level_1"] - r["kl_level_2"]) < 1e-5 for r in logged)
+  assert logged[-1]["loss"] < 0.8 * logged[0]["loss"]
+  _, parent, _, _ = ckpt_lib.load(str(tfpp_workdir))
+  config, child, _, step = ckpt_lib.load(str(zha_workdir))
+  assert step == 12 and config.model.attention.kind == "zha"
+  parent, child = flax.traverse_util.flatten_dict(parent), flax.traverse_util.flatten_dict(child)
+  assert set(child) - set(parent) == {k for k in child if k[-1] == "ref_queries"} != set()
+  for name, value in parent.items():
+    np.testing.assert_array_equal(child[name], value, err_msg=str(name))
+  with open(zha_workdir / "eval.json") as f:
+    assert np.isfinite(json.load(f)["heldout_loss"])  # measured through the ZHA tree
+
+
+def test_the_converted_checkpoint_generates_and_is_evaluated_at_several_thresholds(zha_workdir, tmp_path, capsys):
+  assert generate.main(["--checkpoint", str(zha_workdir), "--prompt", "The sea was", "--max-new-tokens", "4"]) == 0
+  assert capsys.readouterr().out.startswith("The sea was")
+  out = tmp_path / "ruler"
+  for p in ("0.8", "1.0"):
+    assert ruler.main(["--checkpoint", str(zha_workdir), "--tasks", "niah_single_1", "--lengths", "384",
+                       "--num-samples", "2", "--batch-size", "2", "--out", str(out),
+                       "--set", f"attention.zha_top_p={p}"]) == 0
+  assert f"{zha_workdir.name}@12[zha_top_p=1.0]" in capsys.readouterr().out
+
+
+def test_only_a_tfpp_checkpoint_converts_to_zha(micro_workdir, tmp_path):
+  config = load_config(MICRO_CONFIG, [*ZHA_MICRO, *DISTILL, f"train.init_from={micro_workdir}"])
+  with pytest.raises(ConfigError, match="converts a TF\\+\\+ checkpoint"):
+    loop.train(config, str(tmp_path / "run"))
+
+
+def test_distillation_needs_a_zha_model():
+  with pytest.raises(ConfigError, match="train.objective zha_kl needs model.attention.kind zha"):
+    load_config(MICRO_CONFIG, ["train.objective=zha_kl"])
+  with pytest.raises(ConfigError, match="attention.zha_top_p must hold one value or one per level"):
+    load_config(MICRO_CONFIG, [*ZHA_MICRO, "model.attention.zha_top_p=[0.5, 0.6, 0.7]"])
+  config = load_config(MICRO_CONFIG, [*ZHA_MICRO, "model.attention.zha_top_p=[0.5, 0.9]"])
+  assert config.model.attention.zha_top_p == (0.5, 0.9)
+
+
+def test_decode_fraction_equals_the_reference_fraction(rng):
+  """The cache's routing, through `ops.zha_attention` on the same q, k: identical key counts per query."""
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 70, 2, 8)), jnp.float32) for _ in range(3))
+  ref_queries = jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)
+  geometry = dict(chunk=3, levels=2)
+  _, expected = ops.zha_attention(q, k, v, ref_queries, top_p=0.7, rope_theta=10000.0, return_fraction=True,
+                                  **geometry)
+  cache = zha_cache.empty_zha(1, 72, 2, 8, refs=3, **geometry)
+  fractions = []
+  for start, size in ((0, 40), *((t, 1) for t in range(40, 70))):
+    pos = jnp.arange(start, start + size)[None]
+    rot = lambda x: apply_rope(x[:, start:start + size], pos)
+    cache = zha_cache.extend(cache, rot(k), v[:, start:start + size], pos, jnp.ones_like(pos, bool), ref_queries,
+                             chunk=3, rope_theta=10000.0)
+    fractions.append(zha_cache.attend(cache, rot(q), pos, chunk=3, top_p=(0.7, 0.7))[1])
+  np.testing.assert_allclose(np.concatenate(fractions, axis=1), expected, rtol=1e-6)
