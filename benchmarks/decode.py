@@ -1,16 +1,19 @@
 """Prefill and decode throughput, attention-state bytes and the HBM roofline: FS-L, FS, TF++ and SWA.
 
-    python benchmarks/decode.py [--lengths 4096,16384,65536,262144] [--kinds fsl,fs,tfpp,swa]
-        [--decode-tokens 64] [--preset fs_341m]
+    python benchmarks/decode.py [--lengths 4096,16384,65536,131072,262144] [--kinds fsl,fs,tfpp,swa]
+        [--decode-tokens 64] [--preset fs_341m] [--layers scanned|unrolled]
 
 Batch 1, random weights, bf16 parameters and caches. Each (kind, length) runs in its own subprocess. Prefill goes
 through `fsjax.decode.prefill` (2048-token chunks); decode through the on-device `decode_loop`. The roofline
 is the bytes a decode step must read (parameters + attention state) divided by the device's measured copy
-bandwidth. Prints one table with ratios to TF++ at the same length.
+bandwidth. Prints one table with ratios to TF++ at the same length, and the device kernels (fusions and
+library calls) one compiled decode step launches: at batch 1 a step is short enough for launches to matter.
+`--layers unrolled` decodes with one layer body per layer instead of `nn.scan` over stacked layers and caches.
 """
 
 import dataclasses
 import json
+import re
 import time
 
 from cases import case_parser, run_cases
@@ -30,7 +33,12 @@ def copy_bandwidth():
   return 2 * x.nbytes * 5 / (time.perf_counter() - start)
 
 
-def run_case(kind, length, decode_tokens, preset, chunk):
+def kernels_per_step(compiled_text):
+  """Kernels a compiled decode loop launches per step: its fusions and custom calls (cuDNN, cuBLAS, Triton)."""
+  return len(re.findall(r"= [^=]*\b(?:fusion|custom-call)\(", compiled_text))
+
+
+def run_case(kind, length, decode_tokens, preset, chunk, layers):
   import jax
   import jax.numpy as jnp
 
@@ -40,7 +48,7 @@ def run_case(kind, length, decode_tokens, preset, chunk):
   from fsjax.model import Transformer, init_variables
 
   config = dataclasses.replace(model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16",
-                               scan_layers=True)
+                               scan_layers=layers == "scanned")
   model = Transformer(config)
   variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, config.vocab_size)
@@ -57,6 +65,7 @@ def run_case(kind, length, decode_tokens, preset, chunk):
   loop = lambda c: decode_loop(model, variables, c, tokens[:, -1], lengths, jax.random.PRNGKey(2),
                                max_new_tokens=decode_tokens, eos_id=-1, temperature=0.0, top_p=1.0)
   _, warm = prefill(model, variables, tokens, lengths, fresh(), chunk, all_logits=False)
+  compiled = jax.jit(loop).lower(warm).compile().as_text()
   loop(warm).block_until_ready()  # compile
   start = time.perf_counter()
   loop(cache).block_until_ready()
@@ -64,33 +73,36 @@ def run_case(kind, length, decode_tokens, preset, chunk):
   param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(variables))
   return dict(kind=kind, length=length, prefill_tok_s=length / prefill_s, decode_tok_s=1 / decode_s,
               state_mib=state_bytes / 2**20, roofline_tok_s=copy_bandwidth() / (param_bytes + state_bytes),
-              device=jax.devices()[0].device_kind)
+              kernels=kernels_per_step(compiled), layers=layers, device=jax.devices()[0].device_kind)
 
 
 def main():
-  parser = case_parser(__doc__, "4096,16384,65536,262144")
+  parser = case_parser(__doc__, "4096,16384,65536,131072,262144")
   parser.add_argument("--decode-tokens", type=int, default=64)
   parser.add_argument("--chunk", type=int, default=2048)
+  parser.add_argument("--layers", choices=("scanned", "unrolled"), default="scanned")
   args = parser.parse_args()
   if args.case:
-    print(json.dumps(run_case(*args.case, args.decode_tokens, args.preset, args.chunk)))
+    print(json.dumps(run_case(*args.case, args.decode_tokens, args.preset, args.chunk, args.layers)))
     return
   rows = run_cases(__file__, args.kinds, args.lengths,
-                   ["--decode-tokens", args.decode_tokens, "--chunk", args.chunk, "--preset", args.preset],
-                   args.case_timeout)
+                   ["--decode-tokens", args.decode_tokens, "--chunk", args.chunk, "--preset", args.preset,
+                    "--layers", args.layers], args.case_timeout)
 
   base = {r["length"]: r for r in rows if r["kind"] == "tfpp" and "error" not in r}
-  print(f"\n{args.preset}, batch 1, bf16, {next((r['device'] for r in rows if 'device' in r), '?')}")
-  print("| kind | length | prefill tok/s | vs TF++ | decode tok/s | vs TF++ | roofline tok/s | state MiB |")
-  print("|---|---|---|---|---|---|---|---|")
+  print(f"\n{args.preset}, batch 1, bf16, {args.layers} layers, "
+        f"{next((r['device'] for r in rows if 'device' in r), '?')}")
+  print("| kind | length | prefill tok/s | vs TF++ | decode tok/s | vs TF++ | roofline tok/s | state MiB | kernels |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     if "error" in r:
-      print(f"| {r['kind']} | {r['length']} | failed: {r['error']} | | | | | |")
+      print(f"| {r['kind']} | {r['length']} | failed: {r['error']} | | | | | | |")
       continue
     b = base.get(r["length"])
     ratio = lambda key: f"{r[key] / b[key]:.2f}x" if b else "–"
     print(f"| {r['kind']} | {r['length']} | {r['prefill_tok_s']:,.0f} | {ratio('prefill_tok_s')} | "
-          f"{r['decode_tok_s']:,.1f} | {ratio('decode_tok_s')} | {r['roofline_tok_s']:,.0f} | {r['state_mib']:.1f} |")
+          f"{r['decode_tok_s']:,.1f} | {ratio('decode_tok_s')} | {r['roofline_tok_s']:,.0f} | {r['state_mib']:.1f} | "
+          f"{r['kernels']} |")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,9 @@ class AttentionConfig:
     zha_levels: ZHA tree levels L.
     zha_top_p: ZHA routing threshold p: one value for every level, or one per level (level 1, the raw-key
       chunks, first); >= 1 reads every key.
+    zha_max_nodes: cap on the nodes a query keeps per level (ours; null = the paper's routing). Decode then
+      reads only the routed candidate lists and keys, a cost independent of the context length below the top
+      level.
     zha_distill: run the frozen dense (TF++) attention and sow each layer's ZHA KL loss instead of routing; set
       by the training loop when `train.objective` is "zha_kl".
   """
@@ -84,6 +87,7 @@ class AttentionConfig:
   zha_chunk: int = 8
   zha_levels: int = 2
   zha_top_p: tuple[float, ...] = (0.9,)
+  zha_max_nodes: int | None = None
   zha_distill: bool = False
 
   def __post_init__(self):
@@ -102,7 +106,7 @@ class AttentionConfig:
     if self.kind == "zha":
       try:
         validate_zha(chunk=self.zha_chunk, levels=self.zha_levels, top_p=self.zha_top_p, refs=self.zha_refs,
-                     prefix=f"{p}zha_")
+                     max_nodes=self.zha_max_nodes, prefix=f"{p}zha_")
       except ValueError as e:
         raise ConfigError(str(e)) from None
     elif self.zha_distill:

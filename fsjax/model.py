@@ -26,7 +26,7 @@ def make_attention(config: ModelConfig, name=None):
                              lam=att.lam, sigma=att.sigma, impl=att.impl, **common)
   if att.kind == "zha":
     return ZHAAttention(refs=att.zha_refs, chunk=att.zha_chunk, levels=att.zha_levels, top_p=att.zha_top_p,
-                        distill=att.zha_distill, impl=att.impl, **common)
+                        max_nodes=att.zha_max_nodes, distill=att.zha_distill, impl=att.impl, **common)
   return DenseAttention(kind=att.kind, window=att.window, moba_block=att.moba_block,
                         moba_top_k=att.moba_top_k, impl=att.impl, **common)
 

@@ -122,7 +122,7 @@ def zha_tree(k_rot, refs, *, chunk, levels, theta):
   return tree
 
 
-def zha_keys(q_rot_i, i, tree, *, chunk, levels, top_p):
+def zha_keys(q_rot_i, i, tree, *, chunk, levels, top_p, max_nodes=None):
   """The index set I(q) of ZHA III-C for the query at position i, by explicit candidate lists."""
   d = q_rot_i.shape[0]
   score = lambda node: max(q_rot_i @ k / math.sqrt(d) + b for k, b in zip(*tree[node]))
@@ -138,6 +138,7 @@ def zha_keys(q_rot_i, i, tree, *, chunk, levels, top_p):
       mass = np.exp(scores - scores.max())
       cumulative = np.cumsum(mass) / mass.sum()
       selected = ranked[:int(np.argmax(cumulative >= p)) + 1] if cumulative[-1] >= p else ranked
+    selected = selected[:max_nodes]
     if level == 1:
       break
     candidates = [(level - 1, m * chunk + c) for (_, m) in selected for c in range(chunk)]
@@ -149,7 +150,7 @@ def zha_keys(q_rot_i, i, tree, *, chunk, levels, top_p):
   return sorted(keys)
 
 
-def zha(q, k, v, refs, *, chunk, levels, top_p, theta=10000.0):
+def zha(q, k, v, refs, *, chunk, levels, top_p, theta=10000.0, max_nodes=None):
   """ZHA attention for every (batch, position, head): (outputs `[B, T, H, d]`, attended fractions `[B, T, H]`)."""
   batch, seq, heads, d = q.shape
   rot = (lambda x, p: x) if theta is None else (lambda x, p: rope(x, p, theta))
@@ -161,7 +162,7 @@ def zha(q, k, v, refs, *, chunk, levels, top_p, theta=10000.0):
       tree = zha_tree(k_rot, refs[h], chunk=chunk, levels=levels, theta=theta)
       for i in range(seq):
         q_rot = rot(q[b, i, h], i)
-        js = zha_keys(q_rot, i, tree, chunk=chunk, levels=levels, top_p=top_p)
+        js = zha_keys(q_rot, i, tree, chunk=chunk, levels=levels, top_p=top_p, max_nodes=max_nodes)
         out[b, i, h] = softmax_readout(k_rot[js] @ q_rot / math.sqrt(d), v[b, js, h])
         fraction[b, i, h] = len(js) / (i + 1)
   return out, fraction

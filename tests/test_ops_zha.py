@@ -11,12 +11,13 @@ from fsjax import ops
 from fsjax.ops import zha
 from helpers import assert_close, random_qkv
 
-# (batch, seq, heads, dim, refs, chunk, levels, top_p)
+# (batch, seq, heads, dim, refs, chunk, levels, top_p, max_nodes)
 GEOMETRIES = [
-    pytest.param(2, 61, 2, 8, 2, 3, 2, (0.7,), id="C3-L2-p0.7"),
-    pytest.param(1, 90, 2, 6, 3, 4, 3, (0.6, 0.8, 0.9), id="C4-L3-p-per-level"),
-    pytest.param(1, 48, 1, 4, 1, 2, 4, (0.5,), id="C2-L4-R1"),
-    pytest.param(1, 40, 2, 8, 2, 8, 2, (0.9,), id="top-level-empty"),
+    pytest.param(2, 61, 2, 8, 2, 3, 2, (0.7,), None, id="C3-L2-p0.7"),
+    pytest.param(1, 90, 2, 6, 3, 4, 3, (0.6, 0.8, 0.9), None, id="C4-L3-p-per-level"),
+    pytest.param(1, 48, 1, 4, 1, 2, 4, (0.5,), None, id="C2-L4-R1"),
+    pytest.param(1, 40, 2, 8, 2, 8, 2, (0.9,), None, id="top-level-empty"),
+    pytest.param(1, 80, 2, 8, 2, 3, 2, (0.95,), 2, id="capped-at-2-nodes"),
 ]
 
 
@@ -25,15 +26,16 @@ def _refs(rng, heads, refs, dim):
 
 
 @pytest.mark.parametrize("theta", [10000.0, None], ids=["rope", "nope"])
-@pytest.mark.parametrize("batch,seq,heads,dim,refs,chunk,levels,top_p", GEOMETRIES)
-def test_attention_matches_brute_force(rng, theta, batch, seq, heads, dim, refs, chunk, levels, top_p):
+@pytest.mark.parametrize("batch,seq,heads,dim,refs,chunk,levels,top_p,max_nodes", GEOMETRIES)
+def test_attention_matches_brute_force(rng, theta, batch, seq, heads, dim, refs, chunk, levels, top_p, max_nodes):
   q, k, v = random_qkv(rng, (batch, seq, heads, dim))
   ref_queries = _refs(rng, heads, refs, dim)
   expected, expected_fraction = brute_force.zha(q, k, v, ref_queries, chunk=chunk, levels=levels,
-                                                top_p=zha.level_top_p(top_p, levels), theta=theta)
+                                                top_p=zha.level_top_p(top_p, levels), theta=theta,
+                                                max_nodes=max_nodes)
   with jax.enable_x64(True):
     out, fraction = ops.zha_attention(q, k, v, ref_queries, chunk=chunk, levels=levels, top_p=top_p,
-                                      rope_theta=theta, return_fraction=True)
+                                      rope_theta=theta, max_nodes=max_nodes, return_fraction=True)
   assert_close(out, expected, jnp.float64)
   np.testing.assert_allclose(np.asarray(fraction), expected_fraction, rtol=1e-12)  # same key counts
   assert np.min(expected_fraction) < 1.0  # the routing really prunes in these geometries
@@ -137,6 +139,7 @@ def test_top_p_select_keeps_smallest_prefix_and_ties_to_lower_index():
     (dict(levels=0), "levels must be >= 1"),
     (dict(top_p=(0.5, 0.9, 0.9)), "one value or one per level"),
     (dict(top_p=0.0), "must be > 0"),
+    (dict(max_nodes=0), "max_nodes must be >= 1"),
 ])
 def test_bad_geometry_is_rejected(kwargs, message):
   q = jnp.ones((1, 8, 1, 4))

@@ -101,19 +101,46 @@ def test_distillation_needs_a_zha_model():
   assert config.model.attention.zha_top_p == (0.5, 0.9)
 
 
-def test_decode_fraction_equals_the_reference_fraction(rng):
-  """The cache's routing, through `ops.zha_attention` on the same q, k: identical key counts per query."""
-  q, k, v = (jnp.asarray(rng.standard_normal((1, 70, 2, 8)), jnp.float32) for _ in range(3))
+@pytest.mark.parametrize("max_nodes", [None, 2])
+def test_cache_routing_equals_the_reference(rng, max_nodes):
+  """A 40-token prefill then single tokens through the cache give the reference's outputs and key counts; with a
+  cap, single tokens take the gathered path (candidate lists only)."""
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 70, 2, 8)), jnp.float32) for _ in range(3))
   ref_queries = jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)
-  geometry = dict(chunk=3, levels=2)
-  _, expected = ops.zha_attention(q, k, v, ref_queries, top_p=0.7, rope_theta=10000.0, return_fraction=True,
-                                  **geometry)
-  cache = zha_cache.empty_zha(1, 72, 2, 8, refs=3, **geometry)
-  fractions = []
+  routing = dict(chunk=3, max_nodes=max_nodes)
+  expected, expected_fraction = ops.zha_attention(q, k, v, ref_queries, levels=2, top_p=0.9, rope_theta=10000.0,
+                                                  return_fraction=True, **routing)
+  cache = zha_cache.empty_zha(2, 72, 2, 8, refs=3, chunk=3, levels=2)
+  outputs, fractions = [], []
   for start, size in ((0, 40), *((t, 1) for t in range(40, 70))):
-    pos = jnp.arange(start, start + size)[None]
+    pos = jnp.broadcast_to(jnp.arange(start, start + size), (2, size))
     rot = lambda x: apply_rope(x[:, start:start + size], pos)
     cache = zha_cache.extend(cache, rot(k), v[:, start:start + size], pos, jnp.ones_like(pos, bool), ref_queries,
                              chunk=3, rope_theta=10000.0)
-    fractions.append(zha_cache.attend(cache, rot(q), pos, chunk=3, top_p=(0.7, 0.7))[1])
-  np.testing.assert_allclose(np.concatenate(fractions, axis=1), expected, rtol=1e-6)
+    attend = zha_cache.attend_gathered if size == 1 and max_nodes else zha_cache.attend
+    out, fraction = attend(cache, rot(q), pos, top_p=(0.9, 0.9), **routing)
+    outputs.append(out)
+    fractions.append(fraction)
+  np.testing.assert_allclose(np.concatenate(fractions, axis=1), expected_fraction, rtol=1e-6)
+  np.testing.assert_allclose(np.concatenate(outputs, axis=1), expected, rtol=1e-4, atol=1e-5)
+  assert np.min(expected_fraction[:, 40:]) < 0.5  # routing prunes where the decode steps run
+  if max_nodes:
+    _, uncapped = ops.zha_attention(q, k, v, ref_queries, chunk=3, levels=2, top_p=0.9, rope_theta=10000.0,
+                                    return_fraction=True)
+    assert np.any(np.asarray(expected_fraction) < np.asarray(uncapped))  # the cap binds
+
+
+def test_capped_model_decodes_like_its_full_forward(rng):
+  config = model_preset("tiny", kind="zha")
+  config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, zha_refs=2, zha_chunk=4,
+                                                                     zha_top_p=(0.95,), zha_max_nodes=2))
+  model = Transformer(config)
+  variables = init_variables(config, jax.random.PRNGKey(0), 32)
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 100)))
+  full = np.asarray(jax.jit(model.apply)(variables, tokens))
+  logits, cache = prefill(model, variables, tokens[:, :64], jnp.array([64, 64]), init_cache(config, 2, 100), 32)
+  steps = [logits]
+  for t in range(64, 100):
+    step, cache, _ = extend(model, variables, tokens[:, t:t + 1], cache, jnp.full((2, 1), t), jnp.ones((2, 1), bool))
+    steps.append(step)
+  np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-4)

@@ -24,9 +24,10 @@ class ZHAAttention(nn.Module):
   adding the reference queries) and `ref_queries` `[heads, refs, head_dim]`, the only weights ZHA trains.
 
   `distill=True` (ZHA III-B training): the layer runs the frozen model's dense attention and sows its KL loss per
-  level, `[levels]`, as intermediates/zha_kl. With a `cache` (a `ZHACache`), `x` is a chunk at `positions`
-  `[batch, C]` with `valid` `[batch, C]`; the call returns `(y, new_cache)` and sows the fraction of visible keys
-  each query read, `[batch, C, heads]`, as intermediates/attended_fraction.
+  level, `[levels]`, as intermediates/zha_kl. Otherwise it sows the fraction of visible keys each query read,
+  `[batch, seq, heads]`, as intermediates/attended_fraction. With a `cache` (a `ZHACache`), `x` is a chunk at
+  `positions` `[batch, C]` with `valid` `[batch, C]`, and the call returns `(y, new_cache)`; with `max_nodes` set,
+  a one-token chunk reads only the routed candidates and keys (`fsjax.cache.zha.attend_gathered`).
   """
   num_heads: int
   head_dim: int
@@ -34,6 +35,7 @@ class ZHAAttention(nn.Module):
   chunk: int = 8
   levels: int = 2
   top_p: tuple = (0.9,)
+  max_nodes: int | None = None
   distill: bool = False
   rope_theta: float = 10000.0
   impl: str = "auto"
@@ -55,8 +57,10 @@ class ZHAAttention(nn.Module):
                zha_kl_per_level(q, k, ref_queries, rope_theta=self.rope_theta, **geometry))
       o = causal_attention(q, k, v, window=None, rope_theta=self.rope_theta, impl=self.impl)
     else:
-      o = ops.zha_attention(q, k, v, ref_queries.astype(compute_dtype(q.dtype)), top_p=self.top_p,
-                            rope_theta=self.rope_theta, **geometry)
+      o, fraction = ops.zha_attention(q, k, v, ref_queries.astype(compute_dtype(q.dtype)), top_p=self.top_p,
+                                      rope_theta=self.rope_theta, max_nodes=self.max_nodes,
+                                      return_fraction=True, **geometry)
+      self.sow("intermediates", "attended_fraction", fraction)
     return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
 
   def _extend(self, q, k, v, ref_queries, cache, positions, valid):
@@ -65,7 +69,10 @@ class ZHAAttention(nn.Module):
     k_rot = apply_rope(k.astype(dtype), positions, self.rope_theta)
     cache = zha_cache.extend(cache, k_rot, v.astype(dtype), positions, valid, ref_queries.astype(dtype),
                              chunk=self.chunk, rope_theta=self.rope_theta)
-    o, fraction = zha_cache.attend(cache, q_rot, positions, chunk=self.chunk,
-                                   top_p=level_top_p(self.top_p, self.levels))
+    routing = dict(chunk=self.chunk, top_p=level_top_p(self.top_p, self.levels), max_nodes=self.max_nodes)
+    if self.max_nodes is not None and q.shape[1] == 1:  # one decode token: read only the candidate lists
+      o, fraction = zha_cache.attend_gathered(cache, q_rot, positions, **routing)
+    else:
+      o, fraction = zha_cache.attend(cache, q_rot, positions, **routing)
     self.sow("intermediates", "attended_fraction", fraction)
     return o, cache

@@ -3,6 +3,8 @@ tangents, grown as chunks arrive (ZHA III-A: a level-ℓ node is added every C^�
 tangents already in the cache). Routing and attention match `fsjax.ops.zha` exactly.
 """
 
+import math
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,8 @@ import jax.numpy as jnp
 from fsjax.cache import store as kv
 from fsjax.cache.store import KVStore, empty_store
 from fsjax.ops import zha
+from fsjax.ops.common import PRECISION
+from fsjax.ops.softmax import masked_softmax
 
 
 @flax.struct.dataclass
@@ -81,22 +85,100 @@ def extend(cache: ZHACache, k_rot, v, positions, valid, ref_queries, *, chunk, r
   return ZHACache(store=store, keys=tuple(keys), bias=tuple(bias))
 
 
-def attend(cache: ZHACache, q_rot, positions, *, chunk, top_p):
+def attend(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_nodes=None):
   """ZHA attention of a chunk of queries over the cache (after `extend` wrote the chunk).
 
   Args:
     q_rot: `[batch, n, heads, d]` rotated queries at `positions` `[batch, n]`.
-    top_p: one threshold per level (`zha.level_top_p`).
+    top_p: one threshold per level (`zha.level_top_p`); max_nodes: per-level cap (None = none).
 
   Returns:
     outputs `[batch, n, heads, d]` and the fraction of visible keys each query read, `[batch, n, heads]`.
   """
   scores = [zha.node_scores(q_rot, keys.astype(q_rot.dtype), bias.astype(q_rot.dtype))
             for keys, bias in zip(cache.keys, cache.bias)]
-  leaves = zha.route(scores, positions, chunk=chunk, top_p=top_p)
+  leaves = zha.route(scores, positions, chunk=chunk, top_p=top_p, max_nodes=max_nodes)
   mask = zha.key_mask(leaves, positions, cache.store.pos, chunk)
   store = cache.store
   out = kv.attend(q_rot, positions, store.k.astype(q_rot.dtype), store.v.astype(q_rot.dtype), store.pos,
                   extra_mask=mask)
   fraction = jnp.sum(mask, axis=-1) / (positions[:, None] + 1)
   return out, jnp.moveaxis(fraction, 1, 2)
+
+
+def _gather_nodes(array, index):
+  """`array` `[batch, N, heads, ...]` at per-head node indices `index` `[batch, heads, K]` → `[batch, heads, K, ...]`."""
+  rows = jnp.arange(index.shape[0])[:, None, None]
+  heads = jnp.arange(index.shape[1])[None, :, None]
+  return array[rows, jnp.clip(index, 0, array.shape[1] - 1), heads]
+
+
+def _keep_top(scores, index, valid, p, max_nodes):
+  """Top-p with at most `max_nodes` kept, over a candidate list (`zha.top_p_select`'s rule).
+
+  Candidates are first put in node order, so `lax.top_k`'s lower-position-first tie rule is the lower-node rule.
+  Returns the kept nodes' indices `[batch, heads, M]` (M = min(max_nodes, K)) and their keep mask.
+  """
+  if scores.shape[-1] == 0:
+    return index, valid
+  order = jnp.argsort(jnp.where(valid, index, jnp.iinfo(jnp.int32).max), axis=-1)
+  index, scores, valid = (jnp.take_along_axis(x, order, axis=-1) for x in (index, scores, valid))
+  scores = jnp.where(valid, scores, -jnp.inf)
+  top_scores, position = jax.lax.top_k(scores, min(max_nodes, scores.shape[-1]))
+  best = jnp.max(scores, axis=-1, keepdims=True)
+  shift = jnp.where(jnp.isfinite(best), best, 0.0)
+  weights = jnp.where(jnp.isfinite(top_scores), jnp.exp(top_scores - shift), 0.0)
+  keep = jnp.isfinite(top_scores)
+  if p < 1:
+    total = jnp.sum(jnp.where(valid, jnp.exp(scores - shift), 0.0), axis=-1, keepdims=True)
+    keep &= jnp.cumsum(weights, axis=-1) - weights < p * total
+  return jnp.take_along_axis(index, position, axis=-1), keep
+
+
+def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_nodes):
+  """`attend` for one token per row with routing capped at `max_nodes` per level: the same result, reading only
+  each level's candidate list (every top-level node, then ≤ max_nodes·C children plus < C parentless nodes)
+  and the ≤ max_nodes·C + C + 1 reached keys, instead of scoring every node and masking the whole cache.
+
+  Args:
+    q_rot: `[batch, 1, heads, d]` at `positions` `[batch, 1]`; top_p: one threshold per level.
+
+  Returns:
+    outputs `[batch, 1, heads, d]` and the attended fraction `[batch, 1, heads]`.
+  """
+  q, i = q_rot[:, 0], positions[:, :1, None]  # [batch, heads, d], [batch, 1, 1]
+  batch, heads, dim = q.shape
+  levels = len(cache.keys)
+
+  def scores_of(level, index):
+    keys = _gather_nodes(cache.keys[level - 1], index).astype(q.dtype)  # [batch, heads, K, R, d]
+    bias = _gather_nodes(cache.bias[level - 1], index).astype(q.dtype)
+    return jnp.max(jnp.einsum("bhd,bhkrd->bhkr", q, keys, precision=PRECISION) / math.sqrt(dim) + bias, -1)
+
+  top = cache.keys[-1].shape[1]
+  index = jnp.broadcast_to(jnp.arange(top), (batch, heads, top))
+  valid = zha.node_last_key(index, chunk, levels) <= i
+  for level in range(levels, 0, -1):
+    kept, keep = _keep_top(scores_of(level, index), index, valid, top_p[level - 1], max_nodes)
+    if level == 1:
+      break
+    children = (kept[..., None] * chunk + jnp.arange(chunk)).reshape(batch, heads, -1)
+    parentless = chunk * (i // chunk**level) + jnp.arange(chunk - 1)  # complete nodes whose parent is not
+    index = jnp.concatenate([children, jnp.broadcast_to(parentless, (batch, heads, chunk - 1))], axis=-1)
+    valid = jnp.concatenate([jnp.repeat(keep, chunk, axis=-1),
+                             jnp.broadcast_to(zha.node_last_key(parentless, chunk, level - 1) <= i,
+                                              (batch, heads, chunk - 1))], axis=-1)
+  leaf_keys = (1 + kept[..., None] * chunk + jnp.arange(chunk)).reshape(batch, heads, -1)
+  current = 1 + chunk * (i // chunk) + jnp.arange(chunk)
+  key_pos = jnp.concatenate([jnp.zeros((batch, heads, 1), jnp.int32), leaf_keys,
+                             jnp.broadcast_to(current, (batch, heads, chunk))], axis=-1)
+  key_valid = jnp.concatenate([jnp.ones((batch, heads, 1), bool), jnp.repeat(keep, chunk, axis=-1),
+                               jnp.broadcast_to(current <= i, (batch, heads, chunk))], axis=-1)
+  store = cache.store
+  k = _gather_nodes(store.k, key_pos).astype(q.dtype)  # slot = position: [batch, heads, K, d]
+  v = _gather_nodes(store.v, key_pos).astype(q.dtype)
+  logits = jnp.einsum("bhd,bhkd->bhk", q, k, precision=PRECISION) / math.sqrt(dim)
+  probs = masked_softmax(logits, key_valid)
+  out = jnp.einsum("bhk,bhkd->bhd", probs, v, precision=PRECISION)
+  fraction = jnp.sum(key_valid, axis=-1) / (i[:, :, 0] + 1)
+  return out[:, None], fraction[:, None]

@@ -20,6 +20,11 @@ computed directly from the raw keys.
 Readings fixed here (DESIGN §5): ties in the top-p order go to the lower node index; `p >= 1` selects every
 candidate; a non-empty candidate set always yields at least one node; `top_p` may be one value for every level
 or one per level, level 1 (the raw-key chunks) first.
+
+`max_nodes` (ours, not the paper's; None = the paper's routing) caps the nodes a query keeps per level at the
+highest-scoring `max_nodes` of its top-p prefix. It gives decode static sizes (`fsjax.cache.zha.attend_gathered`
+gathers candidate lists instead of scoring every node) and is part of the operator, so the reference, the cache
+and any kernel agree exactly with or without it.
 """
 
 import math
@@ -38,8 +43,10 @@ def level_top_p(top_p, levels):
   return values * levels if len(values) == 1 else values
 
 
-def validate_zha(*, chunk, levels, top_p, refs=1, prefix=""):
+def validate_zha(*, chunk, levels, top_p, refs=1, max_nodes=None, prefix=""):
   """Raises ValueError naming the first argument that breaks a ZHA geometry rule (`prefix` as in configs)."""
+  if max_nodes is not None and max_nodes < 1:
+    raise ValueError(f"{prefix}max_nodes must be >= 1 or null (no cap), got {max_nodes}")
   if chunk < 2:
     raise ValueError(f"{prefix}chunk must be >= 2, got {chunk}")
   for name, value in (("levels", levels), ("refs", refs)):
@@ -144,19 +151,20 @@ def complete_nodes(q_pos, count, chunk, level):
   return (node_last_key(jnp.arange(count), chunk, level) <= q_pos[..., None])[:, None]
 
 
-def top_p_select(scores, candidates, p):
+def top_p_select(scores, candidates, p, max_nodes=None):
   """The smallest score-sorted prefix of the candidates holding at least mass `p` of their softmax (III-C).
 
   Args:
     scores: `[..., N]` node scores; candidates: bool, broadcastable to `scores`.
     p: threshold; `p >= 1` selects every candidate.
+    max_nodes: keep at most this many (the first of the prefix); None = no cap.
 
   Returns:
     bool `[..., N]`. A node is kept when the mass ranked strictly before it is below `p`, so the best candidate
     is always kept; ties rank the lower index first.
   """
   candidates = jnp.broadcast_to(candidates, scores.shape)
-  if p >= 1 or scores.shape[-1] == 0:
+  if (p >= 1 and max_nodes is None) or scores.shape[-1] == 0:
     return candidates
   masked = jnp.where(candidates, scores, -jnp.inf)
   order = jnp.argsort(-masked, axis=-1, stable=True)
@@ -164,11 +172,15 @@ def top_p_select(scores, candidates, p):
   top = jnp.max(ranked[..., :1], axis=-1, keepdims=True)
   weights = jnp.where(jnp.isfinite(ranked), jnp.exp(ranked - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
   before = jnp.cumsum(weights, axis=-1) - weights
-  keep_ranked = (before < p * jnp.sum(weights, axis=-1, keepdims=True)) & jnp.isfinite(ranked)
+  keep_ranked = jnp.isfinite(ranked)
+  if p < 1:
+    keep_ranked &= before < p * jnp.sum(weights, axis=-1, keepdims=True)
+  if max_nodes is not None:
+    keep_ranked &= jnp.arange(scores.shape[-1]) < max_nodes
   return jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)
 
 
-def route(level_scores, q_pos, *, chunk, top_p):
+def route(level_scores, q_pos, *, chunk, top_p, max_nodes=None):
   """Top-p descent through the tree (ZHA III-C): which level-1 nodes (raw-key chunks) each query reaches.
 
   Args:
@@ -176,6 +188,7 @@ def route(level_scores, q_pos, *, chunk, top_p):
       that exist for these queries (a cache's capacity): incomplete nodes are never candidates.
     q_pos: `[batch, T]` query positions.
     top_p: one threshold per level, level 1 first (see `level_top_p`).
+    max_nodes: per-level cap on kept nodes (None = none).
 
   Returns:
     `[batch, heads, T, N_1]` bool: the selected leaves `S_1(q)`.
@@ -183,7 +196,7 @@ def route(level_scores, q_pos, *, chunk, top_p):
   levels = len(level_scores)
   candidates = complete_nodes(q_pos, level_scores[-1].shape[-1], chunk, levels)  # A_L = U_L
   for level in range(levels, 0, -1):
-    selected = top_p_select(level_scores[level - 1], candidates, top_p[level - 1])
+    selected = top_p_select(level_scores[level - 1], candidates, top_p[level - 1], max_nodes)
     if level == 1:
       return selected
     below = level_scores[level - 2].shape[-1]
@@ -217,8 +230,8 @@ def key_mask(leaves, q_pos, k_pos, chunk):
   return (in_leaf | current | (kp == 0)) & (kp >= 0) & (kp <= q)
 
 
-def zha_attention(q, k, v, ref_queries, *, chunk, levels, top_p, rope_theta=None, impl="reference",
-                  return_fraction=False):
+def zha_attention(q, k, v, ref_queries, *, chunk, levels, top_p, rope_theta=None, max_nodes=None,
+                  impl="reference", return_fraction=False):
   """Causal attention restricted to the keys each query reaches through the ZHA tree (ZHA III).
 
   Args:
@@ -227,6 +240,7 @@ def zha_attention(q, k, v, ref_queries, *, chunk, levels, top_p, rope_theta=None
     chunk, levels: tree geometry C and L.
     top_p: routing threshold, one value or one per level (level 1 first).
     rope_theta: RoPE base, or None for a NoPE model.
+    max_nodes: per-level cap on the nodes a query keeps (None = the paper's uncapped routing).
     impl: "reference" (only this for now).
     return_fraction: also return the fraction of visible keys each query attends, `[batch, T, heads]`.
 
@@ -234,7 +248,7 @@ def zha_attention(q, k, v, ref_queries, *, chunk, levels, top_p, rope_theta=None
     `[batch, T, heads, d]` in the dtype of `q` (and the fraction).
   """
   check_qkv(q, k, v)
-  validate_zha(chunk=chunk, levels=levels, top_p=top_p, refs=ref_queries.shape[1])
+  validate_zha(chunk=chunk, levels=levels, top_p=top_p, refs=ref_queries.shape[1], max_nodes=max_nodes)
   if impl != "reference":
     raise NotImplementedError(f"zha_attention impl {impl!r}: only 'reference' exists")
   batch, seq, heads, dim = q.shape
@@ -246,7 +260,7 @@ def zha_attention(q, k, v, ref_queries, *, chunk, levels, top_p, rope_theta=None
   k_rot = rotate(k.astype(dtype), positions, rope_theta)
   tree = build_tree(k_rot, ref_queries, chunk=chunk, levels=levels, rope_theta=rope_theta)
   leaves = route([node_scores(q_rot, *node) for node in tree], positions, chunk=chunk,
-                 top_p=level_top_p(top_p, levels))
+                 top_p=level_top_p(top_p, levels), max_nodes=max_nodes)
   mask = key_mask(leaves, positions, positions, chunk)
   logits = jnp.einsum("bqhd,bkhd->bhqk", q_rot, k_rot, precision=PRECISION) / math.sqrt(dim)
   out = jnp.einsum("bhqk,bkhd->bqhd", masked_softmax(logits, mask), v.astype(dtype),
