@@ -1,4 +1,5 @@
-"""Pallas GPU kernels for fsjax; each kernel optimises exactly one reference in `fsjax.ops`.
+"""Pallas GPU (Triton) kernels; each one is tested against the jnp specification it speeds up.
 
-Empty until the kernel issue lands: every op currently runs its reference.
+- `cell_scoring`, `sparse_readout`: FreeSolo selection (FS Eq. 6-8) and readout (Eq. 9), `fsjax.ops.freesolo`.
+- `tree_routing`: ZHA capped decode, node scoring and the attention over reached keys, `fsjax.cache.zha`.
 """

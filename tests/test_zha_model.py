@@ -130,10 +130,14 @@ def test_cache_routing_equals_the_reference(rng, max_nodes):
     assert np.any(np.asarray(expected_fraction) < np.asarray(uncapped))  # the cap binds
 
 
-def test_capped_model_decodes_like_its_full_forward(rng):
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_capped_model_decodes_like_its_full_forward(rng, impl):
+  """Decode steps take the gathered path (through the kernels with impl="pallas"); the full forward is the
+  reference operator with the same cap."""
   config = model_preset("tiny", kind="zha")
   config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, zha_refs=2, zha_chunk=4,
-                                                                     zha_top_p=(0.95,), zha_max_nodes=2))
+                                                                     zha_top_p=(0.95,), zha_max_nodes=2,
+                                                                     impl=impl))
   model = Transformer(config)
   variables = init_variables(config, jax.random.PRNGKey(0), 32)
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 100)))

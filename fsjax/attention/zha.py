@@ -71,7 +71,8 @@ class ZHAAttention(nn.Module):
                              chunk=self.chunk, rope_theta=self.rope_theta)
     routing = dict(chunk=self.chunk, top_p=level_top_p(self.top_p, self.levels), max_nodes=self.max_nodes)
     if self.max_nodes is not None and q.shape[1] == 1:  # one decode token: read only the candidate lists
-      o, fraction = zha_cache.attend_gathered(cache, q_rot, positions, **routing)
+      kernels = zha_cache.use_kernels(self.impl, chunk=self.chunk, refs=self.refs)
+      o, fraction = zha_cache.attend_gathered(cache, q_rot, positions, kernels=kernels, **routing)
     else:
       o, fraction = zha_cache.attend(cache, q_rot, positions, **routing)
     self.sow("intermediates", "attended_fraction", fraction)

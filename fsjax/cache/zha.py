@@ -14,6 +14,7 @@ from fsjax.cache.store import KVStore, empty_store
 from fsjax.ops import zha
 from fsjax.ops.common import PRECISION
 from fsjax.ops.softmax import masked_softmax
+from pallas_kernels import tree_routing
 
 
 @flax.struct.dataclass
@@ -135,13 +136,22 @@ def _keep_top(scores, index, valid, p, max_nodes):
   return jnp.take_along_axis(index, position, axis=-1), keep
 
 
-def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_nodes):
+def use_kernels(impl, *, chunk, refs):
+  """Whether a capped decode step runs `pallas_kernels.tree_routing`: "pallas" always (interpreted off GPU),
+  "auto" on a GPU when Triton can tile the tree, "reference" never."""
+  if impl == "auto":
+    return jax.default_backend() == "gpu" and tree_routing.compilable(chunk=chunk, refs=refs)
+  return impl == "pallas"
+
+
+def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_nodes, kernels=False):
   """`attend` for one token per row with routing capped at `max_nodes` per level: the same result, reading only
   each level's candidate list (every top-level node, then ≤ max_nodes·C children plus < C parentless nodes)
   and the ≤ max_nodes·C + C + 1 reached keys, instead of scoring every node and masking the whole cache.
 
   Args:
     q_rot: `[batch, 1, heads, d]` at `positions` `[batch, 1]`; top_p: one threshold per level.
+    kernels: score candidates and attend with `pallas_kernels.tree_routing` (same results).
 
   Returns:
     outputs `[batch, 1, heads, d]` and the attended fraction `[batch, 1, heads]`.
@@ -150,7 +160,10 @@ def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_node
   batch, heads, dim = q.shape
   levels = len(cache.keys)
 
-  def scores_of(level, index):
+  def scores_of(level, index, valid):
+    if kernels:
+      return tree_routing.score_candidates(q, cache.keys[level - 1], cache.bias[level - 1],
+                                           jnp.where(valid, index, tree_routing.NO_NODE))
     keys = _gather_nodes(cache.keys[level - 1], index).astype(q.dtype)  # [batch, heads, K, R, d]
     bias = _gather_nodes(cache.bias[level - 1], index).astype(q.dtype)
     return jnp.max(jnp.einsum("bhd,bhkrd->bhkr", q, keys, precision=PRECISION) / math.sqrt(dim) + bias, -1)
@@ -159,7 +172,7 @@ def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_node
   index = jnp.broadcast_to(jnp.arange(top), (batch, heads, top))
   valid = zha.node_last_key(index, chunk, levels) <= i
   for level in range(levels, 0, -1):
-    kept, keep = _keep_top(scores_of(level, index), index, valid, top_p[level - 1], max_nodes)
+    kept, keep = _keep_top(scores_of(level, index, valid), index, valid, top_p[level - 1], max_nodes)
     if level == 1:
       break
     children = (kept[..., None] * chunk + jnp.arange(chunk)).reshape(batch, heads, -1)
@@ -168,6 +181,12 @@ def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_node
     valid = jnp.concatenate([jnp.repeat(keep, chunk, axis=-1),
                              jnp.broadcast_to(zha.node_last_key(parentless, chunk, level - 1) <= i,
                                               (batch, heads, chunk - 1))], axis=-1)
+  reached = jnp.sum(keep, axis=-1) * chunk + 1 + i[:, :, 0] % chunk
+  fraction = (reached / (i[:, :, 0] + 1))[:, None]  # key 0, the kept leaves, the current chunk 1 + C⌊i/C⌋ … i
+  if kernels:
+    out = tree_routing.leaf_attention(q, cache.store.k, cache.store.v, jnp.where(keep, kept, tree_routing.NO_NODE),
+                                      positions[:, 0], chunk=chunk)
+    return out[:, None].astype(q.dtype), fraction
   leaf_keys = (1 + kept[..., None] * chunk + jnp.arange(chunk)).reshape(batch, heads, -1)
   current = 1 + chunk * (i // chunk) + jnp.arange(chunk)
   key_pos = jnp.concatenate([jnp.zeros((batch, heads, 1), jnp.int32), leaf_keys,
@@ -179,6 +198,4 @@ def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_node
   v = _gather_nodes(store.v, key_pos).astype(q.dtype)
   logits = jnp.einsum("bhd,bhkd->bhk", q, k, precision=PRECISION) / math.sqrt(dim)
   probs = masked_softmax(logits, key_valid)
-  out = jnp.einsum("bhk,bhkd->bhd", probs, v, precision=PRECISION)
-  fraction = jnp.sum(key_valid, axis=-1) / (i[:, :, 0] + 1)
-  return out[:, None], fraction[:, None]
+  return jnp.einsum("bhk,bhkd->bhd", probs, v, precision=PRECISION)[:, None], fraction

@@ -1,0 +1,93 @@
+"""pallas_kernels.tree_routing against NumPy on random trees and caches, and wired into the capped ZHA decode."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fsjax import ops
+from fsjax.cache import zha as zha_cache
+from fsjax.ops.rope import apply_rope
+from helpers import assert_close, kernel_modes
+from pallas_kernels import tree_routing
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("refs,dim,count", [(4, 64, 37), (1, 96, 16), (16, 32, 5)])
+def test_score_candidates(rng, interpret, dtype, refs, dim, count):
+  batch, nodes, heads = 2, 50, 3
+  q = rng.standard_normal((batch, heads, dim))
+  keys = rng.standard_normal((batch, nodes, heads, refs, dim))
+  bias = rng.standard_normal((batch, nodes, heads, refs))
+  index = rng.integers(0, nodes, (batch, heads, count))
+  index[rng.random(index.shape) < 0.2] = tree_routing.NO_NODE
+  cast = lambda x: jnp.asarray(x, dtype)
+  scores = tree_routing.score_candidates(cast(q), cast(keys), cast(bias), jnp.asarray(index), interpret=interpret)
+  q, keys, bias = (np.asarray(cast(x), np.float64) for x in (q, keys, bias))
+  b, h = np.arange(batch)[:, None, None], np.arange(heads)[None, :, None]
+  gathered = keys[b, np.maximum(index, 0), h]  # [batch, heads, count, R, d]
+  expected = np.max(np.einsum("bhd,bhkrd->bhkr", q, gathered) / math.sqrt(dim) + bias[b, np.maximum(index, 0), h],
+                    axis=-1)
+  valid = index >= 0
+  assert np.all(np.isneginf(np.asarray(scores)[~valid]))
+  assert_close(np.asarray(scores)[valid], expected[valid], jnp.float32)
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk,dim,leaves,splits", [(8, 64, 6, 4), (4, 96, 9, 2), (16, 32, 1, 1)])
+def test_leaf_attention(rng, interpret, dtype, chunk, dim, leaves, splits):
+  batch, heads, capacity = 2, 2, 160
+  q = rng.standard_normal((batch, heads, dim))
+  k, v = (rng.standard_normal((batch, capacity, heads, dim)) for _ in range(2))
+  position = np.array([capacity - 2, 97])  # the first row's current chunk reaches the cache's end
+  complete = position // chunk  # leaves (m + 1)C <= i
+  kept = np.full((batch, heads, leaves), tree_routing.NO_NODE)
+  for b in range(batch):
+    for h in range(heads):
+      chosen = rng.permutation(complete[b])[:leaves]
+      chosen = chosen[rng.random(len(chosen)) < 0.8]  # some slots unused
+      kept[b, h, :len(chosen)] = chosen
+  cast = lambda x: jnp.asarray(x, dtype)
+  out = tree_routing.leaf_attention(cast(q), cast(k), cast(v), jnp.asarray(kept), jnp.asarray(position),
+                                    chunk=chunk, splits=splits, interpret=interpret)
+  q, k, v = (np.asarray(cast(x), np.float64) for x in (q, k, v))
+  expected = np.zeros((batch, heads, dim))
+  for b in range(batch):
+    i = position[b]
+    for h in range(heads):
+      keys = {0} | set(range(1 + chunk * (i // chunk), i + 1))
+      for m in kept[b, h][kept[b, h] >= 0]:
+        keys |= set(range(1 + m * chunk, 1 + (m + 1) * chunk))
+      js = sorted(keys)
+      logits = k[b, js, h] @ q[b, h] / math.sqrt(dim)
+      w = np.exp(logits - logits.max())
+      expected[b, h] = w @ v[b, js, h] / w.sum()
+  assert_close(out, expected, dtype)
+
+
+def test_capped_decode_through_the_kernels_equals_the_reference(rng):
+  """Prefill 40 tokens, then decode one at a time through `attend_gathered(kernels=True)` (compiled on a GPU,
+  interpreted elsewhere): the reference's outputs and key counts (RoPE, C=4, R=2, two levels, at most 2 nodes
+  per level)."""
+  batch, seq, heads, dim = 2, 70, 2, 16
+  q, k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, dim)), jnp.float32) for _ in range(3))
+  ref_queries = jnp.asarray(rng.standard_normal((heads, 2, dim)), jnp.float32)
+  routing = dict(chunk=4, max_nodes=2)
+  expected, expected_fraction = ops.zha_attention(q, k, v, ref_queries, levels=2, top_p=0.9, rope_theta=10000.0,
+                                                  return_fraction=True, **routing)
+  cache = zha_cache.empty_zha(batch, 72, heads, dim, refs=2, chunk=4, levels=2)
+  outputs, fractions = [], []
+  for start, size in ((0, 40), *((t, 1) for t in range(40, seq))):
+    pos = jnp.broadcast_to(jnp.arange(start, start + size), (batch, size))
+    rot = lambda x: apply_rope(x[:, start:start + size], pos)
+    cache = zha_cache.extend(cache, rot(k), v[:, start:start + size], pos, jnp.ones_like(pos, bool), ref_queries,
+                             chunk=4, rope_theta=10000.0)
+    if size == 1:
+      out, fraction = zha_cache.attend_gathered(cache, rot(q), pos, top_p=(0.9, 0.9), kernels=True, **routing)
+      outputs.append(out)
+      fractions.append(fraction)
+  np.testing.assert_allclose(np.concatenate(fractions, axis=1), expected_fraction[:, 40:], rtol=1e-6)
+  assert_close(np.concatenate(outputs, axis=1), expected[:, 40:], jnp.float32, scale=5)
