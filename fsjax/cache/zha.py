@@ -144,20 +144,19 @@ def use_kernels(impl, *, chunk, refs):
   return impl == "pallas"
 
 
-def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_nodes, kernels=False):
-  """`attend` for one token per row with routing capped at `max_nodes` per level: the same result, reading only
-  each level's candidate list (every top-level node, then ≤ max_nodes·C children plus < C parentless nodes)
-  and the ≤ max_nodes·C + C + 1 reached keys, instead of scoring every node and masking the whole cache.
+def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, kernels=False):
+  """Capped top-p descent for one query per (row, head), over candidate lists (ZHA III-C).
 
   Args:
-    q_rot: `[batch, 1, heads, d]` at `positions` `[batch, 1]`; top_p: one threshold per level.
-    kernels: score candidates and attend with `pallas_kernels.tree_routing` (same results).
+    q: `[batch, heads, d]` rotated queries at `position` `[batch]`; top_p: one threshold per level.
+    kernels: score candidates with `pallas_kernels.tree_routing` (same results).
 
   Returns:
-    outputs `[batch, 1, heads, d]` and the attended fraction `[batch, 1, heads]`.
+    kept leaves `[batch, heads, M]` (M = min(max_nodes, candidates)), their keep mask, and the fraction of
+    visible keys read, `[batch, heads]`.
   """
-  q, i = q_rot[:, 0], positions[:, :1, None]  # [batch, heads, d], [batch, 1, 1]
   batch, heads, dim = q.shape
+  i = position[:, None, None]
   levels = len(cache.keys)
 
   def scores_of(level, index, valid):
@@ -181,21 +180,40 @@ def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_node
     valid = jnp.concatenate([jnp.repeat(keep, chunk, axis=-1),
                              jnp.broadcast_to(zha.node_last_key(parentless, chunk, level - 1) <= i,
                                               (batch, heads, chunk - 1))], axis=-1)
-  reached = jnp.sum(keep, axis=-1) * chunk + 1 + i[:, :, 0] % chunk
-  fraction = (reached / (i[:, :, 0] + 1))[:, None]  # key 0, the kept leaves, the current chunk 1 + C⌊i/C⌋ … i
+  reached = jnp.sum(keep, axis=-1) * chunk + 1 + i[..., 0] % chunk  # key 0, kept leaves, 1 + C⌊i/C⌋ … i
+  return kept, keep, reached / (i[..., 0] + 1)
+
+
+def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_nodes, kernels=False):
+  """`attend` for one token per row with routing capped at `max_nodes` per level: the same result, reading only
+  each level's candidate list (every top-level node, then ≤ max_nodes·C children plus < C parentless nodes)
+  and the ≤ max_nodes·C + C + 1 reached keys, instead of scoring every node and masking the whole cache.
+
+  Args:
+    q_rot: `[batch, 1, heads, d]` at `positions` `[batch, 1]`; top_p: one threshold per level.
+    kernels: score candidates and attend with `pallas_kernels.tree_routing` (same results).
+
+  Returns:
+    outputs `[batch, 1, heads, d]` and the attended fraction `[batch, 1, heads]`.
+  """
+  q, position = q_rot[:, 0], positions[:, 0]
+  kept, keep, fraction = route_gathered(cache, q, position, chunk=chunk, top_p=top_p, max_nodes=max_nodes,
+                                        kernels=kernels)
+  store = cache.store
   if kernels:
-    out = tree_routing.leaf_attention(q, cache.store.k, cache.store.v, jnp.where(keep, kept, tree_routing.NO_NODE),
-                                      positions[:, 0], chunk=chunk)
-    return out[:, None].astype(q.dtype), fraction
+    out = tree_routing.leaf_attention(q, store.k, store.v, jnp.where(keep, kept, tree_routing.NO_NODE), position,
+                                      chunk=chunk)
+    return out[:, None].astype(q.dtype), fraction[:, None]
+  batch, heads, dim = q.shape
+  i = position[:, None, None]
   leaf_keys = (1 + kept[..., None] * chunk + jnp.arange(chunk)).reshape(batch, heads, -1)
   current = 1 + chunk * (i // chunk) + jnp.arange(chunk)
   key_pos = jnp.concatenate([jnp.zeros((batch, heads, 1), jnp.int32), leaf_keys,
                              jnp.broadcast_to(current, (batch, heads, chunk))], axis=-1)
   key_valid = jnp.concatenate([jnp.ones((batch, heads, 1), bool), jnp.repeat(keep, chunk, axis=-1),
                                jnp.broadcast_to(current <= i, (batch, heads, chunk))], axis=-1)
-  store = cache.store
   k = _gather_nodes(store.k, key_pos).astype(q.dtype)  # slot = position: [batch, heads, K, d]
   v = _gather_nodes(store.v, key_pos).astype(q.dtype)
   logits = jnp.einsum("bhd,bhkd->bhk", q, k, precision=PRECISION) / math.sqrt(dim)
   probs = masked_softmax(logits, key_valid)
-  return jnp.einsum("bhk,bhkd->bhd", probs, v, precision=PRECISION)[:, None], fraction
+  return jnp.einsum("bhk,bhkd->bhd", probs, v, precision=PRECISION)[:, None], fraction[:, None]
