@@ -166,3 +166,93 @@ def zha(q, k, v, refs, *, chunk, levels, top_p, theta=10000.0, max_nodes=None):
         out[b, i, h] = softmax_readout(k_rot[js] @ q_rot / math.sqrt(d), v[b, js, h])
         fraction[b, i, h] = len(js) / (i + 1)
   return out, fraction
+
+
+def _fsb_node(cells, means, norms, centers, children=()):
+  """A forest node (FS Eq. 20) over `cells`, as a dict."""
+  mu = means[cells].mean(axis=0)
+  return dict(cells=list(cells), children=list(children), mu=mu,
+              rho=max(np.linalg.norm(means[c] - mu) for c in cells), amax=max(norms[c] for c in cells),
+              pmin=min(centers[c] for c in cells), first=min(cells))
+
+
+def fsb_chunk_tree(cells, means, norms, centers):
+  """FS Eq. 19: split at the median projection on the principal direction (two power iterations from the
+  farthest cell), recursively; ties to the lower cell index."""
+  if len(cells) == 1:
+    return _fsb_node(cells, means, norms, centers)
+  x = {c: means[c] - means[cells].mean(axis=0) for c in cells}
+  farthest = min(cells, key=lambda c: (-np.linalg.norm(x[c]), c))
+  unit = lambda u: u / np.linalg.norm(u) if np.linalg.norm(u) > 0 else np.zeros_like(u)
+  u = unit(x[farthest])
+  for _ in range(2):
+    u = unit(sum((x[c] @ u) * x[c] for c in cells))
+  ordered = sorted(cells, key=lambda c: (x[c] @ u, c))
+  half = (len(cells) + 1) // 2
+  children = [fsb_chunk_tree(ordered[:half], means, norms, centers),
+              fsb_chunk_tree(ordered[half:], means, norms, centers)]
+  return _fsb_node(cells, means, norms, centers, children)
+
+
+def fsb_forest(admitted, means, norms, centers):
+  """Chunks of the binary digits of M in arrival order (Eq. 18), joined smallest-first (Eq. 21)."""
+  chunks, offset = [], 0
+  for k in reversed(range(len(admitted).bit_length())):
+    if len(admitted) >> k & 1:
+      chunks.append(fsb_chunk_tree(admitted[offset:offset + 2**k], means, norms, centers))
+      offset += 2**k
+  if not chunks:
+    return None
+  join = chunks[-1]
+  for root in reversed(chunks[:-1]):
+    size = len(root["cells"]) + len(join["cells"])
+    mu = (len(root["cells"]) * root["mu"] + len(join["cells"]) * join["mu"]) / size
+    join = dict(cells=root["cells"] + join["cells"], children=[root, join], mu=mu,
+                rho=max(u["rho"] + np.linalg.norm(u["mu"] - mu) for u in (root, join)),
+                amax=max(root["amax"], join["amax"]), pmin=min(root["pmin"], join["pmin"]),
+                first=min(root["first"], join["first"]))
+  return join
+
+
+def fsb_beam(root, q, i, *, beam, bound_c, lam, sigma):
+  """Eq. 11 beam search: leaves keep their slots, the rest go to the highest-U children (ties: lower first cell)."""
+  if root is None:
+    return []
+  d = q.shape[0]
+  bound = lambda v: ((q @ v["mu"] + bound_c * np.linalg.norm(q) * v["rho"]) / math.sqrt(d)
+                     + lam * v["amax"] * math.erf((i - v["pmin"]) / (2 * sigma)))
+  current = [root]
+  while any(v["children"] for v in current):
+    leaves = [v for v in current if not v["children"]]
+    children = sorted((c for v in current for c in v["children"]), key=lambda v: (-bound(v), v["first"]))
+    current = leaves + children[:beam - len(leaves)]
+  return [v["cells"][0] for v in current]
+
+
+def fsb_cells(q, k, *, tau, lam, sigma, cell, block, top_k, beam, bound_c):
+  """FS-B selected cells `[B, T, H, K]` (-1 pad): two forests per block, beam search, Eq. 12 rerank."""
+  batch, seq, heads, d = q.shape
+  num_cells = seq // cell
+  out = np.full((batch, seq, heads, top_k), -1)
+  for b in range(batch):
+    for h in range(heads):
+      cells_k = k[b, :num_cells * cell, h].reshape(num_cells, cell, d)
+      means, norms = cells_k.mean(axis=1), np.linalg.norm(cells_k, axis=-1).max(axis=1)
+      centers = (np.arange(num_cells) + 0.5) * cell
+      for n in range(-(-seq // block)):
+        eligible = list(range(n * block // cell))
+        roots = [fsb_forest(admitted, means, norms, centers)
+                 for admitted in (eligible, [c for c in eligible if norms[c] >= tau[h]])]
+        for i in range(n * block, min((n + 1) * block, seq)):
+          found = set()
+          for root in roots:
+            found |= set(fsb_beam(root, q[b, i, h], i, beam=beam, bound_c=bound_c, lam=lam[h], sigma=sigma[h]))
+          score = {}
+          for c in found:
+            logits = cells_k[c] @ q[b, i, h] / math.sqrt(d)
+            top = logits.max()
+            score[c] = top + math.log(np.exp(logits - top).sum()) + lam[h] * norms[c] * math.erf(
+                (i - centers[c]) / (2 * sigma[h]))
+          chosen = sorted(found, key=lambda c: (-score[c], c))[:top_k]
+          out[b, i, h, :len(chosen)] = chosen
+  return out

@@ -1,0 +1,267 @@
+"""FS-B selection (FS Sec. 3.4, App. E.1): two causal forests over cell mean keys, beam search, token rerank.
+
+Per head and query block n (block-boundary availability, as in training): forest 0 admits every eligible cell,
+forest τ the eligible cells with `a_c >= τ` (Eq. 10, τ inclusive). A forest's M admitted cells, in arrival
+(cell-index) order, form the aligned chunks of the binary digits of M (Eq. 18), each a perfect binary tree
+split recursively at the median of its mean keys' projections on a principal direction (two normalized power
+iterations from the farthest cell, Eq. 19), with node summaries μ, ρ, A, p_min (Eq. 20); the chunk roots are
+joined smallest-first (Eq. 21). A chunk never changes once complete, so every aligned chunk of the whole
+sequence's arrival order is built once, and block n's forest is the chain of chunks of its own M_n plus fresh
+join nodes (the prefill formulation).
+
+A query keeps `beam` nodes per level by U_v (Eq. 11, c = `bound_c`): leaves already in the beam stay, the
+remaining slots go to the highest-U children; ranking ties go to the node whose smallest cell index is lower.
+The candidates (the final beams' leaves, both forests, deduplicated) are reranked by Eq. 12 and the top K are
+read as in FS (Eq. 9). Readings (DESIGN §4): splits put the first ⌈n/2⌉ cells by projection in the left child;
+projection ties and the farthest-cell choice go to the lower cell index; a zero direction (all cells equal)
+projects every cell to 0.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fsjax.ops.cells import cell_summaries
+from fsjax.ops.common import PRECISION
+
+NO_NODE = -1
+
+
+def _prior(distance, lam, sigma):
+  """The Eq. 7 prior factor `λ erf(x / 2σ)` (times a_c or A_v by the caller)."""
+  return lam * jax.scipy.special.erf(distance / (2.0 * sigma))
+
+
+def _normalize(u):
+  norm = jnp.linalg.norm(u, axis=-1, keepdims=True)
+  return jnp.where(norm > 0, u / jnp.where(norm > 0, norm, 1.0), 0.0)
+
+
+def _split_level(groups, means, cell_ids):
+  """One level of Eq. 19 splits. groups `[G, n]` positions into `means` `[M, d]` → the same groups reordered so
+  that the first n/2 of each are its left child (sorted by projection, ties to the lower cell index)."""
+  x_all = means[groups]  # [G, n, d]
+  x = x_all - jnp.mean(x_all, axis=1, keepdims=True)
+  ids = cell_ids[groups]
+  norms = jnp.linalg.norm(x, axis=-1)
+  farthest = jnp.argmin(jnp.where(norms == jnp.max(norms, axis=1, keepdims=True), ids, jnp.iinfo(jnp.int32).max),
+                        axis=1)
+  u = _normalize(jnp.take_along_axis(x, farthest[:, None, None], axis=1)[:, 0])
+  for _ in range(2):
+    u = _normalize(jnp.einsum("gnd,gn->gd", x, jnp.einsum("gnd,gd->gn", x, u, precision=PRECISION),
+                              precision=PRECISION))
+  projection = jnp.einsum("gnd,gd->gn", x, u, precision=PRECISION)
+  _, _, order = jax.lax.sort((projection, ids, jnp.broadcast_to(jnp.arange(groups.shape[1]), groups.shape)),
+                             dimension=1, num_keys=2)
+  return jnp.take_along_axis(groups, order, axis=1)
+
+
+def chunk_leaf_orders(means, cell_ids, size):
+  """Leaf order of every aligned chunk of `size` (a power of two) consecutive positions: `[M // size, size]`
+  positions into `means` `[M, d]`, such that each node at depth ℓ covers a contiguous run of size / 2^ℓ."""
+  count = means.shape[0] // size
+  groups = jnp.arange(count * size).reshape(count, size)
+  width = size
+  while width > 1:
+    groups = _split_level(groups.reshape(-1, width), means, cell_ids).reshape(count, size)
+    width //= 2
+  return groups
+
+
+def _chunk_nodes(means, norms, centers, cell_ids):
+  """Every node of every aligned chunk tree of the arrival order `[M]`, as one flat table.
+
+  Returns:
+    dict of `[Nc]` arrays (μ `[Nc, d]`): mu, rho, amax, pmin, first (smallest cell index), size, child0, child1
+    (node ids, NO_NODE for leaves), leaf (cell index, NO_NODE for inner nodes); and `roots[k]` `[M // 2^k]`, the
+    node id of chunk m of size 2^k.
+  """
+  num = means.shape[0]
+  tables, roots, base = [], [], 0
+  k = 0
+  while 2**k <= num:
+    size = 2**k
+    order = chunk_leaf_orders(means, cell_ids, size)  # [I, size] positions, each node a contiguous run
+    count = order.shape[0]
+    per_tree = 2 * size - 1
+    heap = np.arange(1, per_tree + 1)  # node h sits at depth ⌊log2 h⌋; children 2h, 2h + 1
+    depth = np.array([int(h).bit_length() - 1 for h in heap])
+    span = size >> depth
+    run = np.arange(size)
+    inside = run[None, :] < span[:, None]  # [nodes, size]
+    members = order[:, np.minimum((heap - 2**depth)[:, None] * span[:, None] + run[None, :], size - 1)]
+    x = means[members]  # [I, nodes, size, d]
+    mu = jnp.einsum("insd,ns->ind", x, inside / span[:, None], precision=PRECISION)
+    rho = jnp.max(jnp.where(inside[None], jnp.linalg.norm(x - mu[:, :, None], axis=-1), 0.0), axis=-1)
+    amax = jnp.max(jnp.where(inside[None], norms[members], -jnp.inf), axis=-1)
+    pmin = jnp.min(jnp.where(inside[None], centers[members], jnp.inf), axis=-1)
+    first = jnp.min(jnp.where(inside[None], cell_ids[members], jnp.iinfo(jnp.int32).max), axis=-1)
+    ids = base + np.arange(count)[:, None] * per_tree + (heap - 1)[None]  # [I, nodes]
+    is_leaf = heap >= size
+    child = lambda offset: np.where(is_leaf[None], NO_NODE, ids + heap[None] + offset)  # id of heap 2h (+1)
+    leaf = jnp.where(is_leaf[None], cell_ids[order[:, np.clip(heap - size, 0, size - 1)]], NO_NODE)
+    tables.append(dict(mu=mu, rho=rho, amax=amax, pmin=pmin, first=first, size=np.broadcast_to(span, ids.shape),
+                       child0=child(0), child1=child(1), leaf=leaf))
+    roots.append(base + np.arange(count) * per_tree)
+    base += count * per_tree
+    k += 1
+  table = {name: jnp.concatenate([jnp.asarray(t[name]).reshape(-1, *jnp.shape(t[name])[2:]) for t in tables])
+           for name in tables[0]}
+  return table, [jnp.asarray(r) for r in roots]
+
+
+def _join(a, b):
+  """Eq. 21 join of node summaries `a`, `b` (dicts of arrays, same shapes)."""
+  size = a["size"] + b["size"]
+  mu = (a["size"][..., None] * a["mu"] + b["size"][..., None] * b["mu"]) / size[..., None]
+  rho = jnp.maximum(a["rho"] + jnp.linalg.norm(a["mu"] - mu, axis=-1), b["rho"] + jnp.linalg.norm(b["mu"] - mu, axis=-1))
+  return dict(mu=mu, rho=rho, amax=jnp.maximum(a["amax"], b["amax"]), pmin=jnp.minimum(a["pmin"], b["pmin"]),
+              first=jnp.minimum(a["first"], b["first"]), size=size)
+
+
+def block_forests(table, roots, admitted_before):
+  """Each block's join chain over the chunks of its admitted count (Eq. 18, 21), appended to `table`.
+
+  Args:
+    admitted_before: `[num_blocks]` admitted cells before each block's start (M_n).
+
+  Returns:
+    (table with the join nodes appended, root node id per block `[num_blocks]`, NO_NODE where M_n = 0).
+  """
+  num_blocks = admitted_before.shape[0]
+  chunk_count = table["mu"].shape[0]
+  levels = len(roots)
+  pick = lambda node: {name: table[name][jnp.maximum(node, 0)] for name in ("mu", "rho", "amax", "pmin", "first",
+                                                                            "size")}
+  current = jnp.full((num_blocks,), NO_NODE)
+  current_sum = pick(current)
+  joins = []
+  for k in range(levels):  # smallest chunk first
+    present = (admitted_before >> k) & 1 == 1
+    chunk_index = (admitted_before >> (k + 1)) << 1  # the size-2^k chunk after the larger ones
+    chunk = jnp.where(present, roots[k][jnp.clip(chunk_index, 0, roots[k].shape[0] - 1)], NO_NODE)
+    chunk_sum = pick(chunk)
+    join_id = chunk_count + jnp.arange(num_blocks) * levels + k
+    make_join = present & (current != NO_NODE)
+    joined = _join(chunk_sum, current_sum)
+    joins.append(dict(joined, child0=jnp.where(make_join, chunk, NO_NODE), child1=jnp.where(make_join, current,
+                                                                                              NO_NODE),
+                      leaf=jnp.full((num_blocks,), NO_NODE)))
+    new = jnp.where(make_join, join_id, jnp.where(present, chunk, current))
+    current_sum = {name: jnp.where(jnp.expand_dims(make_join, tuple(range(1, v.ndim))), joined[name],
+                                   jnp.where(jnp.expand_dims(present, tuple(range(1, v.ndim))), chunk_sum[name], v))
+                   for name, v in current_sum.items()}
+    current = new
+  stacked = {name: jnp.stack([j[name] for j in joins], axis=1).reshape(num_blocks * levels, *joins[0][name].shape[1:])
+             for name in joins[0]}
+  table = {name: jnp.concatenate([table[name], stacked[name].astype(table[name].dtype)]) for name in table}
+  return table, current
+
+
+def beam_search(q, positions, table, roots, *, beam, bound_c, lam, sigma, steps):
+  """Eq. 11 beam search of each query from its block's root: the final beam's leaves `[T, beam]` (NO_NODE pad).
+
+  Args:
+    q: `[T, d]` unrotated queries at `positions` `[T]`; roots: `[T]` root node id of each query's forest.
+  """
+  dim = q.shape[-1]
+  q_norm = jnp.linalg.norm(q, axis=-1)
+
+  def priority(node):  # node [T, n] → U [T, n], -inf for NO_NODE
+    safe = jnp.maximum(node, 0)
+    content = (jnp.einsum("td,tnd->tn", q, table["mu"][safe], precision=PRECISION)
+               + bound_c * q_norm[:, None] * table["rho"][safe]) / math.sqrt(dim)
+    score = content + table["amax"][safe] * _prior(positions[:, None] - table["pmin"][safe], lam, sigma)
+    return jnp.where(node >= 0, score, -jnp.inf)
+
+  current = jnp.full((q.shape[0], beam), NO_NODE).at[:, 0].set(roots)
+  for _ in range(steps):
+    is_leaf = table["leaf"][jnp.maximum(current, 0)] >= 0
+    inner = (current >= 0) & ~is_leaf
+    kept = jnp.where((current >= 0) & is_leaf, current, NO_NODE)
+    children = jnp.concatenate([jnp.where(inner, table["child0"][jnp.maximum(current, 0)], NO_NODE),
+                                jnp.where(inner, table["child1"][jnp.maximum(current, 0)], NO_NODE)], axis=1)
+    pool = jnp.concatenate([kept, children], axis=1)
+    rank = jnp.where(jnp.concatenate([kept >= 0, jnp.zeros(children.shape, bool)], axis=1), jnp.inf,
+                     priority(pool))  # leaves keep their slots
+    first = jnp.where(pool >= 0, table["first"][jnp.maximum(pool, 0)], jnp.iinfo(jnp.int32).max)
+    _, _, ordered = jax.lax.sort((-rank, first, pool), dimension=1, num_keys=2)
+    current = ordered[:, :beam]
+  return jnp.where(current >= 0, table["leaf"][jnp.maximum(current, 0)], NO_NODE)
+
+
+def forest_candidates(q, mean_keys, max_norms, admitted, *, lam, sigma, cell, block, beam, bound_c):
+  """One head, one forest: the cells each query's beam search reaches, `[T, beam]` (NO_NODE pad).
+
+  Args:
+    q: `[T, d]`; mean_keys: `[M, d]`; max_norms: `[M]`; admitted: `[M]` bool (Eq. 10); lam, sigma: scalars.
+  """
+  seq = q.shape[0]
+  num_cells = mean_keys.shape[0]
+  if num_cells == 0:
+    return jnp.full((seq, beam), NO_NODE)
+  order = jnp.argsort(~admitted, stable=True)  # admitted cells first, in arrival (index) order
+  centers = (order + 0.5) * cell
+  table, roots = _chunk_nodes(mean_keys[order], max_norms[order], centers.astype(mean_keys.dtype), order)
+  num_blocks = -(-seq // block)
+  eligible_cells = jnp.arange(num_blocks) * (block // cell)  # cells before each block's start
+  admitted_before = jnp.sum(admitted[None, :] & (jnp.arange(num_cells)[None, :] < eligible_cells[:, None]), axis=1)
+  table, block_roots = block_forests(table, roots, admitted_before)
+  positions = jnp.arange(seq)
+  return beam_search(q, positions, table, block_roots[positions // block], beam=beam, bound_c=bound_c, lam=lam,
+                     sigma=sigma, steps=len(roots) + 1)
+
+
+def token_rerank(q, k, candidates, max_norms, *, lam, sigma, cell, top_k):
+  """Eq. 12 over the deduplicated candidates, then the top K (ties to the lower cell index).
+
+  Args:
+    q, k: `[T, d]` and `[seq, d]` unrotated (one head); candidates: `[T, n]` cell indices (NO_NODE pad, repeats
+      allowed); max_norms: `[M]`.
+
+  Returns:
+    `[T, top_k]` int32 cells in decreasing Eq. 12 score, NO_NODE in unused slots.
+  """
+  seq, dim = q.shape
+  safe = jnp.maximum(candidates, 0)
+  tokens = k[: k.shape[0] // cell * cell].reshape(-1, cell, dim)[safe]  # [T, n, s, d]
+  mass = jax.nn.logsumexp(jnp.einsum("td,tnsd->tns", q, tokens, precision=PRECISION) / math.sqrt(dim), axis=-1)
+  score = mass + max_norms[safe] * _prior(jnp.arange(seq)[:, None] - (safe + 0.5) * cell, lam, sigma)
+  # Deduplicate: sort by cell index and keep the first of each run.
+  ids_sorted, score_sorted = jax.lax.sort((jnp.where(candidates >= 0, candidates, jnp.iinfo(jnp.int32).max), score),
+                                          dimension=1, num_keys=1)
+  repeat = jnp.concatenate([jnp.zeros((seq, 1), bool), ids_sorted[:, 1:] == ids_sorted[:, :-1]], axis=1)
+  valid = (ids_sorted != jnp.iinfo(jnp.int32).max) & ~repeat
+  count = min(top_k, candidates.shape[1])
+  _, slot = jax.lax.top_k(jnp.where(valid, score_sorted, -jnp.inf), count)  # lower slot = lower cell on ties
+  chosen = jnp.where(jnp.take_along_axis(valid, slot, axis=1), jnp.take_along_axis(ids_sorted, slot, axis=1),
+                     NO_NODE)
+  return jnp.pad(chosen, ((0, 0), (0, top_k - count)), constant_values=NO_NODE).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("cell", "block", "top_k", "beam", "bound_c"))
+def fsb_select_cells(q, k, *, tau, lam, sigma, cell=32, block=128, top_k=4, beam=16, bound_c=8.0):
+  """FS-B's selected cells per query and head (FS Sec. 3.4). No gradient.
+
+  Args:
+    q, k: `[batch, T, heads, d]` unrotated.
+    tau, lam, sigma: `[heads]` (τ from calibration, inclusive).
+
+  Returns:
+    `[batch, T, heads, top_k]` int32 cell indices, -1 in unused slots.
+  """
+  q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+  mean_keys, max_norms, _ = cell_summaries(k, cell)
+
+  def one_head(q, k, mean_keys, max_norms, tau, lam, sigma):
+    routing = dict(lam=lam, sigma=sigma, cell=cell, block=block, beam=beam, bound_c=bound_c)
+    everything = forest_candidates(q, mean_keys, max_norms, jnp.ones(max_norms.shape, bool), **routing)
+    high_norm = forest_candidates(q, mean_keys, max_norms, max_norms >= tau, **routing)
+    return token_rerank(q, k, jnp.concatenate([everything, high_norm], axis=1), max_norms, lam=lam, sigma=sigma,
+                        cell=cell, top_k=top_k)
+
+  per_head = jax.vmap(one_head, in_axes=(1, 1, 1, 1, 0, 0, 0), out_axes=1)  # over heads
+  return jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None, None))(q, k, mean_keys, max_norms, tau, lam, sigma)
