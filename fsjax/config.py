@@ -53,6 +53,8 @@ class AttentionConfig:
     top_k: cells read per query, K (FS Sec. 3.3).
     retain_top: FS-L norm-ranked pool size P (FS Eq. 8).
     retain_recent: FS-L recent cells W (FS Eq. 8).
+    beam: FS-B beam width W_b per forest and level (FS Eq. 11).
+    bound_c: FS-B radius factor c of the node bound U_v (FS Eq. 11).
     lam: initial λ_h of the norm prior (Eq. 7), a buffer without gradient; >= 0.
     sigma: initial σ_h of the erf prior (Eq. 7), a buffer without gradient; > 0.
     rope_theta: RoPE base θ.
@@ -77,6 +79,8 @@ class AttentionConfig:
   top_k: int = 4
   retain_top: int = 64
   retain_recent: int = 8
+  beam: int = 16
+  bound_c: float = 8.0
   lam: float = 1.0
   sigma: float = 4.0
   rope_theta: float = 10000.0
@@ -94,7 +98,9 @@ class AttentionConfig:
     p = "attention."
     _one_of(self, p, "kind", ATTENTION_KINDS)
     _one_of(self, p, "impl", IMPLS)
-    _positive(self, p, "window", "sigma", "rope_theta", "moba_block", "moba_top_k")
+    _positive(self, p, "window", "sigma", "rope_theta", "moba_block", "moba_top_k", "beam")
+    if self.bound_c < 1:
+      raise ConfigError(f"{p}bound_c must be >= 1 (U_v then bounds Eq. 7 for every cell below), got {self.bound_c}")
     if self.lam < 0:
       raise ConfigError(f"{p}lam must be >= 0, got {self.lam}")
     if self.kind in FREESOLO_KINDS:
@@ -399,6 +405,14 @@ def from_dict(cls, data, path=""):
     hint = hints[name]
     kwargs[name] = from_dict(hint, value, where) if dataclasses.is_dataclass(hint) else _check_type(value, hint, where)
   return cls(**kwargs)
+
+
+def override_model(model_config, assignments):
+  """`model_config` with `key.sub=value` overrides (e.g. "attention.kind=fsb") applied and validated."""
+  data = to_dict(model_config)
+  for assignment in assignments:
+    apply_override(data, assignment)
+  return from_dict(ModelConfig, data, "model")
 
 
 def apply_override(data, assignment):

@@ -13,7 +13,7 @@ import warnings
 
 import jax.numpy as jnp
 
-from fsjax.config import ConfigError
+from fsjax.config import ConfigError, override_model
 from fsjax.train.checkpoint import CheckpointError
 
 
@@ -28,6 +28,9 @@ def parse_args(argv):
   parser.add_argument("--top-p", type=float, default=1.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a model config field, e.g. --set attention.kind=fsb (FS-B on an FS "
+                      "checkpoint, after python -m fsjax.calibrate)")
   return parser.parse_args(argv)
 
 
@@ -43,16 +46,19 @@ def main(argv=None):
     if args.prompt_file is not None:
       with open(args.prompt_file, encoding="utf-8") as f:
         args.prompt = f.read()
+    from fsjax.calibrate import attach_tau
     from fsjax.data.tokenizer import eos_id, load_tokenizer
     from fsjax.decode import generate
     from fsjax.model import Transformer
     from fsjax.train import checkpoint
     config, params, frozen, step = checkpoint.load(args.checkpoint)
+    model_config = override_model(config.model, args.set)
+    frozen = attach_tau(model_config, frozen, args.checkpoint)
     tokenizer = load_tokenizer(config.data.tokenizer)
     ids = tokenizer.encode(args.prompt).ids
     if not ids:
       raise ConfigError("the prompt encodes to no tokens")
-    model = Transformer(config.model)
+    model = Transformer(model_config)
     out = generate(model, {"params": params, **frozen}, jnp.asarray([ids]), [len(ids)],
                    max_new_tokens=args.max_new_tokens, eos_id=eos_id(tokenizer), temperature=args.temperature,
                    top_p=args.top_p, seed=args.seed, chunk=args.chunk)

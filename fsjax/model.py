@@ -23,6 +23,7 @@ def make_attention(config: ModelConfig, name=None):
   if att.kind in FREESOLO_KINDS:
     return FreeSoloAttention(variant=att.kind, window=att.window, cell=att.cell, block=att.block,
                              top_k=att.top_k, retain_top=att.retain_top, retain_recent=att.retain_recent,
+                             beam=att.beam, bound_c=att.bound_c,
                              lam=att.lam, sigma=att.sigma, impl=att.impl, **common)
   if att.kind == "zha":
     return ZHAAttention(refs=att.zha_refs, chunk=att.zha_chunk, levels=att.zha_levels, top_p=att.zha_top_p,

@@ -16,6 +16,8 @@ ATTENTIONS = {
                             top_k=3),
     "fsl": functools.partial(ops.freesolo_attention, variant="fsl", alpha=1.0, cell=8, block=32, window=40,
                              top_k=3, retain_top=2, retain_recent=1),
+    "fsb": functools.partial(ops.freesolo_attention, variant="fsb", alpha=1.0, cell=8, block=32, window=40,
+                             top_k=3, tau=2.5, beam=2),
     "tfpp": ops.tfpp_attention,
     "swa": functools.partial(ops.swa_attention, window=24),
     "moba": functools.partial(ops.moba_attention, moba_block=32, moba_top_k=2),

@@ -13,7 +13,7 @@ from fsjax.decode import extend, generate, prefill, sample
 from fsjax.model import Transformer, init_variables
 from helpers import assert_close, stack_layers
 
-KINDS = ["fs", "fsl", "tfpp", "swa", "moba", "zha"]
+KINDS = ["fs", "fsl", "fsb", "tfpp", "swa", "moba", "zha"]
 SEQ, PROMPT = 150, 70  # crosses four 32-token query blocks in the prompt and more while decoding
 
 
@@ -22,7 +22,15 @@ def _setup(kind, scan_layers=False):
   config = dataclasses.replace(config, attention=dataclasses.replace(
       config.attention, window=40, moba_block=32, moba_top_k=2, retain_top=2, retain_recent=1, zha_refs=4,
       zha_chunk=4, zha_top_p=(0.8,)))
-  return config, Transformer(config), init_variables(config, jax.random.PRNGKey(0), 64)
+  variables = init_variables(config, jax.random.PRNGKey(0), 64)
+  if kind == "fsb":  # τ from the model's own cell norms, so both forests hold cells
+    from fsjax import calibrate
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 128), 0, config.vocab_size)
+    tau = calibrate.calibrate(Transformer(config), variables, [tokens])
+    routing = {name: {"attention": {**layer["attention"], "tau": jnp.asarray(tau[i])}}
+               for i, (name, layer) in enumerate(sorted(variables["routing"].items()))}
+    variables = {**variables, "routing": routing}
+  return config, Transformer(config), variables
 
 
 def _distinct_tokens(rng, vocab_size, batch, seq):

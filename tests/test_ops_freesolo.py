@@ -157,7 +157,7 @@ def test_bad_arguments_raise_before_tracing(rng):
     ops.freesolo_attention(q, k, v, alpha=1.0, cell=8, block=32, window=16)
   with pytest.raises(ValueError, match="variant"):
     ops.freesolo_long_range(q, k, v, variant="fsx", cell=8, block=32, window=64)
-  with pytest.raises(NotImplementedError, match="fsb"):
+  with pytest.raises(ValueError, match="tau must be given for variant 'fsb'"):
     ops.freesolo_long_range(q, k, v, variant="fsb", cell=8, block=32, window=64)
   with pytest.raises(ValueError, match="lam must be a scalar or have shape"):
     ops.freesolo_long_range(q, k, v, lam=np.ones(3), cell=8, block=32, window=64)

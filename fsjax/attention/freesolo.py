@@ -7,19 +7,22 @@ from fsjax import ops
 from fsjax.attention.projections import project_heads, project_out
 from fsjax.cache import archive as archive_lib
 from fsjax.cache import bounded as bounded_lib
+from fsjax.ops.cells import cell_summaries
 from fsjax.ops.common import compute_dtype
 
-ROUTING = "routing"  # collection of λ and σ: buffers with no gradient (FS Sec. 3.3 "Training")
+ROUTING = "routing"  # collection of λ, σ (and FS-B's τ): buffers with no gradient (FS Sec. 3.3 "Training")
 
 
 class FreeSoloAttention(nn.Module):
-  """`x [batch, seq, d_model]` → `[batch, seq, d_model]` through FS/FS-L attention.
+  """`x [batch, seq, d_model]` → `[batch, seq, d_model]` through FS/FS-L/FS-B attention.
 
   Variables: params `q_proj`, `k_proj`, `v_proj` (`[d_model, heads, head_dim]`), `o_proj`, `alpha` `[heads]`
   (Eq. 2, init 1), `lr_gain` `[head_dim]` (readout RMSNorm gain, init 1); collection "routing": `lam`, `sigma`
-  `[heads]` (Eq. 7, init λ and σ), which no gradient reaches.
+  `[heads]` (Eq. 7, init λ and σ) and for FS-B `tau` `[heads]` (Eq. 10, from `fsjax.calibrate`; +inf until
+  calibrated, which leaves the τ forest empty), which no gradient reaches. FS, FS-L and FS-B share every
+  parameter, so one checkpoint serves all three.
 
-  With a `cache` (an FS `Archive`, or for FS-L a `BoundedCache`), `x` is a chunk at `positions` `[batch, C]`
+  With a `cache` (an FS `Archive` for FS and FS-B, or for FS-L a `BoundedCache`), `x` is a chunk at `positions` `[batch, C]`
   with `valid` `[batch, C]`; the call returns `(y, new_cache)` and sows the selected cells `[batch, C, heads, K]`
   as intermediates/selected_cells for routing probes. A chunk for the bounded cache is one token or whole
   query blocks starting at a block boundary.
@@ -33,6 +36,8 @@ class FreeSoloAttention(nn.Module):
   top_k: int = 4
   retain_top: int = 64
   retain_recent: int = 8
+  beam: int = 16
+  bound_c: float = 8.0
   lam: float = 1.0
   sigma: float = 4.0
   rope_theta: float = 10000.0
@@ -49,11 +54,17 @@ class FreeSoloAttention(nn.Module):
     lr_gain = self.param("lr_gain", nn.initializers.ones, (dim,), self.param_dtype)
     lam = self.variable(ROUTING, "lam", lambda: jnp.full((heads,), self.lam, jnp.float32)).value
     sigma = self.variable(ROUTING, "sigma", lambda: jnp.full((heads,), self.sigma, jnp.float32)).value
+    forests = {}
+    if self.variant == "fsb":  # τ per head, set by `python -m fsjax.calibrate` (inf until then: forest τ empty)
+      tau = self.variable(ROUTING, "tau", lambda: jnp.full((heads,), jnp.inf, jnp.float32)).value
+      forests = dict(tau=tau, beam=self.beam, bound_c=self.bound_c)
     if cache is None:
+      self.sow("intermediates", "cell_norms", cell_summaries(k, self.cell)[1])  # for τ calibration (FS-B)
       o = ops.freesolo_attention(q, k, v, variant=self.variant, alpha=alpha, lam=lam, sigma=sigma,
                                  lr_gain=lr_gain, window=self.window, cell=self.cell, block=self.block,
                                  top_k=self.top_k, retain_top=self.retain_top,
-                                 retain_recent=self.retain_recent, rope_theta=self.rope_theta, impl=self.impl)
+                                 retain_recent=self.retain_recent, rope_theta=self.rope_theta, impl=self.impl,
+                                 **forests)
       return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
 
     dtype = compute_dtype(q.dtype)
@@ -67,7 +78,7 @@ class FreeSoloAttention(nn.Module):
       long_range, cell_idx = archive_lib.long_range_branch(
           cache, q, positions, lr_gain=lr_gain.astype(dtype), variant=self.variant, lam=lam, sigma=sigma,
           cell=self.cell, block=self.block, top_k=self.top_k, retain_top=self.retain_top,
-          retain_recent=self.retain_recent, impl=self.impl)
+          retain_recent=self.retain_recent, impl=self.impl, **forests)
     self.sow("intermediates", "selected_cells", cell_idx)
     o = local + alpha.astype(dtype)[:, None] * long_range
     return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache

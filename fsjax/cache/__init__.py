@@ -38,7 +38,7 @@ def init_cache(config: ModelConfig, batch, max_len, dtype=jnp.float32, bounded=T
     make = lambda: empty_bounded(batch, config.num_heads, config.head_dim, window=att.window, cell=att.cell,
                                  block=att.block, retain_top=att.retain_top, retain_recent=att.retain_recent,
                                  dtype=dtype)
-  elif att.kind in ("fs", "fsl"):
+  elif att.kind in ("fs", "fsl", "fsb"):
     make = lambda: empty_archive(*shape, att.cell, dtype)
   elif att.kind in ("tfpp", "swa", "moba"):
     make = lambda: empty_store(*shape, dtype)

@@ -1,7 +1,9 @@
 """FS archive cache: every raw key/value (unrotated) plus cell summaries completed as tokens arrive.
 
-Exact for FS and FS-L (FS-L availability is evaluated with the same death blocks as the masked operator); its
-memory grows with the sequence. FS-L's bounded cache replaces it where constant memory matters.
+Exact for FS and FS-L (FS-L availability is evaluated with the same death blocks as the masked operator) and
+for FS-B (each step rebuilds the forests from the cached summaries with the prefill formulation, O(M log M) per
+step, not yet the streaming forest cache); its memory grows with the sequence. FS-L's bounded cache replaces it
+where constant memory matters.
 """
 
 import flax.struct
@@ -9,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.cache import store as kv
-from fsjax.ops import cells
+from fsjax.ops import cells, forest
 from fsjax.ops.freesolo import rms_norm, sparse_readout, use_kernels
 from fsjax.ops.rope import apply_rope
 
@@ -67,8 +69,14 @@ def local_branch(archive: Archive, q, pos, *, window, rope_theta):
 
 
 def select_from_archive(archive: Archive, q, pos, *, variant, lam, sigma, cell, block, top_k, retain_top,
-                        retain_recent, kernels=False):
-  """Top-K cells (Eq. 6-8) for queries at `pos`: `[batch, C, heads, K]`, -1 for none. No gradient."""
+                        retain_recent, tau=None, beam=16, bound_c=8.0, kernels=False):
+  """Top-K cells (Eq. 6-8; FS-B Eq. 10-12) for queries at `pos`: `[batch, C, heads, K]`, -1 for none. No
+  gradient."""
+  if variant == "fsb":
+    return forest.fsb_select_from_summaries(q, pos, archive.tokens.k.astype(q.dtype),
+                                            archive.mean_keys.astype(q.dtype), archive.max_norms.astype(q.dtype),
+                                            tau=tau, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
+                                            beam=beam, bound_c=bound_c)
   routing = dict(variant=variant, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
                  retain_top=retain_top, retain_recent=retain_recent)
   if kernels:
@@ -90,7 +98,7 @@ def long_range_branch(archive: Archive, q, pos, *, lr_gain, impl="reference", **
   `impl` as in `ops.freesolo_long_range`: with kernels, selection and readout run in Pallas.
   """
   kernels = use_kernels(impl, cell=routing["cell"], head_dim=q.shape[-1])
-  cell_idx = select_from_archive(archive, q, pos, kernels=kernels, **routing)
+  cell_idx = select_from_archive(archive, q, pos, kernels=kernels and routing["variant"] != "fsb", **routing)
   if kernels:
     from pallas_kernels import sparse_readout as readout_kernel
     u = readout_kernel.sparse_readout(q, archive.tokens.k, archive.tokens.v, cell_idx, cell=routing["cell"])

@@ -19,7 +19,7 @@ import csv
 import sys
 from pathlib import Path
 
-from fsjax.config import ConfigError, ModelConfig, apply_override, from_dict, to_dict
+from fsjax.config import ConfigError, ModelConfig, override_model
 from fsjax.eval import records, scoring, tasks
 from fsjax.train.checkpoint import CheckpointError
 
@@ -58,14 +58,6 @@ def check_args(args):
     override_model(ModelConfig(), [assignment])
 
 
-def override_model(model_config, assignments):
-  """`model_config` with `key.sub=value` overrides applied (validated like a config file)."""
-  data = to_dict(model_config)
-  for assignment in assignments:
-    apply_override(data, assignment)
-  return from_dict(ModelConfig, data, "model")
-
-
 def task_source(task):
   """The CLI option naming a QA task's dataset file."""
   return "squad" if task == "qa_1" else "hotpotqa"
@@ -78,9 +70,12 @@ def evaluate_checkpoint(args, path, progress):
   from fsjax.model import Transformer
   from fsjax.train import checkpoint
 
+  from fsjax.calibrate import attach_tau
+
   config, params, frozen, step = checkpoint.load(path)
   tokenizer = load_tokenizer(config.data.tokenizer)
-  model, variables = Transformer(override_model(config.model, args.set)), {"params": params, **frozen}
+  model_config = override_model(config.model, args.set)
+  model, variables = Transformer(model_config), {"params": params, **attach_tau(model_config, frozen, path)}
   name = f"{Path(path).name}@{step}" + "".join(f"[{a.split('=', 1)[0].split('.')[-1]}={a.split('=', 1)[1]}]"
                                                  for a in args.set)
   rows = []

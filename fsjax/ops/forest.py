@@ -193,47 +193,47 @@ def beam_search(q, positions, table, roots, *, beam, bound_c, lam, sigma, steps)
   return jnp.where(current >= 0, table["leaf"][jnp.maximum(current, 0)], NO_NODE)
 
 
-def forest_candidates(q, mean_keys, max_norms, admitted, *, lam, sigma, cell, block, beam, bound_c):
-  """One head, one forest: the cells each query's beam search reaches, `[T, beam]` (NO_NODE pad).
+def forest_candidates(q, positions, mean_keys, max_norms, admitted, *, lam, sigma, cell, block, beam, bound_c):
+  """One head, one forest: the cells each query's beam search reaches, `[C, beam]` (NO_NODE pad).
 
   Args:
-    q: `[T, d]`; mean_keys: `[M, d]`; max_norms: `[M]`; admitted: `[M]` bool (Eq. 10); lam, sigma: scalars.
+    q: `[C, d]` at `positions` `[C]`; mean_keys: `[M, d]`; max_norms: `[M]`; admitted: `[M]` bool (Eq. 10);
+    lam, sigma: scalars. Only cells complete before a query's block start are ever reached.
   """
-  seq = q.shape[0]
   num_cells = mean_keys.shape[0]
   if num_cells == 0:
-    return jnp.full((seq, beam), NO_NODE)
+    return jnp.full((q.shape[0], beam), NO_NODE)
   order = jnp.argsort(~admitted, stable=True)  # admitted cells first, in arrival (index) order
   centers = (order + 0.5) * cell
   table, roots = _chunk_nodes(mean_keys[order], max_norms[order], centers.astype(mean_keys.dtype), order)
-  num_blocks = -(-seq // block)
+  num_blocks = (num_cells + 1) * cell // block + 1  # every block a query of this sequence can sit in
   eligible_cells = jnp.arange(num_blocks) * (block // cell)  # cells before each block's start
   admitted_before = jnp.sum(admitted[None, :] & (jnp.arange(num_cells)[None, :] < eligible_cells[:, None]), axis=1)
   table, block_roots = block_forests(table, roots, admitted_before)
-  positions = jnp.arange(seq)
-  return beam_search(q, positions, table, block_roots[positions // block], beam=beam, bound_c=bound_c, lam=lam,
-                     sigma=sigma, steps=len(roots) + 1)
+  return beam_search(q, positions, table, block_roots[jnp.minimum(positions // block, num_blocks - 1)], beam=beam,
+                     bound_c=bound_c, lam=lam, sigma=sigma, steps=len(roots))
 
 
-def token_rerank(q, k, candidates, max_norms, *, lam, sigma, cell, top_k):
+def token_rerank(q, positions, k, candidates, max_norms, *, lam, sigma, cell, top_k):
   """Eq. 12 over the deduplicated candidates, then the top K (ties to the lower cell index).
 
   Args:
-    q, k: `[T, d]` and `[seq, d]` unrotated (one head); candidates: `[T, n]` cell indices (NO_NODE pad, repeats
-      allowed); max_norms: `[M]`.
+    q: `[C, d]` at `positions` `[C]`; k: `[S, d]` keys (one head, unrotated, slot = position); candidates:
+      `[C, n]` cell indices (NO_NODE pad, repeats allowed); max_norms: `[M]`.
 
   Returns:
-    `[T, top_k]` int32 cells in decreasing Eq. 12 score, NO_NODE in unused slots.
+    `[C, top_k]` int32 cells in decreasing Eq. 12 score, NO_NODE in unused slots.
   """
-  seq, dim = q.shape
+  count_q, dim = q.shape
+  num_cells = max_norms.shape[0]
   safe = jnp.maximum(candidates, 0)
-  tokens = k[: k.shape[0] // cell * cell].reshape(-1, cell, dim)[safe]  # [T, n, s, d]
+  tokens = k[: num_cells * cell].reshape(num_cells, cell, dim)[safe]  # [C, n, s, d]
   mass = jax.nn.logsumexp(jnp.einsum("td,tnsd->tns", q, tokens, precision=PRECISION) / math.sqrt(dim), axis=-1)
-  score = mass + max_norms[safe] * _prior(jnp.arange(seq)[:, None] - (safe + 0.5) * cell, lam, sigma)
+  score = mass + max_norms[safe] * _prior(positions[:, None] - (safe + 0.5) * cell, lam, sigma)
   # Deduplicate: sort by cell index and keep the first of each run.
   ids_sorted, score_sorted = jax.lax.sort((jnp.where(candidates >= 0, candidates, jnp.iinfo(jnp.int32).max), score),
                                           dimension=1, num_keys=1)
-  repeat = jnp.concatenate([jnp.zeros((seq, 1), bool), ids_sorted[:, 1:] == ids_sorted[:, :-1]], axis=1)
+  repeat = jnp.concatenate([jnp.zeros((count_q, 1), bool), ids_sorted[:, 1:] == ids_sorted[:, :-1]], axis=1)
   valid = (ids_sorted != jnp.iinfo(jnp.int32).max) & ~repeat
   count = min(top_k, candidates.shape[1])
   _, slot = jax.lax.top_k(jnp.where(valid, score_sorted, -jnp.inf), count)  # lower slot = lower cell on ties
@@ -243,25 +243,36 @@ def token_rerank(q, k, candidates, max_norms, *, lam, sigma, cell, top_k):
 
 
 @functools.partial(jax.jit, static_argnames=("cell", "block", "top_k", "beam", "bound_c"))
-def fsb_select_cells(q, k, *, tau, lam, sigma, cell=32, block=128, top_k=4, beam=16, bound_c=8.0):
-  """FS-B's selected cells per query and head (FS Sec. 3.4). No gradient.
+def fsb_select_from_summaries(q, positions, k, mean_keys, max_norms, *, tau, lam, sigma, cell=32, block=128,
+                              top_k=4, beam=16, bound_c=8.0):
+  """FS-B's selected cells for queries at `positions` (FS Sec. 3.4). No gradient.
 
   Args:
-    q, k: `[batch, T, heads, d]` unrotated.
+    q: `[batch, C, heads, d]` unrotated, at `positions` `[batch, C]`.
+    k: `[batch, S, heads, d]` unrotated keys, slot = position (the token rerank reads them).
+    mean_keys: `[batch, M, heads, d]`, max_norms: `[batch, M, heads]` cell summaries (Eq. 5), M = S // cell.
     tau, lam, sigma: `[heads]` (τ from calibration, inclusive).
 
   Returns:
-    `[batch, T, heads, top_k]` int32 cell indices, -1 in unused slots.
+    `[batch, C, heads, top_k]` int32 cell indices, -1 in unused slots.
   """
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
-  mean_keys, max_norms, _ = cell_summaries(k, cell)
 
-  def one_head(q, k, mean_keys, max_norms, tau, lam, sigma):
+  def one_head(q, positions, k, mean_keys, max_norms, tau, lam, sigma):
     routing = dict(lam=lam, sigma=sigma, cell=cell, block=block, beam=beam, bound_c=bound_c)
-    everything = forest_candidates(q, mean_keys, max_norms, jnp.ones(max_norms.shape, bool), **routing)
-    high_norm = forest_candidates(q, mean_keys, max_norms, max_norms >= tau, **routing)
-    return token_rerank(q, k, jnp.concatenate([everything, high_norm], axis=1), max_norms, lam=lam, sigma=sigma,
-                        cell=cell, top_k=top_k)
+    everything = forest_candidates(q, positions, mean_keys, max_norms, jnp.ones(max_norms.shape, bool), **routing)
+    high_norm = forest_candidates(q, positions, mean_keys, max_norms, max_norms >= tau, **routing)
+    return token_rerank(q, positions, k, jnp.concatenate([everything, high_norm], axis=1), max_norms, lam=lam,
+                        sigma=sigma, cell=cell, top_k=top_k)
 
-  per_head = jax.vmap(one_head, in_axes=(1, 1, 1, 1, 0, 0, 0), out_axes=1)  # over heads
-  return jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None, None))(q, k, mean_keys, max_norms, tau, lam, sigma)
+  per_head = jax.vmap(one_head, in_axes=(1, None, 1, 1, 1, 0, 0, 0), out_axes=1)
+  return jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0, None, None, None))(q, positions, k, mean_keys, max_norms, tau,
+                                                                       lam, sigma)
+
+
+def fsb_select_cells(q, k, *, tau, lam, sigma, cell=32, block=128, top_k=4, beam=16, bound_c=8.0):
+  """FS-B's selected cells of a whole sequence: q, k `[batch, T, heads, d]` → `[batch, T, heads, top_k]`."""
+  mean_keys, max_norms, _ = cell_summaries(k, cell)
+  positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+  return fsb_select_from_summaries(q, positions, k, mean_keys, max_norms, tau=tau, lam=lam, sigma=sigma, cell=cell,
+                                   block=block, top_k=top_k, beam=beam, bound_c=bound_c)

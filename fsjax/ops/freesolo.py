@@ -9,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fsjax.ops import cells
+from fsjax.ops import cells, forest
 from fsjax.ops.common import PRECISION, check_qkv, compute_dtype
 from fsjax.ops.cudnn import causal_rope_attention_cudnn, cudnn_usable
 from fsjax.ops.local import local_attention
@@ -20,11 +20,12 @@ READOUT_NORM_EPS = 1e-8  # FS App. D.2
 IMPLS = ("reference", "auto", "pallas")
 
 
-def _check_variant_and_impl(variant, impl):
-  if variant == "fsb":
-    raise NotImplementedError("variant='fsb' (forest search, FS Sec. 3.4) is not implemented yet")
-  if variant not in ("fs", "fsl"):
+def _check_variant_and_impl(variant, impl, tau=None):
+  if variant not in cells.VARIANTS:
     raise ValueError(f"variant must be one of {cells.VARIANTS}, got {variant!r}")
+  if variant == "fsb" and tau is None:
+    raise ValueError("tau must be given for variant 'fsb': the per-head median cell norm (python -m "
+                     "fsjax.calibrate)")
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
@@ -45,14 +46,16 @@ def _per_head(value, heads, name, dtype):
 
 
 def select_cells(q, k, *, variant="fs", lam=1.0, sigma=4.0, cell=32, block=128, top_k=4, retain_top=64,
-                 retain_recent=8):
-  """Per query and head, the cells read by the long-range branch (FS Eq. 5-8). No gradient.
+                 retain_recent=8, tau=None, beam=16, bound_c=8.0):
+  """Per query and head, the cells read by the long-range branch (FS Eq. 5-8, FS-B Eq. 10-12). No gradient.
 
   Args:
     q, k: `[batch, T, heads, d]` unrotated queries and keys.
-    variant: "fs" (all eligible cells) or "fsl" (norm-pruned, Eq. 8).
+    variant: "fs" (all eligible cells), "fsl" (norm-pruned, Eq. 8) or "fsb" (two-forest beam search and token
+      rerank, `fsjax.ops.forest`).
     lam, sigma: scalars or `[heads]`; routing prior of Eq. 7.
     cell, block, top_k, retain_top, retain_recent: `s`, `B`, `K`, `P`, `W`.
+    tau, beam, bound_c: FS-B's τ (scalar or `[heads]`, inclusive), beam width W_b and c of Eq. 11.
 
   Returns:
     `[batch, T, heads, K]` int32 cell indices, best first, -1 where fewer than K cells are available.
@@ -64,6 +67,10 @@ def select_cells(q, k, *, variant="fs", lam=1.0, sigma=4.0, cell=32, block=128, 
   sigma = jax.lax.stop_gradient(_per_head(sigma, heads, "sigma", dtype))
   if seq < cell:
     return jnp.full((batch, seq, heads, top_k), -1, jnp.int32)
+  if variant == "fsb":
+    tau = jax.lax.stop_gradient(_per_head(tau, heads, "tau", dtype))
+    return forest.fsb_select_cells(q, k, tau=tau, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
+                                   beam=beam, bound_c=bound_c)
   mean_keys, max_norms, centers = cells.cell_summaries(k, cell)  # Eq. 5
   available = cells.available_cells(max_norms, seq, variant=variant, cell=cell, block=block,
                                     retain_top=retain_top, retain_recent=retain_recent)  # Eq. 6, 8
@@ -122,31 +129,38 @@ def freesolo_long_range(q, k, v, *, variant="fs", lam=1.0, sigma=4.0, lr_gain=1.
 
   Args:
     q, k, v: `[batch, T, heads, d]` unrotated; any T (cells past the last complete one are never eligible).
-    variant: "fs" or "fsl" ("fsb" raises NotImplementedError for now).
+    variant: "fs", "fsl" or "fsb".
     lam, sigma: scalars or `[heads]`; λ ≥ 0, σ > 0 (Eq. 7). No gradient reaches them.
     lr_gain: readout RMSNorm gain, scalar or `[d]`.
     cell, block, top_k, retain_top, retain_recent: `s`, `B`, `K`, `P`, `W`.
     window: only validated here (the local radius must cover a block: `w >= B - 1`).
     tau, beam, bound_c: FS-B forest arguments (τ per head, beam width, c of Eq. 11); unused by fs/fsl.
     impl: "reference" | "auto" | "pallas" (see `use_kernels`); the kernels read q, k, v in their own dtype
-      (bf16 on tensor cores) and score cells in float32.
+      (bf16 on tensor cores) and score cells in float32. FS-B selects with the reference forests and reads with
+      the readout kernel.
 
   Returns:
     `[batch, T, heads, d]` in the dtype of `q`; zero where nothing is available (e.g. the first block).
   """
   check_qkv(q, k, v)
-  _check_variant_and_impl(variant, impl)
+  _check_variant_and_impl(variant, impl, tau)
   cells.validate_routing(cell=cell, block=block, window=window, top_k=top_k, retain_top=retain_top,
                          retain_recent=retain_recent)
   dtype = compute_dtype(q.dtype)
   routing = dict(variant=variant, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
                  retain_top=retain_top, retain_recent=retain_recent)
-  if use_kernels(impl, cell=cell, head_dim=q.shape[-1]):
-    from pallas_kernels import cell_scoring, sparse_readout as readout_kernel  # lazy: the kernels import ops
+  kernels = use_kernels(impl, cell=cell, head_dim=q.shape[-1])
+  if variant == "fsb":
+    cell_idx = select_cells(q, k, tau=tau, beam=beam, bound_c=bound_c, **routing)
+  elif kernels:
+    from pallas_kernels import cell_scoring  # lazy: the kernels import ops
     cell_idx = cell_scoring.select_cells(q, k, **routing)
-    u = readout_kernel.sparse_readout(q, k, v, cell_idx, cell=cell).astype(dtype)
   else:
     cell_idx = select_cells(q, k, **routing)
+  if kernels:
+    from pallas_kernels import sparse_readout as readout_kernel
+    u = readout_kernel.sparse_readout(q, k, v, cell_idx, cell=cell).astype(dtype)
+  else:
     u = sparse_readout(q.astype(dtype), k.astype(dtype), v.astype(dtype), cell_idx, cell=cell)
   return rms_norm(u, jnp.asarray(lr_gain, dtype)).astype(q.dtype)
 
@@ -158,7 +172,7 @@ def freesolo_attention(q, k, v, *, variant="fs", alpha, lam=1.0, sigma=4.0, lr_g
 
   Args:
     q, k, v: `[batch, T, heads, d]` unrotated projections; d even.
-    variant: "fs" | "fsl" | "fsb" (the last not implemented yet).
+    variant: "fs" | "fsl" | "fsb".
     alpha: scalar or `[heads]` branch mix.
     lam, sigma, lr_gain, cell, block, top_k, retain_top, retain_recent: see `freesolo_long_range`.
     window: local radius `w` (Eq. 3-4), `w >= B - 1`.
