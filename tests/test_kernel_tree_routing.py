@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +12,10 @@ from fsjax.cache import zha as zha_cache
 from fsjax.ops.rope import apply_rope
 from helpers import assert_close, kernel_modes
 from pallas_kernels import tree_routing
+
+
+_extend = jax.jit(zha_cache.extend, static_argnames=("chunk", "rope_theta"))
+_attend_gathered = jax.jit(zha_cache.attend_gathered, static_argnames=("chunk", "top_p", "max_nodes", "kernels"))
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
@@ -83,10 +88,10 @@ def test_capped_decode_through_the_kernels_equals_the_reference(rng):
   for start, size in ((0, 40), *((t, 1) for t in range(40, seq))):
     pos = jnp.broadcast_to(jnp.arange(start, start + size), (batch, size))
     rot = lambda x: apply_rope(x[:, start:start + size], pos)
-    cache = zha_cache.extend(cache, rot(k), v[:, start:start + size], pos, jnp.ones_like(pos, bool), ref_queries,
-                             chunk=4, rope_theta=10000.0)
+    cache = _extend(cache, rot(k), v[:, start:start + size], pos, jnp.ones_like(pos, bool), ref_queries,
+                    chunk=4, rope_theta=10000.0)
     if size == 1:
-      out, fraction = zha_cache.attend_gathered(cache, rot(q), pos, top_p=(0.9, 0.9), kernels=True, **routing)
+      out, fraction = _attend_gathered(cache, rot(q), pos, top_p=(0.9, 0.9), kernels=True, **routing)
       outputs.append(out)
       fractions.append(fraction)
   np.testing.assert_allclose(np.concatenate(fractions, axis=1), expected_fraction[:, 40:], rtol=1e-6)

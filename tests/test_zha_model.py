@@ -28,6 +28,11 @@ DISTILL = ["train.objective=zha_kl", "train.steps=12", "train.learning_rate=3.2e
            "checkpoint.every=12", "checkpoint.async_save=false"]
 
 
+_extend = jax.jit(zha_cache.extend, static_argnames=("chunk", "rope_theta"))
+_attend = jax.jit(zha_cache.attend, static_argnames=("chunk", "top_p", "max_nodes"))
+_attend_gathered = jax.jit(zha_cache.attend_gathered, static_argnames=("chunk", "top_p", "max_nodes", "kernels"))
+
+
 def test_decode_reports_the_fraction_of_keys_each_query_read(rng):
   config = model_preset("tiny", kind="zha")
   config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, zha_refs=2, zha_chunk=4,
@@ -115,9 +120,9 @@ def test_cache_routing_equals_the_reference(rng, max_nodes):
   for start, size in ((0, 40), *((t, 1) for t in range(40, 70))):
     pos = jnp.broadcast_to(jnp.arange(start, start + size), (2, size))
     rot = lambda x: apply_rope(x[:, start:start + size], pos)
-    cache = zha_cache.extend(cache, rot(k), v[:, start:start + size], pos, jnp.ones_like(pos, bool), ref_queries,
-                             chunk=3, rope_theta=10000.0)
-    attend = zha_cache.attend_gathered if size == 1 and max_nodes else zha_cache.attend
+    cache = _extend(cache, rot(k), v[:, start:start + size], pos, jnp.ones_like(pos, bool), ref_queries,
+                    chunk=3, rope_theta=10000.0)
+    attend = _attend_gathered if size == 1 and max_nodes else _attend
     out, fraction = attend(cache, rot(q), pos, top_p=(0.9, 0.9), **routing)
     outputs.append(out)
     fractions.append(fraction)
