@@ -15,7 +15,8 @@ from pallas_kernels import tree_routing
 
 
 _extend = jax.jit(zha_cache.extend, static_argnames=("chunk", "rope_theta"))
-_attend_gathered = jax.jit(zha_cache.attend_gathered, static_argnames=("chunk", "top_p", "max_nodes", "kernels"))
+_attend_gathered = jax.jit(zha_cache.attend_gathered,
+                           static_argnames=("chunk", "top_p", "max_nodes", "kernels"))
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())

@@ -30,7 +30,8 @@ DISTILL = ["train.objective=zha_kl", "train.steps=12", "train.learning_rate=3.2e
 
 _extend = jax.jit(zha_cache.extend, static_argnames=("chunk", "rope_theta"))
 _attend = jax.jit(zha_cache.attend, static_argnames=("chunk", "top_p", "max_nodes"))
-_attend_gathered = jax.jit(zha_cache.attend_gathered, static_argnames=("chunk", "top_p", "max_nodes", "kernels"))
+_attend_gathered = jax.jit(zha_cache.attend_gathered,
+                           static_argnames=("chunk", "top_p", "max_nodes", "kernels"))
 
 
 def test_decode_reports_the_fraction_of_keys_each_query_read(rng):

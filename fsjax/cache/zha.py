@@ -108,7 +108,8 @@ def attend(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_nodes=None):
 
 
 def _gather_nodes(array, index):
-  """`array` `[batch, N, heads, ...]` at per-head node indices `index` `[batch, heads, K]` → `[batch, heads, K, ...]`."""
+  """`array` `[batch, N, heads, ...]` at per-head node indices `index` `[batch, heads, K]`
+  → `[batch, heads, K, ...]`."""
   rows = jnp.arange(index.shape[0])[:, None, None]
   heads = jnp.arange(index.shape[1])[None, :, None]
   return array[rows, jnp.clip(index, 0, array.shape[1] - 1), heads]

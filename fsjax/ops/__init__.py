@@ -13,5 +13,6 @@ from fsjax.ops.zha import zha_attention, zha_kl_loss
 __all__ = [
     "apply_rope", "available_cells", "cell_scores", "cell_summaries", "freesolo_attention", "fsb_select_cells",
     "freesolo_long_range", "local_attention", "moba_attention", "retention_death_block", "rms_norm",
-    "select_cells", "sparse_readout", "swa_attention", "tfpp_attention", "top_k_cells", "validate_routing", "zha_attention", "zha_kl_loss",
+    "select_cells", "sparse_readout", "swa_attention", "tfpp_attention", "top_k_cells", "validate_routing",
+    "zha_attention", "zha_kl_loss",
 ]

@@ -117,7 +117,8 @@ def _join(a, b):
   """Eq. 21 join of node summaries `a`, `b` (dicts of arrays, same shapes)."""
   size = a["size"] + b["size"]
   mu = (a["size"][..., None] * a["mu"] + b["size"][..., None] * b["mu"]) / size[..., None]
-  rho = jnp.maximum(a["rho"] + jnp.linalg.norm(a["mu"] - mu, axis=-1), b["rho"] + jnp.linalg.norm(b["mu"] - mu, axis=-1))
+  rho = jnp.maximum(a["rho"] + jnp.linalg.norm(a["mu"] - mu, axis=-1),
+                    b["rho"] + jnp.linalg.norm(b["mu"] - mu, axis=-1))
   return dict(mu=mu, rho=rho, amax=jnp.maximum(a["amax"], b["amax"]), pmin=jnp.minimum(a["pmin"], b["pmin"]),
               first=jnp.minimum(a["first"], b["first"]), size=size)
 
