@@ -10,8 +10,8 @@ the same process. Rows: latency of ZHA and of its routing alone (candidate scori
 attention), the ratio to dense, the fraction of keys attended, and the fraction the paper's uncapped routing
 would attend (where it is larger, the cap binds and ZHA reads less than the paper's operator would). The tree
 is built from the cache's keys with random reference queries; keys are standard normal and the query is
-`sharpness` times a normal vector, so attention concentrates on few keys as in a trained model's retrieval heads (sharpness 1 spreads it almost
-uniformly, which makes top-p keep nearly everything up to the cap). Times are medians of repeated runs.
+`sharpness` times a normal vector, so attention concentrates on few keys as in a trained model's retrieval heads
+(sharpness 1 spreads it almost uniformly, which makes top-p keep nearly everything up to the cap). Times are medians of repeated runs.
 
 The paper's roofline model predicts ZHA overtakes dense decode near 48k tokens (ZHA Sec. V, R1-C8 at p=0.75);
 the last lines print the measured crossover per geometry and threshold.
