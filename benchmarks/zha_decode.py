@@ -11,7 +11,8 @@ attention), the ratio to dense, the fraction of keys attended, and the fraction 
 would attend (where it is larger, the cap binds and ZHA reads less than the paper's operator would). The tree
 is built from the cache's keys with random reference queries; keys are standard normal and the query is
 `sharpness` times a normal vector, so attention concentrates on few keys as in a trained model's retrieval heads
-(sharpness 1 spreads it almost uniformly, which makes top-p keep nearly everything up to the cap). Times are medians of repeated runs.
+(sharpness 1 spreads it almost uniformly, which makes top-p keep nearly everything up to the cap). Times are
+medians of repeated runs.
 
 The paper's roofline model predicts ZHA overtakes dense decode near 48k tokens (ZHA Sec. V, R1-C8 at p=0.75);
 the last lines print the measured crossover per geometry and threshold.

@@ -24,8 +24,8 @@ class FreeSoloAttention(nn.Module):
 
   With a `cache` (an FS `Archive` for FS and FS-B, or for FS-L a `BoundedCache`), `x` is a chunk at `positions`
   `[batch, C]` with `valid` `[batch, C]`; the call returns `(y, new_cache)` and sows the selected cells
-  `[batch, C, heads, K]` as intermediates/selected_cells for routing probes. A chunk for the bounded cache is one token or whole
-  query blocks starting at a block boundary.
+  `[batch, C, heads, K]` as intermediates/selected_cells for routing probes. A chunk for the bounded cache is one
+  token or whole query blocks starting at a block boundary.
   """
   num_heads: int
   head_dim: int
