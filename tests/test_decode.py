@@ -94,7 +94,7 @@ def test_prefill_can_keep_only_each_rows_last_logits(rng):
   np.testing.assert_array_equal(np.asarray(last), np.asarray(full)[[0, 1], [99, 40]])
 
 
-@pytest.mark.parametrize("kind", ["fs", "tfpp", "swa"])
+@pytest.mark.parametrize("kind", ["fs", "fsb", "tfpp", "swa", "zha"])
 def test_batch_of_different_lengths_equals_each_sequence_alone(rng, kind):
   config, model, variables = _setup(kind)
   lengths = [70, 45]
