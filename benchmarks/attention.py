@@ -15,8 +15,6 @@ Times are medians of repeated runs, inputs random normal.
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,20 +22,11 @@ import jax.numpy as jnp
 from fsjax import ops
 from fsjax.ops.cudnn import causal_rope_attention_cudnn
 from pallas_kernels import cell_scoring, sparse_readout
+from timing import copy_bandwidth, median_ms
 
 ROUTING = dict(cell=32, block=128, top_k=4, retain_top=64, retain_recent=8)
 HEADS = 16
 BF16_PEAK_FLOPS = 989e12  # H200 dense bf16 tensor-core peak (datasheet)
-
-
-def median_ms(fn, *args, repeats=10):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
 
 
 def forward_backward(fn):
@@ -50,12 +39,6 @@ def forward_backward(fn):
 
 def random_inputs(shape, seed):
   return tuple(jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(jax.random.PRNGKey(seed), 4))
-
-
-def copy_bandwidth():
-  """Bytes per second (read + write) of a 1 GiB device copy."""
-  x = jnp.ones((256 * 2**20,), jnp.float32)
-  return 2 * x.nbytes / (median_ms(jax.jit(lambda a: a + 1.0), x) / 1e3)
 
 
 def harness_check():

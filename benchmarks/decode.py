@@ -19,20 +19,6 @@ import time
 from cases import case_parser, run_cases
 
 
-def copy_bandwidth():
-  """Bytes per second of a large on-device copy (read + write counted)."""
-  import jax
-  import jax.numpy as jnp
-  x = jnp.ones((256 * 2**20,), jnp.float32)  # 1 GiB
-  copy = jax.jit(lambda a: a + 1.0)
-  copy(x).block_until_ready()
-  start = time.perf_counter()
-  for _ in range(5):
-    y = copy(x)
-  y.block_until_ready()
-  return 2 * x.nbytes * 5 / (time.perf_counter() - start)
-
-
 def kernels_per_step(compiled_text):
   """Kernels a compiled decode loop launches per step: its fusions and custom calls (cuDNN, cuBLAS, Triton)."""
   return len(re.findall(r"= [^=]*\b(?:fusion|custom-call)\(", compiled_text))
@@ -46,6 +32,7 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers):
   from fsjax.config import model_preset
   from fsjax.decode import decode_loop, prefill
   from fsjax.model import Transformer, init_variables
+  from timing import copy_bandwidth
 
   config = dataclasses.replace(model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16",
                                scan_layers=layers == "scanned")

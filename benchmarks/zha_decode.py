@@ -19,8 +19,6 @@ the last lines print the measured crossover per geometry and threshold.
 """
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -28,16 +26,7 @@ import jax.numpy as jnp
 from fsjax.cache import zha as zha_cache
 from fsjax.cache.store import KVStore
 from fsjax.ops import zha
-
-
-def median_ms(fn, *args, repeats=20):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
+from timing import median_ms
 
 
 def parse_geometry(text):
@@ -93,13 +82,13 @@ def main():
       cache = build_cache(length, args.heads, args.head_dim, refs, chunk, levels, jax.random.PRNGKey(length))
       q = args.sharpness * jax.random.normal(jax.random.PRNGKey(1), (1, 1, args.heads, args.head_dim), jnp.float32)
       position = jnp.array([[length - 1]], jnp.int32)
-      dense_ms = median_ms(jax.jit(dense_decode), q.astype(jnp.bfloat16), cache.store.k, cache.store.v)
+      dense_ms = median_ms(jax.jit(dense_decode), q.astype(jnp.bfloat16), cache.store.k, cache.store.v, repeats=20)
       for p in args.top_p:
         routing = dict(chunk=chunk, top_p=zha.level_top_p(p, levels), max_nodes=args.max_nodes, kernels=kernels)
         step = jax.jit(lambda c, q, pos: zha_cache.attend_gathered(c, q, pos, **routing))
         route = jax.jit(lambda c, q, pos: zha_cache.route_gathered(c, q[:, 0], pos[:, 0], **routing))
-        zha_ms = median_ms(step, cache, q, position)
-        route_ms = median_ms(route, cache, q, position)
+        zha_ms = median_ms(step, cache, q, position, repeats=20)
+        route_ms = median_ms(route, cache, q, position, repeats=20)
         fraction = float(jnp.mean(step(cache, q, position)[1]))
         uncapped = float(jnp.mean(jax.jit(lambda c, q, pos: zha_cache.attend(
             c, q, pos, chunk=chunk, top_p=zha.level_top_p(p, levels))[1])(cache, q, position)))
