@@ -2,7 +2,7 @@
 tree geometries and routing thresholds.
 
     python benchmarks/zha_decode.py [--lengths 16384,65536,262144,1048576] [--geometries R1-C8-L2,R16-C16-L3,R16-C4-L6]
-        [--top-p 0.8,0.9,0.95] [--max-nodes 64] [--heads 16] [--head-dim 64] [--sharpness 4]
+        [--top-p 0.8,0.9,0.95] [--max-nodes 64] [--heads 16] [--head-dim 64] [--sharpness 4] [--repeats 20]
 
 The capped decode step `fsjax.cache.zha.attend_gathered` (Pallas `tree_routing` kernels on a GPU) against
 dense attention of the same query over the whole bf16 cache (cuDNN where it accepts the shape, else XLA), in
@@ -19,6 +19,7 @@ the last lines print the measured crossover per geometry and threshold.
 """
 
 import argparse
+import concurrent.futures
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,29 @@ def build_cache(length, heads, dim, refs, chunk, levels, key):
                             bias=tuple(t[1].astype(jnp.float32) for t in tree))
 
 
+def compile_all(jobs):
+  """AOT-compiles `(fn, args)` jobs: traced in order, then compiled on a thread pool (XLA's compiler, Triton's
+  included, releases the GIL), since compilation, not the timed runs, is most of this benchmark's wall time.
+  Returns the compiled programs, or the exception a job's compilation raised in its place."""
+  lowered = []
+  for fn, args in jobs:
+    try:
+      lowered.append(jax.jit(fn).lower(*args))
+    except Exception as error:  # noqa: BLE001 — reported by the caller
+      lowered.append(error)
+
+  def compile_one(low):
+    if isinstance(low, Exception):
+      return low
+    try:
+      return low.compile()
+    except Exception as error:  # noqa: BLE001 — reported by the caller
+      return error
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=len(lowered)) as pool:
+    return list(pool.map(compile_one, lowered))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--lengths", default="16384,65536,262144,1048576",
@@ -68,41 +92,80 @@ def main():
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--head-dim", type=int, default=64)
   parser.add_argument("--sharpness", type=float, default=4.0)
+  parser.add_argument("--repeats", type=int, default=20, help="timed runs per median")
   args = parser.parse_args()
 
   kernels = jax.default_backend() == "gpu"
   print(f"{jax.devices()[0].device_kind}, {args.heads} heads x {args.head_dim}, bf16 cache, "
         f"max_nodes {args.max_nodes}, kernels {'compiled' if kernels else 'off (jnp path)'}")
-  print("| geometry | p | length | dense ms | ZHA ms | vs dense | routing ms | routing share | keys attended | "
-        "uncapped |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("Rows in measuring order (length by length; every geometry at a length before the next length); the same "
+        "rows sorted by geometry follow the crossover lines.")
+  header = ("| geometry | p | length | dense ms | ZHA ms | vs dense | routing ms | routing share | keys attended | "
+            "uncapped |\n|---|---|---|---|---|---|---|---|---|---|")
+  print(header, flush=True)
   rows = []
-  for refs, chunk, levels in args.geometries:
-    for length in args.lengths:
-      cache = build_cache(length, args.heads, args.head_dim, refs, chunk, levels, jax.random.PRNGKey(length))
-      q = args.sharpness * jax.random.normal(jax.random.PRNGKey(1), (1, 1, args.heads, args.head_dim), jnp.float32)
-      position = jnp.array([[length - 1]], jnp.int32)
-      dense_ms = median_ms(jax.jit(dense_decode), q.astype(jnp.bfloat16), cache.store.k, cache.store.v, repeats=20)
-      for p in args.top_p:
-        routing = dict(chunk=chunk, top_p=zha.level_top_p(p, levels), max_nodes=args.max_nodes, kernels=kernels)
-        step = jax.jit(lambda c, q, pos: zha_cache.attend_gathered(c, q, pos, **routing))
-        route = jax.jit(lambda c, q, pos: zha_cache.route_gathered(c, q[:, 0], pos[:, 0], **routing))
-        zha_ms = median_ms(step, cache, q, position, repeats=20)
-        route_ms = median_ms(route, cache, q, position, repeats=20)
-        fraction = float(jnp.mean(step(cache, q, position)[1]))
-        uncapped = float(jnp.mean(jax.jit(lambda c, q, pos: zha_cache.attend(
-            c, q, pos, chunk=chunk, top_p=zha.level_top_p(p, levels))[1])(cache, q, position)))
+  dense_kinds = {}
+  try:
+    for length in args.lengths:  # lengths outermost: a run cut short still covers every geometry
+      for refs, chunk, levels in args.geometries:
         name = f"R{refs}-C{chunk}-L{levels}"
-        rows.append(dict(geometry=name, p=p, length=length, ratio=zha_ms / dense_ms))
-        print(f"| {name} | {p} | {length:,} | {dense_ms:.3f} | {zha_ms:.3f} | {zha_ms / dense_ms:.2f}x | "
-              f"{route_ms:.3f} | {route_ms / zha_ms:.0%} | {fraction:.2%} | {uncapped:.2%} |", flush=True)
-      del cache
+        cache = build_cache(length, args.heads, args.head_dim, refs, chunk, levels, jax.random.PRNGKey(length))
+        q = args.sharpness * jax.random.normal(jax.random.PRNGKey(1), (1, 1, args.heads, args.head_dim),
+                                               jnp.float32)
+        position = jnp.array([[length - 1]], jnp.int32)
+        inputs = (cache, q, position)
+        dense_inputs = (q.astype(jnp.bfloat16), cache.store.k, cache.store.v)
+        jobs = [(dense_decode, dense_inputs)]
+        for p in args.top_p:
+          routing = dict(chunk=chunk, top_p=zha.level_top_p(p, levels), max_nodes=args.max_nodes, kernels=kernels)
+          uncapped = dict(chunk=chunk, top_p=zha.level_top_p(p, levels))
+          jobs += [(lambda c, q, pos, r=routing: zha_cache.attend_gathered(c, q, pos, **r), inputs),
+                   (lambda c, q, pos, r=routing: zha_cache.route_gathered(c, q[:, 0], pos[:, 0], **r), inputs),
+                   (lambda c, q, pos, u=uncapped: zha_cache.attend(c, q, pos, **u)[1], inputs)]
+        dense, *compiled = compile_all(jobs)
+        dense_kind = "cudnn" if kernels else "xla"
+        if isinstance(dense, Exception):  # cuDNN refused the shape only at compile time: XLA's is the baseline
+          dense_kind = "xla"
+          dense, = compile_all([(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
+                                 dense_inputs)])
+        dense_kinds[length] = dense_kind
+        if isinstance(dense, Exception):
+          print(f"| {name} | - | {length:,} | dense failed: {type(dense).__name__}: {str(dense)[:300]} |", flush=True)
+          del cache
+          continue
+        dense_ms = median_ms(dense, *dense_inputs, repeats=args.repeats)
+        for i, p in enumerate(args.top_p):
+          step, route, uncapped = compiled[3 * i:3 * i + 3]
+          failed = next((f for f in (step, route, uncapped) if isinstance(f, Exception)), None)
+          if failed is not None:
+            print(f"| {name} | {p} | {length:,} | {dense_ms:.3f} | failed: {type(failed).__name__}: "
+                  f"{str(failed)[:1500]} |", flush=True)
+            continue
+          zha_ms = median_ms(step, *inputs, repeats=args.repeats)
+          route_ms = median_ms(route, *inputs, repeats=args.repeats)
+          fraction = float(jnp.mean(step(*inputs)[1]))
+          uncapped_fraction = float(jnp.mean(uncapped(*inputs)))
+          row = dict(geometry=name, p=p, length=length, ratio=zha_ms / dense_ms,
+                     text=f"| {name} | {p} | {length:,} | {dense_ms:.3f} | {zha_ms:.3f} | {zha_ms / dense_ms:.2f}x | "
+                          f"{route_ms:.3f} | {route_ms / zha_ms:.0%} | {fraction:.2%} | {uncapped_fraction:.2%} |")
+          rows.append(row)
+          print(row["text"], flush=True)
+        del cache, inputs, dense_inputs, dense, compiled
+  except KeyboardInterrupt:
+    print("\n(interrupted: the crossover lines below cover only the rows above)")
+  print(f"\ndense baseline per length: {', '.join(f'{n:,}: {k}' for n, k in dense_kinds.items())}")
   print()
   for name in dict.fromkeys(r["geometry"] for r in rows):
     for p in args.top_p:
       faster = [r["length"] for r in rows if r["geometry"] == name and r["p"] == p and r["ratio"] < 1.0]
       print(f"{name} p={p}: faster than dense from {min(faster):,} tokens" if faster else
             f"{name} p={p}: not faster than dense at any measured length")
+  print("\nSorted by geometry, threshold and length:")
+  print(header)
+  order = {f"R{r}-C{c}-L{l}": i for i, (r, c, l) in enumerate(args.geometries)}
+  for row in sorted(rows, key=lambda r: (order[r["geometry"]], r["p"], r["length"])):
+    print(row["text"])
+  print(flush=True)
 
 
 if __name__ == "__main__":
