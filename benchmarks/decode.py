@@ -1,6 +1,6 @@
-"""Prefill and decode throughput, attention-state bytes and the HBM roofline: FS-L, FS, TF++ and SWA.
+"""Prefill and decode throughput, attention-state bytes and the HBM roofline: FS-L, FS, FS-B, TF++ and SWA.
 
-    python benchmarks/decode.py [--lengths 4096,16384,65536,131072,262144] [--kinds fsl,fs,tfpp,swa]
+    python benchmarks/decode.py [--lengths 4096,16384,65536,131072,262144] [--kinds fsl,fs,fsb,tfpp,swa]
         [--decode-tokens 64] [--preset fs_341m] [--layers scanned|unrolled]
 
 Batch 1, random weights, bf16 parameters and caches. Each (kind, length) runs in its own subprocess. Prefill goes
@@ -9,6 +9,8 @@ is the bytes a decode step must read (parameters + attention state) divided by t
 bandwidth. Prints one table with ratios to TF++ at the same length, and the device kernels (fusions and
 library calls) one compiled decode step launches: at batch 1 a step is short enough for launches to matter.
 `--layers unrolled` decodes with one layer body per layer instead of `nn.scan` over stacked layers and caches.
+FS-B prefills with the prefill formulation and decodes through the streaming forest cache, τ calibrated on the
+first 4096 tokens; its per-block forest update is timed alone by `forest_update.py`.
 """
 
 import dataclasses
@@ -39,6 +41,9 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers):
   model = Transformer(config)
   variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, config.vocab_size)
+  if kind == "fsb":  # τ as `fsjax.calibrate` computes it: the median cell norm, here of the first 4096 tokens
+    from fsjax import calibrate
+    variables = calibrate.with_tau(config, variables, calibrate.calibrate(model, variables, [tokens[:, :4096]]))
   max_len = length + decode_tokens
   fresh = lambda: init_cache(config, 1, max_len, dtype=jnp.bfloat16)
   state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(fresh()))

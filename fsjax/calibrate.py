@@ -77,15 +77,22 @@ def attach_tau(model_config, frozen, checkpoint_path):
   if tau.shape != (model_config.num_layers, model_config.num_heads):
     raise CheckpointError(f"{path} holds τ of shape {tuple(tau.shape)}, the model needs "
                           f"{(model_config.num_layers, model_config.num_heads)}")
-  with_tau = lambda entry, value: {**entry, "tau": value}
+  return with_tau(model_config, frozen, tau)
+
+
+def with_tau(model_config, variables, tau):
+  """`variables` with τ `[layers, heads]` set in every layer's "routing" entry (stacked for scanned layers)."""
+  routing = variables.get("routing", {})
+  tau = jnp.asarray(tau, jnp.float32)
+  set_tau = lambda entry, value: {**entry, "tau": value}
   if model_config.scan_layers:
     layers = routing["layers"]
-    routing = {**routing, "layers": {**layers, "layer": {**layers["layer"], "attention": with_tau(
+    routing = {**routing, "layers": {**layers, "layer": {**layers["layer"], "attention": set_tau(
         layers["layer"]["attention"], tau)}}}
   else:
-    routing = {**routing, **{f"layer_{i}": {**routing[f"layer_{i}"], "attention": with_tau(
+    routing = {**routing, **{f"layer_{i}": {**routing[f"layer_{i}"], "attention": set_tau(
         routing[f"layer_{i}"]["attention"], tau[i])} for i in range(model_config.num_layers)}}
-  return {**frozen, "routing": routing}
+  return {**variables, "routing": routing}
 
 
 def parse_args(argv):

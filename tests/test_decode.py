@@ -26,10 +26,7 @@ def _setup(kind, scan_layers=False):
   if kind == "fsb":  # τ from the model's own cell norms, so both forests hold cells
     from fsjax import calibrate
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 128), 0, config.vocab_size)
-    tau = calibrate.calibrate(Transformer(config), variables, [tokens])
-    routing = {name: {"attention": {**layer["attention"], "tau": jnp.asarray(tau[i])}}
-               for i, (name, layer) in enumerate(sorted(variables["routing"].items()))}
-    variables = {**variables, "routing": routing}
+    variables = calibrate.with_tau(config, variables, calibrate.calibrate(Transformer(config), variables, [tokens]))
   return config, Transformer(config), variables
 
 
@@ -52,9 +49,11 @@ def _teacher_forced(model, variables, tokens, prompt_len, chunk):
   return np.asarray(jnp.concatenate(steps, axis=1))
 
 
-@pytest.mark.parametrize("kind,scan_layers", [*((kind, False) for kind in KINDS), ("fsl", True), ("fs", True)])
+@pytest.mark.parametrize("kind,scan_layers", [*((kind, False) for kind in KINDS), ("fsl", True), ("fs", True),
+                                              ("fsb", True)])
 def test_prefill_and_decode_equal_the_full_forward(rng, kind, scan_layers):
-  """Also through a `scan_layers` model, whose cache is one stacked pytree scanned with the layers."""
+  """Also through a `scan_layers` model, whose cache is one stacked pytree scanned with the layers. FS-B decodes
+  through the streaming forest cache."""
   config, model, variables = _setup(kind, scan_layers)
   tokens = _distinct_tokens(rng, config.vocab_size, 2, SEQ)
   full = np.asarray(jax.jit(model.apply)(variables, tokens))

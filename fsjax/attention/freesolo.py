@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from fsjax import ops
 from fsjax.attention.projections import project_heads, project_out
 from fsjax.cache import archive as archive_lib
+from fsjax.cache import forest as forest_lib
 from fsjax.cache import bounded as bounded_lib
 from fsjax.ops.cells import cell_summaries
 from fsjax.ops.common import compute_dtype
@@ -73,15 +74,33 @@ class FreeSoloAttention(nn.Module):
       local, long_range, cell_idx, cache = self._extend_bounded(cache, q, k, v, positions, valid,
                                                                 lr_gain.astype(dtype), lam, sigma)
     else:
-      cache = archive_lib.extend(cache, k, v, positions, valid, self.cell)
-      local = archive_lib.local_branch(cache, q, positions, window=self.window, rope_theta=self.rope_theta)
+      streaming = isinstance(cache, forest_lib.ForestCache)
+      archive = archive_lib.extend(cache.archive if streaming else cache, k, v, positions, valid, self.cell)
+      local = archive_lib.local_branch(archive, q, positions, window=self.window, rope_theta=self.rope_theta)
+      selected = None
+      if streaming:
+        cache, selected = self._select_streaming(cache.replace(archive=archive), q, positions, valid, lam, sigma,
+                                                 forests["tau"])
+      else:
+        cache = archive
       long_range, cell_idx = archive_lib.long_range_branch(
-          cache, q, positions, lr_gain=lr_gain.astype(dtype), variant=self.variant, lam=lam, sigma=sigma,
+          archive, q, positions, lr_gain=lr_gain.astype(dtype), variant=self.variant, lam=lam, sigma=sigma,
           cell=self.cell, block=self.block, top_k=self.top_k, retain_top=self.retain_top,
-          retain_recent=self.retain_recent, impl=self.impl, **forests)
+          retain_recent=self.retain_recent, impl=self.impl, selected=selected, **forests)
     self.sow("intermediates", "selected_cells", cell_idx)
     o = local + alpha.astype(dtype)[:, None] * long_range
     return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
+
+  def _select_streaming(self, cache, q, positions, valid, lam, sigma, tau):
+    """FS-B through the forest cache: the forests advance to the block of each row's first query; a single-token
+    step beam-searches them, a longer chunk (queries in several blocks) leaves selection to the archive's
+    prefill formulation (None)."""
+    target = forest_lib.eligible_target(positions, valid, cache.admitted, cell=self.cell, block=self.block)
+    cache = forest_lib.advance(cache, target, tau, cell=self.cell, block=self.block)
+    if q.shape[1] > 1:
+      return cache, None
+    return cache, forest_lib.select(cache, q, positions, lam=lam, sigma=sigma, cell=self.cell, top_k=self.top_k,
+                                    beam=self.beam, bound_c=self.bound_c)
 
   def _extend_bounded(self, cache, q, k, v, positions, valid, lr_gain, lam, sigma):
     """Runs the chunk block by block through the bounded cache (availability changes at block boundaries)."""

@@ -1,5 +1,5 @@
-"""Decode caches: a positional KV store (dense cache, SWA ring), the FS archive, the FS-L bounded cache and the
-ZHA tree cache.
+"""Decode caches: a positional KV store (dense cache, SWA ring), the FS archive, the FS-L bounded cache, the FS-B
+forest cache and the ZHA tree cache.
 
 `init_cache(config, batch, max_len)` builds one cache per layer, shaped for the model's attention kind.
 """
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from fsjax.cache.archive import Archive, empty_archive
 from fsjax.cache.bounded import BoundedCache, empty_bounded
+from fsjax.cache.forest import ForestCache, empty_forest_cache
 from fsjax.cache.store import KVStore, empty_store
 from fsjax.cache.zha import ZHACache, empty_zha
 from fsjax.config import ModelConfig
@@ -29,7 +30,8 @@ def init_cache(config: ModelConfig, batch, max_len, dtype=jnp.float32, bounded=T
   """Empty per-layer caches `{"layer_i": KVStore | Archive | BoundedCache}` for up to `max_len` tokens, or
   `{"layers": ...}` with every array stacked `[num_layers, ...]` for a `scan_layers` model.
 
-  FS-L gets the bounded cache (its size ignores `max_len`) unless `bounded=False` asks for the archive.
+  FS-L gets the bounded cache (its size ignores `max_len`) and FS-B the streaming forest cache unless
+  `bounded=False` asks for the plain archive (FS-B then rebuilds its forests at every step: the reference).
   """
   att = config.attention
   capacity = cache_capacity(config, max_len)
@@ -38,6 +40,8 @@ def init_cache(config: ModelConfig, batch, max_len, dtype=jnp.float32, bounded=T
     make = lambda: empty_bounded(batch, config.num_heads, config.head_dim, window=att.window, cell=att.cell,
                                  block=att.block, retain_top=att.retain_top, retain_recent=att.retain_recent,
                                  dtype=dtype)
+  elif att.kind == "fsb" and bounded:
+    make = lambda: empty_forest_cache(*shape, att.cell, dtype)
   elif att.kind in ("fs", "fsl", "fsb"):
     make = lambda: empty_archive(*shape, att.cell, dtype)
   elif att.kind in ("tfpp", "swa", "moba"):
@@ -51,4 +55,4 @@ def init_cache(config: ModelConfig, batch, max_len, dtype=jnp.float32, bounded=T
   return {f"layer_{i}": make() for i in range(config.num_layers)}
 
 
-__all__ = ["Archive", "BoundedCache", "KVStore", "ZHACache", "cache_capacity", "init_cache"]
+__all__ = ["Archive", "BoundedCache", "ForestCache", "KVStore", "ZHACache", "cache_capacity", "init_cache"]

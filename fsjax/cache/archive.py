@@ -2,7 +2,7 @@
 
 Exact for FS and FS-L (FS-L availability is evaluated with the same death blocks as the masked operator) and
 for FS-B (each step rebuilds the forests from the cached summaries with the prefill formulation, O(M log M) per
-step, not yet the streaming forest cache); its memory grows with the sequence. FS-L's bounded cache replaces it
+step: the reference for `fsjax.cache.forest`, which keeps them instead); its memory grows with the sequence. FS-L's bounded cache replaces it
 where constant memory matters.
 """
 
@@ -92,13 +92,16 @@ def select_from_archive(archive: Archive, q, pos, *, variant, lam, sigma, cell, 
   return cells.top_k_cells(scores, available, top_k)
 
 
-def long_range_branch(archive: Archive, q, pos, *, lr_gain, impl="reference", **routing):
+def long_range_branch(archive: Archive, q, pos, *, lr_gain, impl="reference", selected=None, **routing):
   """Eq. 9 for queries at `pos`: `(o_lr [batch, C, heads, d], selected cells [batch, C, heads, K])`.
 
-  `impl` as in `ops.freesolo_long_range`: with kernels, selection and readout run in Pallas.
+  `impl` as in `ops.freesolo_long_range`: with kernels, selection and readout run in Pallas. `selected`: cells
+  already chosen `[batch, C, heads, K]` (by the FS-B forest cache), else chosen here.
   """
   kernels = use_kernels(impl, cell=routing["cell"], head_dim=q.shape[-1])
-  cell_idx = select_from_archive(archive, q, pos, kernels=kernels and routing["variant"] != "fsb", **routing)
+  cell_idx = selected
+  if cell_idx is None:
+    cell_idx = select_from_archive(archive, q, pos, kernels=kernels and routing["variant"] != "fsb", **routing)
   if kernels:
     from pallas_kernels import sparse_readout as readout_kernel
     u = readout_kernel.sparse_readout(q, archive.tokens.k, archive.tokens.v, cell_idx, cell=routing["cell"])

@@ -14,7 +14,8 @@ remaining slots go to the highest-U children; ranking ties go to the node whose 
 The candidates (the final beams' leaves, both forests, deduplicated) are reranked by Eq. 12 and the top K are
 read as in FS (Eq. 9). Readings (DESIGN §4): splits put the first ⌈n/2⌉ cells by projection in the left child;
 projection ties and the farthest-cell choice go to the lower cell index; a zero direction (all cells equal)
-projects every cell to 0.
+projects every cell to 0; of the two halves, the one holding the lower cell index is the left child (the
+direction's sign is arbitrary, so this makes the tree a function of the split alone).
 """
 
 import functools
@@ -56,6 +57,12 @@ def _split_level(groups, means, cell_ids):
   projection = jnp.einsum("gnd,gd->gn", x, u, precision=PRECISION)
   _, _, order = jax.lax.sort((projection, ids, jnp.broadcast_to(jnp.arange(groups.shape[1]), groups.shape)),
                              dimension=1, num_keys=2)
+  # u's sign is arbitrary (two cells are both farthest, up to rounding), so the half holding the lower cell index
+  # goes left: the split, not the direction, defines the tree.
+  half = groups.shape[1] // 2
+  sorted_ids = jnp.take_along_axis(ids, order, axis=1)
+  swap = jnp.min(sorted_ids[:, :half], axis=1) > jnp.min(sorted_ids[:, half:], axis=1)
+  order = jnp.where(swap[:, None], jnp.roll(order, half, axis=1), order)
   return jnp.take_along_axis(groups, order, axis=1)
 
 
@@ -71,11 +78,48 @@ def chunk_leaf_orders(means, cell_ids, size):
   return groups
 
 
+def heap_shape(size):
+  """Static layout of a perfect binary tree over `size` (a power of two) leaves in heap order: node h (1-based)
+  at index h - 1, children 2h and 2h + 1. Returns (depth `[2size-1]`, leaf count under each node `[2size-1]`,
+  is_leaf `[2size-1]`) as numpy arrays."""
+  heap = np.arange(1, 2 * size)
+  depth = np.array([int(h).bit_length() - 1 for h in heap])
+  return depth, size >> depth, heap >= size
+
+
+def chunk_trees(means, norms, centers, cell_ids, size):
+  """Every aligned chunk of `size` (a power of two) consecutive arrival positions, as a perfect binary tree of
+  Eq. 19 splits with Eq. 20 summaries, in heap order.
+
+  Args:
+    means: `[M, d]` mean keys in arrival order; norms, centers: `[M]` (a_c and the cell's center position);
+    cell_ids: `[M]` int32 cell index of each arrival (the tie-break of Eq. 19 and the node's first cell).
+
+  Returns:
+    dict of `[M // size, 2 size − 1]` arrays (mu `[.., d]`): mu, rho, amax, pmin, first (smallest cell index
+    below the node), leaf (cell index at leaves, NO_NODE at inner nodes).
+  """
+  order = chunk_leaf_orders(means, cell_ids, size)  # [I, size] positions, each node a contiguous run
+  depth, span, is_leaf = heap_shape(size)
+  run = np.arange(size)
+  inside = run[None, :] < span[:, None]  # [nodes, size]
+  start = (np.arange(1, 2 * size) - 2**depth) * span
+  members = order[:, np.minimum(start[:, None] + run[None, :], size - 1)]
+  x = means[members]  # [I, nodes, size, d]
+  mu = jnp.einsum("insd,ns->ind", x, inside / span[:, None], precision=PRECISION)
+  rho = jnp.max(jnp.where(inside[None], jnp.linalg.norm(x - mu[:, :, None], axis=-1), 0.0), axis=-1)
+  return dict(mu=mu, rho=rho,
+              amax=jnp.max(jnp.where(inside[None], norms[members], -jnp.inf), axis=-1),
+              pmin=jnp.min(jnp.where(inside[None], centers[members], jnp.inf), axis=-1),
+              first=jnp.min(jnp.where(inside[None], cell_ids[members], jnp.iinfo(jnp.int32).max), axis=-1),
+              leaf=jnp.where(is_leaf[None], cell_ids[order[:, np.clip(start, 0, size - 1)]], NO_NODE))
+
+
 def _chunk_nodes(means, norms, centers, cell_ids):
   """Every node of every aligned chunk tree of the arrival order `[M]`, as one flat table.
 
   Returns:
-    dict of `[Nc]` arrays (μ `[Nc, d]`): mu, rho, amax, pmin, first (smallest cell index), size, child0, child1
+    dict of `[Nc]` arrays (μ `[Nc, d]`): mu, rho, amax, pmin, first (smallest cell index), child0, child1
     (node ids, NO_NODE for leaves), leaf (cell index, NO_NODE for inner nodes); and `roots[k]` `[M // 2^k]`, the
     node id of chunk m of size 2^k.
   """
@@ -84,27 +128,13 @@ def _chunk_nodes(means, norms, centers, cell_ids):
   k = 0
   while 2**k <= num:
     size = 2**k
-    order = chunk_leaf_orders(means, cell_ids, size)  # [I, size] positions, each node a contiguous run
-    count = order.shape[0]
-    per_tree = 2 * size - 1
-    heap = np.arange(1, per_tree + 1)  # node h sits at depth ⌊log2 h⌋; children 2h, 2h + 1
-    depth = np.array([int(h).bit_length() - 1 for h in heap])
-    span = size >> depth
-    run = np.arange(size)
-    inside = run[None, :] < span[:, None]  # [nodes, size]
-    members = order[:, np.minimum((heap - 2**depth)[:, None] * span[:, None] + run[None, :], size - 1)]
-    x = means[members]  # [I, nodes, size, d]
-    mu = jnp.einsum("insd,ns->ind", x, inside / span[:, None], precision=PRECISION)
-    rho = jnp.max(jnp.where(inside[None], jnp.linalg.norm(x - mu[:, :, None], axis=-1), 0.0), axis=-1)
-    amax = jnp.max(jnp.where(inside[None], norms[members], -jnp.inf), axis=-1)
-    pmin = jnp.min(jnp.where(inside[None], centers[members], jnp.inf), axis=-1)
-    first = jnp.min(jnp.where(inside[None], cell_ids[members], jnp.iinfo(jnp.int32).max), axis=-1)
+    trees = chunk_trees(means, norms, centers, cell_ids, size)
+    count, per_tree = trees["leaf"].shape
+    _, _, is_leaf = heap_shape(size)
+    heap = np.arange(1, per_tree + 1)
     ids = base + np.arange(count)[:, None] * per_tree + (heap - 1)[None]  # [I, nodes]
-    is_leaf = heap >= size
     child = lambda offset: np.where(is_leaf[None], NO_NODE, ids + heap[None] + offset)  # id of heap 2h (+1)
-    leaf = jnp.where(is_leaf[None], cell_ids[order[:, np.clip(heap - size, 0, size - 1)]], NO_NODE)
-    tables.append(dict(mu=mu, rho=rho, amax=amax, pmin=pmin, first=first, size=np.broadcast_to(span, ids.shape),
-                       child0=child(0), child1=child(1), leaf=leaf))
+    tables.append(dict(trees, child0=child(0), child1=child(1)))
     roots.append(base + np.arange(count) * per_tree)
     base += count * per_tree
     k += 1
@@ -123,6 +153,44 @@ def _join(a, b):
               first=jnp.minimum(a["first"], b["first"]), size=size)
 
 
+SUMMARY = ("mu", "rho", "amax", "pmin", "first")
+
+
+def join_chains(table, roots, admitted_before, first_join_id):
+  """Join chains (Eq. 18, 21) over the chunks of each admitted count, smallest chunk first.
+
+  Args:
+    table: node fields (SUMMARY, plus anything else) indexed by node id; roots: per level k a `[chunks]` array of
+      chunk-root ids, chunk m of size 2^k at entry m (a single entry serves every count: the current chunk);
+    admitted_before: `[n]` admitted counts M; first_join_id: the node id of the first join node.
+
+  Returns:
+    (join nodes: dict of `[n, levels]` arrays with SUMMARY, child0, child1, leaf — join (i, k) has node id
+    `first_join_id + i·levels + k` and is a real node only where its children are — and the forest root of each
+    count `[n]`, NO_NODE where M = 0).
+  """
+  count = admitted_before.shape[0]
+  levels = len(roots)
+  pick = lambda node: {name: table[name][jnp.maximum(node, 0)] for name in SUMMARY}
+  current = jnp.full((count,), NO_NODE)
+  current_sum = dict(pick(current), size=jnp.zeros((count,), table["mu"].dtype))
+  joins = []
+  for k in range(levels):
+    present = (admitted_before >> k) & 1 == 1
+    chunk_index = (admitted_before >> (k + 1)) << 1  # the size-2^k chunk after the larger ones
+    chunk = jnp.where(present, roots[k][jnp.clip(chunk_index, 0, roots[k].shape[0] - 1)], NO_NODE)
+    chunk_sum = dict(pick(chunk), size=jnp.full((count,), 2**k, table["mu"].dtype))
+    make_join = present & (current != NO_NODE)
+    joined = _join(chunk_sum, current_sum)
+    joins.append(dict({name: joined[name] for name in SUMMARY}, child0=jnp.where(make_join, chunk, NO_NODE),
+                      child1=jnp.where(make_join, current, NO_NODE), leaf=jnp.full((count,), NO_NODE)))
+    choose = lambda a, b, c: jnp.where(jnp.expand_dims(make_join, tuple(range(1, a.ndim))), a,
+                                       jnp.where(jnp.expand_dims(present, tuple(range(1, a.ndim))), b, c))
+    current_sum = {name: choose(joined[name], chunk_sum[name], v) for name, v in current_sum.items()}
+    current = jnp.where(make_join, first_join_id + jnp.arange(count) * levels + k, jnp.where(present, chunk, current))
+  return {name: jnp.stack([j[name] for j in joins], axis=1) for name in joins[0]}, current
+
+
 def block_forests(table, roots, admitted_before):
   """Each block's join chain over the chunks of its admitted count (Eq. 18, 21), appended to `table`.
 
@@ -132,34 +200,10 @@ def block_forests(table, roots, admitted_before):
   Returns:
     (table with the join nodes appended, root node id per block `[num_blocks]`, NO_NODE where M_n = 0).
   """
-  num_blocks = admitted_before.shape[0]
-  chunk_count = table["mu"].shape[0]
-  levels = len(roots)
-  pick = lambda node: {name: table[name][jnp.maximum(node, 0)] for name in ("mu", "rho", "amax", "pmin", "first",
-                                                                            "size")}
-  current = jnp.full((num_blocks,), NO_NODE)
-  current_sum = pick(current)
-  joins = []
-  for k in range(levels):  # smallest chunk first
-    present = (admitted_before >> k) & 1 == 1
-    chunk_index = (admitted_before >> (k + 1)) << 1  # the size-2^k chunk after the larger ones
-    chunk = jnp.where(present, roots[k][jnp.clip(chunk_index, 0, roots[k].shape[0] - 1)], NO_NODE)
-    chunk_sum = pick(chunk)
-    join_id = chunk_count + jnp.arange(num_blocks) * levels + k
-    make_join = present & (current != NO_NODE)
-    joined = _join(chunk_sum, current_sum)
-    joins.append(dict(joined, child0=jnp.where(make_join, chunk, NO_NODE), child1=jnp.where(make_join, current,
-                                                                                              NO_NODE),
-                      leaf=jnp.full((num_blocks,), NO_NODE)))
-    new = jnp.where(make_join, join_id, jnp.where(present, chunk, current))
-    current_sum = {name: jnp.where(jnp.expand_dims(make_join, tuple(range(1, v.ndim))), joined[name],
-                                   jnp.where(jnp.expand_dims(present, tuple(range(1, v.ndim))), chunk_sum[name], v))
-                   for name, v in current_sum.items()}
-    current = new
-  stacked = {name: jnp.stack([j[name] for j in joins], axis=1).reshape(num_blocks * levels, *joins[0][name].shape[1:])
-             for name in joins[0]}
-  table = {name: jnp.concatenate([table[name], stacked[name].astype(table[name].dtype)]) for name in table}
-  return table, current
+  joins, roots = join_chains(table, roots, admitted_before, table["mu"].shape[0])
+  table = {name: jnp.concatenate([table[name], joins[name].reshape(-1, *joins[name].shape[2:]).astype(
+      table[name].dtype)]) if name in joins else table[name] for name in table}
+  return table, roots
 
 
 def beam_search(q, positions, table, roots, *, beam, bound_c, lam, sigma, steps):
@@ -243,10 +287,21 @@ def token_rerank(q, positions, k, candidates, max_norms, *, lam, sigma, cell, to
   return jnp.pad(chosen, ((0, 0), (0, top_k - count)), constant_values=NO_NODE).astype(jnp.int32)
 
 
+def rerank_candidates(q, positions, k, max_norms, candidates, *, lam, sigma, cell, top_k):
+  """`token_rerank` of every batch row and head: q `[batch, C, heads, d]` at `positions` `[batch, C]`, k
+  `[batch, S, heads, d]`, max_norms `[batch, M, heads]`, candidates `[batch, C, heads, n]`, lam, sigma `[heads]`
+  → `[batch, C, heads, top_k]`."""
+  rerank = functools.partial(token_rerank, cell=cell, top_k=top_k)
+  per_head = jax.vmap(lambda q, p, k, c, m, lam, sigma: rerank(q, p, k, c, m, lam=lam, sigma=sigma),
+                      in_axes=(1, None, 1, 1, 1, 0, 0), out_axes=1)
+  return jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0, None, None))(q, positions, k, candidates, max_norms, lam, sigma)
+
+
 @functools.partial(jax.jit, static_argnames=("cell", "block", "top_k", "beam", "bound_c"))
 def fsb_select_from_summaries(q, positions, k, mean_keys, max_norms, *, tau, lam, sigma, cell=32, block=128,
                               top_k=4, beam=16, bound_c=8.0):
-  """FS-B's selected cells for queries at `positions` (FS Sec. 3.4). No gradient.
+  """FS-B's selected cells for queries at `positions` (FS Sec. 3.4), forests built with the prefill formulation.
+  No gradient.
 
   Args:
     q: `[batch, C, heads, d]` unrotated, at `positions` `[batch, C]`.
@@ -259,16 +314,16 @@ def fsb_select_from_summaries(q, positions, k, mean_keys, max_norms, *, tau, lam
   """
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
 
-  def one_head(q, positions, k, mean_keys, max_norms, tau, lam, sigma):
+  def both_forests(q, positions, mean_keys, max_norms, tau, lam, sigma):
     routing = dict(lam=lam, sigma=sigma, cell=cell, block=block, beam=beam, bound_c=bound_c)
     everything = forest_candidates(q, positions, mean_keys, max_norms, jnp.ones(max_norms.shape, bool), **routing)
     high_norm = forest_candidates(q, positions, mean_keys, max_norms, max_norms >= tau, **routing)
-    return token_rerank(q, positions, k, jnp.concatenate([everything, high_norm], axis=1), max_norms, lam=lam,
-                        sigma=sigma, cell=cell, top_k=top_k)
+    return jnp.concatenate([everything, high_norm], axis=1)
 
-  per_head = jax.vmap(one_head, in_axes=(1, None, 1, 1, 1, 0, 0, 0), out_axes=1)
-  return jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0, None, None, None))(q, positions, k, mean_keys, max_norms, tau,
-                                                                       lam, sigma)
+  per_head = jax.vmap(both_forests, in_axes=(1, None, 1, 1, 0, 0, 0), out_axes=1)
+  candidates = jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None, None))(q, positions, mean_keys, max_norms, tau,
+                                                                          lam, sigma)
+  return rerank_candidates(q, positions, k, max_norms, candidates, lam=lam, sigma=sigma, cell=cell, top_k=top_k)
 
 
 def fsb_select_cells(q, k, *, tau, lam, sigma, cell=32, block=128, top_k=4, beam=16, bound_c=8.0):

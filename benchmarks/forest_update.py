@@ -1,0 +1,75 @@
+"""FS-B forest update per block: the streaming forest cache's `advance` by one block, at growing cell counts.
+
+    python benchmarks/forest_update.py [--lengths 16384,65536,131072,262144] [--blocks 256] [--heads 16]
+        [--head-dim 64] [--cell 32] [--block 128]
+
+One layer, batch 1: an archive holding `length` random bf16 keys; both forests (τ = the median cell norm, so
+forest τ admits about half) advanced to the cells eligible at `length − blocks·block` tokens; then `blocks`
+consecutive block admissions run in one jitted loop and the time per block is their mean, so the rare large
+chunk rebuilds are amortized the way decoding meets them. The same loop through the prefill formulation would
+rebuild every chunk tree at every block; its time per block is printed beside it (`fsb_select_from_summaries`
+for one query, the archive path's cost per block boundary and per token). Target (FS-B issue): time per block
+flat in M (±20% from 16k to 128k).
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from fsjax.cache import archive as archive_lib
+from fsjax.cache import forest as forest_cache
+from fsjax.ops import forest as ops_forest
+from timing import median_ms
+
+
+def filled_cache(length, heads, dim, cell, key):
+  cache = forest_cache.empty_forest_cache(1, length, heads, dim, cell, jnp.bfloat16)
+  k = jax.random.normal(key, (1, length, heads, dim), jnp.bfloat16)
+  pos = jnp.arange(length, dtype=jnp.int32)[None]
+  archive = jax.jit(lambda a: archive_lib.extend(a, k, k, pos, jnp.ones(pos.shape, bool), cell))(cache.archive)
+  tau = jnp.median(archive.max_norms[0].astype(jnp.float32), axis=0)
+  return cache.replace(archive=archive), tau
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--lengths", default="16384,65536,131072,262144", type=lambda s: [int(n) for n in s.split(",")])
+  parser.add_argument("--blocks", type=int, default=256)
+  parser.add_argument("--heads", type=int, default=16)
+  parser.add_argument("--head-dim", type=int, default=64)
+  parser.add_argument("--cell", type=int, default=32)
+  parser.add_argument("--block", type=int, default=128)
+  args = parser.parse_args()
+  per_block = args.block // args.cell
+  print(f"{jax.devices()[0].device_kind}, one layer, {args.heads} heads x {args.head_dim}, cell {args.cell}, "
+        f"block {args.block}, mean over {args.blocks} blocks")
+  print("| length | cells M | streaming update ms/block | vs first length | prefill-formulation rebuild ms |")
+  print("|---|---|---|---|---|", flush=True)
+  first = None
+  for length in args.lengths:
+    cache, tau = filled_cache(length, args.heads, args.head_dim, args.cell, jax.random.PRNGKey(length))
+    start_cells = (length - args.blocks * args.block) // args.cell
+    advance = lambda c, target: forest_cache.advance(c, jnp.full((1,), target, jnp.int32), tau, cell=args.cell,
+                                                     block=args.block)
+    cache = jax.jit(advance, static_argnums=1)(cache, start_cells)
+
+    @jax.jit
+    def blocks(cache):
+      return jax.lax.fori_loop(0, args.blocks, lambda n, c: advance(c, start_cells + (n + 1) * per_block), cache)
+
+    update_ms = median_ms(blocks, cache, repeats=5) / args.blocks
+    archive = cache.archive
+    q = jax.random.normal(jax.random.PRNGKey(1), (1, 1, args.heads, args.head_dim), jnp.float32)
+    rebuild = jax.jit(lambda a, q: ops_forest.fsb_select_from_summaries(
+        q, jnp.full((1, 1), length - 1), a.tokens.k.astype(q.dtype), a.mean_keys.astype(q.dtype),
+        a.max_norms.astype(q.dtype), tau=tau, lam=jnp.ones(args.heads), sigma=jnp.full(args.heads, 4.0),
+        cell=args.cell, block=args.block))
+    rebuild_ms = median_ms(rebuild, archive, q, repeats=5)
+    first = first or update_ms
+    print(f"| {length:,} | {length // args.cell:,} | {update_ms:.3f} | {update_ms / first:.2f}x | {rebuild_ms:.2f} |",
+          flush=True)
+
+
+if __name__ == "__main__":
+  main()

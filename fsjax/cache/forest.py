@@ -1,0 +1,241 @@
+"""FS-B streaming forest cache (FS Sec. 3.4, App. E.1-E.2): the FS archive plus both causal forests, kept up to
+date as cells are admitted instead of rebuilt per step.
+
+A forest's admitted cells, in arrival order, form the aligned chunks of the binary digits of their count M
+(Eq. 18). Admitting cells is a binary-counter increment: only the chunks whose digits changed are built (the
+size-2^k chunk is new exactly when M >> k changes while bit k of the new M is set); every other chunk tree stays
+where it is. Each level k owns fixed storage for one perfect tree of 2^k leaves in heap order, so a forest is one
+preallocated node table per (batch row, head) — level k at `level_offset(k)`, the join nodes (Eq. 21, recomputed
+on every admission) at the end — and no admission reallocates, repacks or rereads the rest of it.
+
+Per block, a forest admits at most `block // cell` cells; the levels that change are built one switch branch
+each, for every (row, head) at once (masked), so the work per block is a handful of small tree builds whose
+amortized size does not depend on M, unlike the archive path, which rebuilds every forest at every step
+(`fsjax.ops.forest.fsb_select_from_summaries`, the prefill formulation). A `vmap` over heads would turn a
+data-dependent switch into a select that evaluates every branch, so the cache is written batched over
+(row, head) by hand.
+
+The forests hold the cells eligible for the block of the last admission target (`advance`); a single-token step
+advances to its own block and beam-searches the cached forests. A multi-token chunk selects with the prefill
+formulation over the archive (each query in it may sit in another block) and the forests catch up at the start
+of the next call, so they never lag by more than one chunk.
+"""
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fsjax.cache import archive as archive_lib
+from fsjax.ops import forest as ops_forest
+
+NO_NODE = ops_forest.NO_NODE
+
+
+def num_levels(max_cells):
+  """Chunk levels k = 0 … ⌊log₂ max_cells⌋."""
+  return max(int(max_cells).bit_length(), 1)
+
+
+def level_offset(k):
+  """First node id of level k's tree: levels below hold 2^(j+1) − 1 nodes each."""
+  return 2 ** (k + 1) - 2 - k
+
+
+@flax.struct.dataclass
+class Forest:
+  """One causal forest per (batch row, head) over its admitted cells.
+
+  arrivals: `[batch, heads, max_cells]` int32 admitted cell indices in arrival order (NO_NODE past `count`).
+  count: `[batch, heads]` int32 admitted cells M.
+  root: `[batch, heads]` int32 node id of the forest's root, NO_NODE while M = 0.
+  nodes: node table `[batch, heads, N(, d)]`: mu, rho, amax, pmin (Eq. 20 summaries; float), first (smallest
+    cell index below), leaf (cell index, NO_NODE at inner nodes), child0, child1 (node ids, NO_NODE at leaves).
+    N = level_offset(levels) + levels: every level's tree, then one join slot per level.
+  """
+  arrivals: jax.Array
+  count: jax.Array
+  root: jax.Array
+  nodes: dict
+
+
+@flax.struct.dataclass
+class ForestCache:
+  """archive: raw keys/values and cell summaries (`fsjax.cache.archive`); everything: forest 0 (every eligible
+  cell); high_norm: forest τ (eligible cells with a_c ≥ τ, Eq. 10); admitted: `[batch]` int32 cells considered
+  so far (both forests reflect exactly the cells below it)."""
+  archive: archive_lib.Archive
+  everything: Forest
+  high_norm: Forest
+  admitted: jax.Array
+
+
+def _static_children(levels):
+  """child0, child1 `[N]` of the chunk levels (heap arithmetic within each level); join slots NO_NODE."""
+  child0 = []
+  for k in range(levels):
+    heap = np.arange(1, 2 ** (k + 1))
+    child0.append(np.where(heap < 2**k, level_offset(k) + 2 * heap - 1, NO_NODE))
+  child0 = np.concatenate(child0 + [np.full(levels, NO_NODE)])
+  return child0, np.where(child0 >= 0, child0 + 1, NO_NODE)
+
+
+def empty_forest(batch, heads, head_dim, max_cells, dtype):
+  levels = num_levels(max_cells)
+  size = level_offset(levels) + levels
+  child0, child1 = _static_children(levels)
+  shape = (batch, heads, size)
+  nodes = dict(mu=jnp.zeros((*shape, head_dim), dtype), rho=jnp.zeros(shape, dtype), amax=jnp.zeros(shape, dtype),
+               pmin=jnp.zeros(shape, dtype), first=jnp.zeros(shape, jnp.int32), leaf=jnp.full(shape, NO_NODE, jnp.int32),
+               child0=jnp.broadcast_to(jnp.asarray(child0, jnp.int32), shape),
+               child1=jnp.broadcast_to(jnp.asarray(child1, jnp.int32), shape))
+  return Forest(arrivals=jnp.full((batch, heads, max_cells), NO_NODE, jnp.int32),
+                count=jnp.zeros((batch, heads), jnp.int32), root=jnp.full((batch, heads), NO_NODE, jnp.int32),
+                nodes=nodes)
+
+
+def empty_forest_cache(batch, capacity, heads, head_dim, cell, dtype=jnp.float32):
+  """An empty archive of `capacity` tokens and two empty forests over its `capacity // cell` cells (nodes in
+  `dtype` promoted to at least float32, the precision the reference builds them in)."""
+  archive = archive_lib.empty_archive(batch, capacity, heads, head_dim, cell, dtype)
+  node_dtype = jnp.promote_types(dtype, jnp.float32)
+  make = lambda: empty_forest(batch, heads, head_dim, capacity // cell, node_dtype)
+  return ForestCache(archive=archive, everything=make(), high_norm=make(), admitted=jnp.zeros((batch,), jnp.int32))
+
+
+def changed_levels(old_count, new_count, levels):
+  """`[..., levels]` bool: the levels whose chunk is new after M goes from `old_count` to `new_count` — bit k of
+  the new count is set and the digits from k up changed. The binary counter's work: the test counts it."""
+  k = jnp.arange(levels)
+  new, old = new_count[..., None], old_count[..., None]
+  return ((new >> k) & 1 == 1) & ((new >> k) != (old >> k))
+
+
+def _build_level(forest: Forest, archive, changed, k, *, cell):
+  """Builds the size-2^k chunk tree of every (row, head) where `changed` `[batch, heads]`, in place."""
+  size = 2**k
+  start = (forest.count >> (k + 1)) << (k + 1)
+  ids = jax.vmap(jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size)))(forest.arrivals, start)
+  safe = jnp.maximum(ids, 0)  # [batch, heads, size]
+  rows = jnp.arange(ids.shape[0])[:, None, None]
+  heads = jnp.arange(ids.shape[1])[None, :, None]
+  dtype = forest.nodes["mu"].dtype
+  means = archive.mean_keys[rows, safe, heads].astype(dtype)  # [batch, heads, size, d]
+  norms = archive.max_norms[rows, safe, heads].astype(dtype)
+  centers = ((safe + 0.5) * cell).astype(dtype)
+  build = lambda m, n, c, i: {name: x[0] for name, x in ops_forest.chunk_trees(m, n, c, i, size).items()}
+  trees = jax.vmap(jax.vmap(build))(means, norms, centers, safe)
+  where = slice(level_offset(k), level_offset(k) + 2 * size - 1)
+  nodes = dict(forest.nodes)
+  for name, tree in trees.items():
+    old = nodes[name][:, :, where]
+    mask = changed.reshape(*changed.shape, *([1] * (old.ndim - 2)))
+    nodes[name] = nodes[name].at[:, :, where].set(jnp.where(mask, tree.astype(old.dtype), old))
+  return forest.replace(nodes=nodes)
+
+
+def _rejoin(forest: Forest):
+  """Recomputes every (row, head)'s join chain (Eq. 21) from its level roots into the join slots."""
+  nodes = forest.nodes
+  levels = num_levels_of(forest)
+  first_join = level_offset(levels)
+  roots = [jnp.asarray([level_offset(k)]) for k in range(levels)]
+
+  def one(table, count):
+    joins, root = ops_forest.join_chains(table, roots, count[None], first_join)
+    return {name: value[0] for name, value in joins.items()}, root[0]
+
+  joins, root = jax.vmap(jax.vmap(one))(nodes, forest.count)
+  nodes = {name: value.at[:, :, first_join:].set(joins[name].astype(value.dtype)) if name in joins else value
+           for name, value in nodes.items()}
+  return forest.replace(nodes=nodes, root=root)
+
+
+def num_levels_of(forest: Forest):
+  return num_levels(forest.arrivals.shape[-1])
+
+
+def admit(forest: Forest, archive, cells, accept, *, cell):
+  """Appends the accepted cells to each (row, head)'s arrival order and rebuilds what changed.
+
+  Args:
+    cells: `[batch, n]` int32 cell indices, increasing along n; accept: `[batch, n, heads]` bool.
+
+  Returns:
+    (forest, changed `[batch, heads, levels]` — the chunk levels rebuilt).
+  """
+  levels = num_levels_of(forest)
+  accept = jnp.moveaxis(accept, 1, 2)  # [batch, heads, n]
+  slot = jnp.where(accept, forest.count[..., None] + jnp.cumsum(accept, axis=-1, dtype=jnp.int32) - 1,
+                   forest.arrivals.shape[-1])
+  rows = jnp.arange(cells.shape[0])[:, None, None]
+  heads = jnp.arange(accept.shape[1])[None, :, None]
+  arrivals = forest.arrivals.at[rows, heads, slot].set(jnp.broadcast_to(cells[:, None], slot.shape), mode="drop")
+  new_count = forest.count + jnp.sum(accept, axis=-1, dtype=jnp.int32)
+  changed = changed_levels(forest.count, new_count, levels)
+  forest = forest.replace(arrivals=arrivals, count=new_count)
+  pending = jnp.any(changed, axis=(0, 1))  # [levels]: a level is built once for every (row, head) that needs it
+  builders = [functools.partial(lambda f, k: _build_level(f, archive, changed[..., k], k, cell=cell), k=k)
+              for k in range(levels)]
+
+  def build_next(state):
+    forest, pending = state
+    k = jnp.argmax(pending)
+    return jax.lax.switch(k, builders, forest), pending.at[k].set(False)
+
+  forest, _ = jax.lax.while_loop(lambda state: jnp.any(state[1]), build_next, (forest, pending))
+  return _rejoin(forest), changed
+
+
+def advance(cache: ForestCache, target, tau, *, cell, block):
+  """Admits every cell below `target` `[batch]` (cells eligible for a block start), `block // cell` cells at a
+  time, into forest 0 and (where a_c ≥ τ `[heads]`) forest τ."""
+  per_block = block // cell
+  target = target.astype(jnp.int32)
+
+  def one_block(cache):
+    lo = cache.admitted
+    cells = lo[:, None] + jnp.arange(per_block, dtype=jnp.int32)  # [batch, n]
+    fresh = cells < target[:, None]
+    norms = jnp.take_along_axis(cache.archive.max_norms, jnp.minimum(cells, cache.archive.max_norms.shape[1] - 1)
+                                [:, :, None], axis=1)  # [batch, n, heads]
+    every = jnp.broadcast_to(fresh[:, :, None], norms.shape)
+    everything, _ = admit(cache.everything, cache.archive, cells, every, cell=cell)
+    high_norm, _ = admit(cache.high_norm, cache.archive, cells, every & (norms >= tau), cell=cell)
+    return cache.replace(everything=everything, high_norm=high_norm, admitted=jnp.maximum(lo, jnp.minimum(
+        lo + per_block, target)))
+
+  return jax.lax.while_loop(lambda cache: jnp.any(cache.admitted < target), one_block, cache)
+
+
+def eligible_target(pos, valid, admitted, *, cell, block):
+  """Cells eligible for the block of each row's first valid position `[batch]` (rows without one stay put)."""
+  first = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max), axis=1)
+  return jnp.where(jnp.any(valid, axis=1), first // block * (block // cell), admitted).astype(jnp.int32)
+
+
+def search(forest: Forest, q, pos, *, lam, sigma, beam, bound_c):
+  """Beam search (Eq. 11) of queries `[batch, C, heads, d]` at `pos` `[batch, C]`, all in the block the forest
+  was advanced to: `[batch, C, heads, beam]` cells (NO_NODE pad)."""
+  steps = num_levels_of(forest)
+
+  def one(q, pos, nodes, root, lam, sigma):
+    return ops_forest.beam_search(q, pos, nodes, jnp.full(q.shape[:1], root), beam=beam, bound_c=bound_c, lam=lam,
+                                  sigma=sigma, steps=steps)
+
+  per_head = jax.vmap(one, in_axes=(1, None, 0, 0, 0, 0), out_axes=1)
+  return jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None))(q, pos, forest.nodes, forest.root, lam, sigma)
+
+
+def select(cache: ForestCache, q, pos, *, lam, sigma, cell, top_k, beam, bound_c):
+  """FS-B's top-K cells (Eq. 11-12) for queries `[batch, C, heads, d]` at `pos`, all in the block the forests
+  were advanced to: `[batch, C, heads, top_k]` int32, NO_NODE in unused slots. No gradient."""
+  q = jax.lax.stop_gradient(q).astype(cache.everything.nodes["mu"].dtype)
+  routing = dict(lam=lam, sigma=sigma, beam=beam, bound_c=bound_c)
+  candidates = jnp.concatenate([search(cache.everything, q, pos, **routing),
+                                search(cache.high_norm, q, pos, **routing)], axis=-1)
+  archive = cache.archive
+  return ops_forest.rerank_candidates(q, pos, archive.tokens.k.astype(q.dtype), archive.max_norms.astype(q.dtype),
+                                      candidates, lam=lam, sigma=sigma, cell=cell, top_k=top_k)

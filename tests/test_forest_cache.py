@@ -1,0 +1,131 @@
+"""FS-B streaming forest cache (fsjax.cache.forest) against the prefill formulation (fsjax.ops.forest): the same
+forests, the same selections, and an update whose work per block does not grow with the number of cells."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fsjax.cache import archive as archive_lib
+from fsjax.cache import forest as forest_cache
+from fsjax.ops import forest as ops_forest
+
+CELL, BLOCK = 4, 16  # 4 cells admitted per block
+BATCH, HEADS, DIM = 2, 2, 6
+
+
+def _filled_cache(rng, seq, dtype=jnp.float64):
+  """A forest cache whose archive holds `seq` random tokens (written in uneven chunks); forests still empty."""
+  cache = forest_cache.empty_forest_cache(BATCH, seq, HEADS, DIM, CELL, dtype)
+  k = jnp.asarray(rng.standard_normal((BATCH, seq, HEADS, DIM)) * rng.uniform(0.5, 2.0, (BATCH, seq, HEADS, 1)))
+  archive = cache.archive
+  for start, stop in ((0, 37), (37, 38), (38, seq)):
+    pos = jnp.broadcast_to(jnp.arange(start, stop), (BATCH, stop - start))
+    archive = archive_lib.extend(archive, k[:, start:stop], k[:, start:stop], pos, jnp.ones(pos.shape, bool), CELL)
+  tau = jnp.asarray(np.median(np.asarray(archive.max_norms).reshape(-1, HEADS), axis=0))
+  return cache.replace(archive=archive), tau
+
+
+def _walk(nodes, node):
+  """A forest below `node` as nested tuples: (mu, rho, amax, pmin, first, leaf, children)."""
+  if node < 0:
+    return None
+  children = tuple(_walk(nodes, int(nodes[c][node])) for c in ("child0", "child1") if nodes[c][node] >= 0)
+  return (np.asarray(nodes["mu"][node]), *(float(nodes[f][node]) for f in ("rho", "amax", "pmin")),
+          int(nodes["first"][node]), int(nodes["leaf"][node]), children)
+
+
+def _assert_same_tree(a, b):
+  assert (a is None) == (b is None)
+  if a is None:
+    return
+  np.testing.assert_allclose(a[0], b[0], rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(a[1:4], b[1:4], rtol=1e-12, atol=1e-12)
+  assert a[4:6] == b[4:6]
+  assert len(a[6]) == len(b[6])
+  for x, y in zip(a[6], b[6]):
+    _assert_same_tree(x, y)
+
+
+def _prefill_forest(means, norms, admitted):
+  """The prefill formulation's forest over the admitted cells (all of them complete): (node table, root)."""
+  order = np.argsort(~admitted, kind="stable")
+  count = int(admitted.sum())
+  table, roots = ops_forest._chunk_nodes(jnp.asarray(means[order]), jnp.asarray(norms[order]),
+                                         jnp.asarray((order + 0.5) * CELL), jnp.asarray(order, jnp.int32))
+  table, root = ops_forest.block_forests(table, roots, jnp.array([count]))
+  return {n: np.asarray(v) for n, v in table.items()}, int(root[0])
+
+
+def test_streaming_forests_equal_the_prefill_forests_after_every_block(rng):
+  """Both forests, every (row, head), after each block's admissions (rows one block apart), node for node;
+  chunk levels whose digits did not change are not touched."""
+  seq = 160  # 40 cells: counts 0 … 40 cross every binary carry up to 32
+  with jax.enable_x64(True):
+    cache, tau = _filled_cache(rng, seq)
+    advance = jax.jit(lambda c, t: forest_cache.advance(c, t, tau, cell=CELL, block=BLOCK))
+    means, norms = np.asarray(cache.archive.mean_keys), np.asarray(cache.archive.max_norms)
+    for n in range(seq // BLOCK + 1):
+      target = jnp.array([n, max(n - 1, 0)]) * (BLOCK // CELL)
+      previous = cache
+      cache = advance(cache, target)
+      for name in ("everything", "high_norm"):
+        streamed = getattr(cache, name)
+        for b in range(BATCH):
+          for h in range(HEADS):
+            cells = np.arange(means.shape[1]) < int(target[b])
+            admitted = cells & (norms[b, :, h] >= float(tau[h])) if name == "high_norm" else cells
+            table, root = _prefill_forest(means[b, :, h], norms[b, :, h], admitted)
+            nodes = {f: np.asarray(v[b, h]) for f, v in streamed.nodes.items()}
+            assert int(streamed.count[b, h]) == admitted.sum()
+            _assert_same_tree(_walk(nodes, int(streamed.root[b, h])), _walk(table, root))
+        _assert_untouched_levels_kept(getattr(previous, name), streamed)
+
+
+def _assert_untouched_levels_kept(before, after):
+  """Chunk levels whose digits did not change keep their storage bit for bit (no repacking)."""
+  levels = forest_cache.num_levels_of(before)
+  changed = np.asarray(forest_cache.changed_levels(before.count, after.count, levels))
+  for k in range(levels):
+    where = slice(forest_cache.level_offset(k), forest_cache.level_offset(k + 1))
+    keep = ~changed[..., k]
+    for name, value in after.nodes.items():
+      np.testing.assert_array_equal(np.asarray(value[:, :, where])[keep], np.asarray(before.nodes[name][:, :, where])[keep])
+
+
+def test_streaming_selection_equals_the_prefill_formulation_in_every_block(rng):
+  """One query per row at a random position of each block: the cache's beam search + rerank selects exactly the
+  cells the prefill formulation selects for that position."""
+  seq = 192
+  with jax.enable_x64(True):
+    cache, tau = _filled_cache(rng, seq)
+    routing = dict(lam=jnp.asarray(rng.uniform(0.3, 2.0, HEADS)), sigma=jnp.asarray(rng.uniform(1.0, 8.0, HEADS)))
+    options = dict(cell=CELL, top_k=3, beam=2, bound_c=8.0)
+    step = jax.jit(lambda c, q, pos: forest_cache.select(forest_cache.advance(c, pos[:, 0] // BLOCK * (
+        BLOCK // CELL), tau, cell=CELL, block=BLOCK), q, pos, **routing, **options))
+    archive = cache.archive
+    for n in range(1, seq // BLOCK):
+      pos = jnp.asarray(n * BLOCK + rng.integers(0, BLOCK, (BATCH, 1)))
+      q = jnp.asarray(rng.standard_normal((BATCH, 1, HEADS, DIM)) * 3)
+      expected = ops_forest.fsb_select_from_summaries(q, pos, archive.tokens.k, archive.mean_keys,
+                                                      archive.max_norms, tau=tau, block=BLOCK, **routing, **options)
+      actual = step(cache, q, pos)
+      np.testing.assert_array_equal(np.sort(np.asarray(actual), -1), np.sort(np.asarray(expected), -1))
+      assert np.all(np.asarray(actual)[..., 0] >= 0)
+
+
+def test_tree_builds_per_block_do_not_grow_with_the_number_of_cells():
+  """The binary counter's work, counted: the chunk levels built per block (one switch branch each, all rows and
+  heads at once) average the same small number near 2^6 cells as near 2^16, and the cells put into new trees
+  per admitted cell grow only like log₂ M (each level is rebuilt once per 2^k admissions, 2^k cells each)."""
+  per_block = 4
+  levels = 20
+
+  def work(first_block, blocks):
+    counts = jnp.arange(first_block, first_block + blocks + 1) * per_block
+    changed = np.asarray(forest_cache.changed_levels(counts[:-1], counts[1:], levels))  # [blocks, levels]
+    built_cells = (changed * 2 ** np.arange(levels)).sum()
+    return changed.sum(axis=1).mean(), changed.sum(axis=1).max(), built_cells / (blocks * per_block)
+
+  small, large = work(16, 256), work(16384, 256)  # M from 64 to 1,088 cells, and from 65,536 to 66,560
+  assert abs(small[0] - large[0]) <= 0.05 and small[0] <= 2.0, (small, large)
+  assert small[2] <= np.log2(1088) + 1 and large[2] <= np.log2(66560) + 1
