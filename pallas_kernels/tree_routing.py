@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import default_interpret, pad_axis, pad_head_dim
+from pallas_kernels.common import default_interpret, erf, pad_axis, pad_head_dim
 
 NO_NODE = -1
 
@@ -167,3 +167,104 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, splits=4, interpret=None
   weights = jax.nn.softmax(lse, axis=2)  # merge the splits' partial softmaxes
   weights = jnp.where(jnp.isfinite(lse), weights, 0.0)
   return jnp.sum(weights * out, axis=2)[..., :dim]
+
+
+def _beam_kernel(q_ref, pos_ref, root_ref, lam_ref, sigma_ref, mu_ref, rho_ref, amax_ref, pmin_ref, first_ref,
+                 leaf_ref, child0_ref, child1_ref, out_ref, *, beam, steps, bound_c, scale):
+  """FS-B Eq. 11 for a tile of queries over one (batch, head)'s node table. q_ref `[BQ, d]`, pos_ref / root_ref
+  `[BQ]`, lam_ref / sigma_ref `[1]`, node refs `[N(, d)]` → out_ref `[BQ, W]` the final beam's leaf cells.
+
+  A beam step expands each slot into two pool entries (a kept leaf and nothing, or the two children of an inner
+  node), scores them by U (gathered rows of μ, no tensor cores: a query's 2W rows are its own), and refills the
+  W slots by W extractions of the maximum (rank, then the lower first cell): the order `lax.sort` gives the
+  reference."""
+  q = q_ref[...].astype(jnp.float32)
+  pos = pos_ref[...].astype(jnp.float32)
+  q_norm = jnp.sqrt(jnp.sum(q * q, axis=1))
+  lam, sigma = lam_ref[0], sigma_ref[0]
+  slots = jnp.arange(beam)[None, :]
+  never = jnp.iinfo(jnp.int32).max
+
+  def rank(node):  # U of pool entries `[BQ, W]`; −inf where NO_NODE
+    safe = jnp.maximum(node, 0)
+    mu = mu_ref[safe, :].astype(jnp.float32)  # [BQ, W, d]
+    content = (jnp.sum(mu * q[:, None, :], axis=2) + bound_c * q_norm[:, None] * rho_ref[safe]) * scale
+    prior = amax_ref[safe] * lam * erf((pos[:, None] - pmin_ref[safe]) / (2.0 * sigma))
+    return jnp.where(node >= 0, content + prior, -jnp.inf)
+
+  def step(_, current):
+    safe = jnp.maximum(current, 0)
+    valid = current >= 0
+    kept = valid & (leaf_ref[safe] >= 0)
+    inner = valid & ~kept
+    node_a = jnp.where(kept, current, jnp.where(inner, child0_ref[safe], NO_NODE))
+    node_b = jnp.where(inner, child1_ref[safe], NO_NODE)
+    rank_a = jnp.where(kept, jnp.inf, rank(node_a))  # leaves keep their slots
+    rank_b = rank(node_b)
+    first_a = jnp.where(node_a >= 0, first_ref[jnp.maximum(node_a, 0)], never)
+    first_b = jnp.where(node_b >= 0, first_ref[jnp.maximum(node_b, 0)], never)
+
+    def extract(t, carry):
+      rank_a, rank_b, chosen = carry
+      best = jnp.maximum(jnp.max(rank_a, axis=1), jnp.max(rank_b, axis=1))[:, None]
+      lowest = jnp.minimum(jnp.min(jnp.where(rank_a == best, first_a, never), axis=1),
+                           jnp.min(jnp.where(rank_b == best, first_b, never), axis=1))[:, None]
+      live = best > -jnp.inf
+      pick_a = (rank_a == best) & (first_a == lowest) & live
+      pick_b = (rank_b == best) & (first_b == lowest) & live
+      node = jnp.sum(jnp.where(pick_a, node_a, 0), axis=1) + jnp.sum(jnp.where(pick_b, node_b, 0), axis=1)
+      chosen = jnp.where(slots == t, jnp.where(live, node[:, None], NO_NODE), chosen)
+      return jnp.where(pick_a, -jnp.inf, rank_a), jnp.where(pick_b, -jnp.inf, rank_b), chosen
+
+    return jax.lax.fori_loop(0, beam, extract, (rank_a, rank_b, jnp.full(current.shape, NO_NODE)))[2]
+
+  start = jnp.where(slots == 0, root_ref[...][:, None], NO_NODE)
+  current = jax.lax.fori_loop(0, steps, step, start)
+  out_ref[...] = jnp.where(current >= 0, leaf_ref[jnp.maximum(current, 0)], NO_NODE)
+
+
+@functools.partial(jax.jit, static_argnames=("beam", "steps", "bound_c", "block_q", "interpret"))
+def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c, block_q=8, interpret=None):
+  """FS-B beam search (FS Eq. 11) of every query over its (batch, head)'s forest node table.
+
+  Args:
+    q: `[batch, T, heads, d]` unrotated queries at `positions` `[batch, T]`; roots: `[batch, T, heads]` int32
+      node id of each query's forest root (NO_NODE for an empty forest).
+    nodes: node table of `[batch, heads, N(, d)]` arrays, as `fsjax.cache.forest.Forest.nodes`: mu, rho, amax,
+      pmin, first, leaf, child0, child1.
+    lam, sigma: `[heads]`; beam: W (a power of two when compiled); steps: beam steps (≥ the forest height).
+
+  Returns:
+    `[batch, T, heads, beam]` int32 cells of the final beam's leaves, NO_NODE in unused slots; the same as
+    `fsjax.ops.forest.beam_search` for each (batch, head).
+  """
+  interpret = default_interpret() if interpret is None else interpret
+  _power_of_two("beam", beam, interpret)
+  batch, count, heads, dim = q.shape
+  block_q = min(block_q, pl.next_power_of_2(count))
+  padded = -(-count // block_q) * block_q
+  q = pad_axis(pad_head_dim(q.astype(jnp.float32)), 1, padded)
+  positions = pad_axis(positions.astype(jnp.int32), 1, padded)
+  roots = pad_axis(roots.astype(jnp.int32), 1, padded, NO_NODE)
+  num_nodes, width = nodes["mu"].shape[2], q.shape[-1]
+  table_spec = pl.BlockSpec((None, None, num_nodes), lambda b, h, t: (b, h, 0))
+  order = ("rho", "amax", "pmin", "first", "leaf", "child0", "child1")
+  out = pl.pallas_call(
+      functools.partial(_beam_kernel, beam=beam, steps=steps, bound_c=bound_c, scale=1.0 / math.sqrt(dim)),
+      grid=(batch, heads, padded // block_q),
+      in_specs=[pl.BlockSpec((None, block_q, None, width), lambda b, h, t: (b, t, h, 0)),
+                pl.BlockSpec((None, block_q), lambda b, h, t: (b, t)),
+                pl.BlockSpec((None, block_q, None), lambda b, h, t: (b, t, h)),
+                pl.BlockSpec((1,), lambda b, h, t: (h,)),
+                pl.BlockSpec((1,), lambda b, h, t: (h,)),
+                pl.BlockSpec((None, None, num_nodes, width), lambda b, h, t: (b, h, 0, 0)),
+                *([table_spec] * len(order))],
+      out_specs=pl.BlockSpec((None, block_q, None, beam), lambda b, h, t: (b, t, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((batch, padded, heads, beam), jnp.int32),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="fsb_beam_search",
+  )(q, positions, roots, lam.astype(jnp.float32), sigma.astype(jnp.float32),
+    pad_head_dim(nodes["mu"].astype(jnp.float32)), *(nodes[name].astype(
+        jnp.float32 if name in ("rho", "amax", "pmin") else jnp.int32) for name in order))
+  return out[:, :count]

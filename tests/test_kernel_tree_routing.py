@@ -1,4 +1,5 @@
-"""pallas_kernels.tree_routing against NumPy on random trees and caches, and wired into the capped ZHA decode."""
+"""pallas_kernels.tree_routing against NumPy on random trees and caches, and wired into the capped ZHA decode;
+the FS-B beam search against the reference beam search on streaming forests."""
 
 import math
 
@@ -8,6 +9,8 @@ import numpy as np
 import pytest
 
 from fsjax import ops
+from fsjax.cache import archive as archive_lib
+from fsjax.cache import forest as forest_cache
 from fsjax.cache import zha as zha_cache
 from fsjax.ops.rope import apply_rope
 from helpers import assert_close, kernel_modes
@@ -97,3 +100,32 @@ def test_capped_decode_through_the_kernels_equals_the_reference(rng):
       fractions.append(fraction)
   np.testing.assert_allclose(np.concatenate(fractions, axis=1), expected_fraction[:, 40:], rtol=1e-6)
   assert_close(np.concatenate(outputs, axis=1), expected[:, 40:], jnp.float32, scale=5)
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+@pytest.mark.parametrize("beam,dim,seq,queries", [(4, 16, 640, 5), (16, 64, 2048, 16), (2, 24, 128, 1)])
+def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
+  """Both forests of a streaming cache (row 1 one block behind row 0; row 1's forest τ may be empty), queries of
+  the current block with keys of many scales so U spreads: the kernel's final beams equal the reference's."""
+  batch, heads, cell, block = 2, 3, 16, 64
+  cache = forest_cache.empty_forest_cache(batch, seq, heads, dim, cell)
+  k = jnp.asarray(rng.standard_normal((batch, seq, heads, dim)) * rng.uniform(0.2, 3.0, (batch, seq, heads, 1)),
+                  jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+  archive = archive_lib.extend(cache.archive, k, k, pos, jnp.ones(pos.shape, bool), cell)
+  tau = jnp.asarray(np.quantile(np.asarray(archive.max_norms).reshape(-1, heads), 0.7, axis=0), jnp.float32)
+  last_block = (seq - 1) // block
+  target = jnp.array([last_block, last_block - 1]) * (block // cell)
+  cache = jax.jit(lambda c: forest_cache.advance(c, target, tau, cell=cell, block=block))(cache.replace(
+      archive=archive))
+  q = jnp.asarray(rng.standard_normal((batch, queries, heads, dim)) * 2, jnp.float32)
+  positions = jnp.asarray(target[:, None] * cell + rng.integers(0, block, (batch, queries)), jnp.int32)
+  lam, sigma = jnp.asarray(rng.uniform(0.3, 2.0, heads)), jnp.asarray(rng.uniform(1.0, 8.0, heads))
+  steps = forest_cache.num_levels_of(cache.everything)
+  for forest in (cache.everything, cache.high_norm):
+    expected = forest_cache.search(forest, q, positions, lam=lam, sigma=sigma, beam=beam, bound_c=8.0)
+    roots = jnp.broadcast_to(forest.root[:, None, :], (batch, queries, heads))
+    actual = tree_routing.beam_search(q, positions, roots, forest.nodes, lam, sigma, beam=beam, steps=steps,
+                                      bound_c=8.0, interpret=interpret)
+    np.testing.assert_array_equal(np.sort(np.asarray(actual), -1), np.sort(np.asarray(expected), -1))
+    assert np.any(np.asarray(expected) >= 0)

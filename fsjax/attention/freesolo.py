@@ -6,10 +6,11 @@ import jax.numpy as jnp
 from fsjax import ops
 from fsjax.attention.projections import project_heads, project_out
 from fsjax.cache import archive as archive_lib
-from fsjax.cache import forest as forest_lib
 from fsjax.cache import bounded as bounded_lib
+from fsjax.cache import forest as forest_lib
 from fsjax.ops.cells import cell_summaries
 from fsjax.ops.common import compute_dtype
+from fsjax.ops.freesolo import use_kernels
 
 ROUTING = "routing"  # collection of λ, σ (and FS-B's τ): buffers with no gradient (FS Sec. 3.3 "Training")
 
@@ -99,8 +100,9 @@ class FreeSoloAttention(nn.Module):
     cache = forest_lib.advance(cache, target, tau, cell=self.cell, block=self.block)
     if q.shape[1] > 1:
       return cache, None
+    kernels = use_kernels(self.impl, cell=self.cell, head_dim=self.head_dim) and self.beam & (self.beam - 1) == 0
     return cache, forest_lib.select(cache, q, positions, lam=lam, sigma=sigma, cell=self.cell, top_k=self.top_k,
-                                    beam=self.beam, bound_c=self.bound_c)
+                                    beam=self.beam, bound_c=self.bound_c, kernels=kernels)
 
   def _extend_bounded(self, cache, q, k, v, positions, valid, lr_gain, lam, sigma):
     """Runs the chunk block by block through the bounded cache (availability changes at block boundaries)."""

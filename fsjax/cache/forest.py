@@ -216,10 +216,15 @@ def eligible_target(pos, valid, admitted, *, cell, block):
   return jnp.where(jnp.any(valid, axis=1), first // block * (block // cell), admitted).astype(jnp.int32)
 
 
-def search(forest: Forest, q, pos, *, lam, sigma, beam, bound_c):
+def search(forest: Forest, q, pos, *, lam, sigma, beam, bound_c, kernels=False):
   """Beam search (Eq. 11) of queries `[batch, C, heads, d]` at `pos` `[batch, C]`, all in the block the forest
-  was advanced to: `[batch, C, heads, beam]` cells (NO_NODE pad)."""
+  was advanced to: `[batch, C, heads, beam]` cells (NO_NODE pad). `kernels`: the Pallas `tree_routing` kernel."""
   steps = num_levels_of(forest)
+  if kernels:
+    from pallas_kernels import tree_routing  # lazy: the kernels import ops
+    roots = jnp.broadcast_to(forest.root[:, None, :], q.shape[:3])
+    return tree_routing.beam_search(q, pos, roots, forest.nodes, lam, sigma, beam=beam, steps=steps,
+                                    bound_c=bound_c)
 
   def one(q, pos, nodes, root, lam, sigma):
     return ops_forest.beam_search(q, pos, nodes, jnp.full(q.shape[:1], root), beam=beam, bound_c=bound_c, lam=lam,
@@ -229,11 +234,12 @@ def search(forest: Forest, q, pos, *, lam, sigma, beam, bound_c):
   return jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None))(q, pos, forest.nodes, forest.root, lam, sigma)
 
 
-def select(cache: ForestCache, q, pos, *, lam, sigma, cell, top_k, beam, bound_c):
+def select(cache: ForestCache, q, pos, *, lam, sigma, cell, top_k, beam, bound_c, kernels=False):
   """FS-B's top-K cells (Eq. 11-12) for queries `[batch, C, heads, d]` at `pos`, all in the block the forests
-  were advanced to: `[batch, C, heads, top_k]` int32, NO_NODE in unused slots. No gradient."""
+  were advanced to: `[batch, C, heads, top_k]` int32, NO_NODE in unused slots. No gradient. `kernels`: beam
+  search in Pallas (the rerank reads at most 2·beam cells per query and stays in XLA)."""
   q = jax.lax.stop_gradient(q).astype(cache.everything.nodes["mu"].dtype)
-  routing = dict(lam=lam, sigma=sigma, beam=beam, bound_c=bound_c)
+  routing = dict(lam=lam, sigma=sigma, beam=beam, bound_c=bound_c, kernels=kernels)
   candidates = jnp.concatenate([search(cache.everything, q, pos, **routing),
                                 search(cache.high_norm, q, pos, **routing)], axis=-1)
   archive = cache.archive
