@@ -8,8 +8,9 @@ forest τ admits about half) advanced to the cells eligible at `length − block
 consecutive block admissions run in one jitted loop and the time per block is their mean, so the rare large
 chunk rebuilds are amortized the way decoding meets them. The same loop through the prefill formulation would
 rebuild every chunk tree at every block; its time per block is printed beside it (`fsb_select_from_summaries`
-for one query, the archive path's cost per block boundary and per token). Target (FS-B issue): time per block
-flat in M (±20% from 16k to 128k).
+for one query, the archive path's cost per block boundary and per token), and the beam search of one decode
+query over forest 0 in XLA and in the Pallas kernel (on a GPU). Target (FS-B issue): time per block flat in M
+(±20% from 16k to 128k).
 """
 
 import argparse
@@ -44,8 +45,10 @@ def main():
   per_block = args.block // args.cell
   print(f"{jax.devices()[0].device_kind}, one layer, {args.heads} heads x {args.head_dim}, cell {args.cell}, "
         f"block {args.block}, mean over {args.blocks} blocks")
-  print("| length | cells M | streaming update ms/block | vs first length | prefill-formulation rebuild ms |")
-  print("|---|---|---|---|---|", flush=True)
+  kernels = jax.default_backend() == "gpu"
+  print("| length | cells M | streaming update ms/block | vs first length | prefill-formulation rebuild ms | "
+        "beam search ms (XLA) | beam search ms (kernel) |")
+  print("|---|---|---|---|---|---|---|", flush=True)
   first = None
   for length in args.lengths:
     cache, tau = filled_cache(length, args.heads, args.head_dim, args.cell, jax.random.PRNGKey(length))
@@ -66,9 +69,15 @@ def main():
         a.max_norms.astype(q.dtype), tau=tau, lam=jnp.ones(args.heads), sigma=jnp.full(args.heads, 4.0),
         cell=args.cell, block=args.block))
     rebuild_ms = median_ms(rebuild, archive, q, repeats=5)
+    routing = dict(lam=jnp.ones(args.heads), sigma=jnp.full(args.heads, 4.0), beam=16, bound_c=8.0)
+    pos = jnp.full((1, 1), length - 1)
+    search = lambda kernels: jax.jit(lambda f, q: forest_cache.search(f, q, pos, kernels=kernels, **routing))
+    beam_ms = [median_ms(search(k), cache.everything, q, repeats=20) if k in (False, kernels) else None
+               for k in (False, True)]
     first = first or update_ms
-    print(f"| {length:,} | {length // args.cell:,} | {update_ms:.3f} | {update_ms / first:.2f}x | {rebuild_ms:.2f} |",
-          flush=True)
+    shown = lambda ms: "–" if ms is None else f"{ms:.3f}"
+    print(f"| {length:,} | {length // args.cell:,} | {update_ms:.3f} | {update_ms / first:.2f}x | {rebuild_ms:.2f} | "
+          f"{shown(beam_ms[0])} | {shown(beam_ms[1])} |", flush=True)
 
 
 if __name__ == "__main__":
