@@ -121,8 +121,9 @@ def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
   q = jnp.asarray(rng.standard_normal((batch, queries, heads, dim)) * 2, jnp.float32)
   positions = jnp.asarray(target[:, None] * cell + rng.integers(0, block, (batch, queries)), jnp.int32)
   lam, sigma = jnp.asarray(rng.uniform(0.3, 2.0, heads)), jnp.asarray(rng.uniform(1.0, 8.0, heads))
-  steps = forest_cache.num_levels_of(cache.everything)
-  for forest in (cache.everything, cache.high_norm):
+  steps = forest_cache.num_levels_of(cache.forests)
+  for which in (0, 1):
+    forest = cache.forest(which)
     expected = forest_cache.search(forest, q, positions, lam=lam, sigma=sigma, beam=beam, bound_c=8.0)
     roots = jnp.broadcast_to(forest.root[:, None, :], (batch, queries, heads))
     actual = tree_routing.beam_search(q, positions, roots, forest.nodes, lam, sigma, beam=beam, steps=steps,

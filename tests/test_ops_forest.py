@@ -74,11 +74,11 @@ def _forest_of_block(means, norms, admitted, cell, block, num_blocks):
 
 def test_every_ball_encloses_its_cells_and_forests_have_height_ceil_log2_m(rng):
   cell, block, num_cells, dim = 4, 8, 45, 6
-  means = jnp.asarray(rng.standard_normal((num_cells, dim)))
-  norms = jnp.asarray(rng.uniform(0.5, 3.0, num_cells))
-  admitted = norms >= jnp.median(norms)
   num_blocks = num_cells * cell // block + 1
   with jax.enable_x64(True):
+    means = jnp.asarray(rng.standard_normal((num_cells, dim)))
+    norms = jnp.asarray(rng.uniform(0.5, 3.0, num_cells))
+    admitted = norms >= jnp.median(norms)
     (table, roots), before = _forest_of_block(means, norms, admitted, cell, block, num_blocks)
     table, before = {n: np.asarray(v) for n, v in table.items()}, np.asarray(before)
   means = np.asarray(means)

@@ -63,13 +63,18 @@ class Forest:
 
 @flax.struct.dataclass
 class ForestCache:
-  """archive: raw keys/values and cell summaries (`fsjax.cache.archive`); everything: forest 0 (every eligible
-  cell); high_norm: forest τ (eligible cells with a_c ≥ τ, Eq. 10); admitted: `[batch]` int32 cells considered
-  so far (both forests reflect exactly the cells below it)."""
+  """archive: raw keys/values and cell summaries (`fsjax.cache.archive`); forests: both forests of every head as
+  one `Forest` of `2·heads` "heads" — entry h < heads is head h's forest 0 (every eligible cell), entry
+  heads + h its forest τ (eligible cells with a_c ≥ τ, Eq. 10) — so one update and one search serve both;
+  admitted: `[batch]` int32 cells considered so far (the forests reflect exactly the cells below it)."""
   archive: archive_lib.Archive
-  everything: Forest
-  high_norm: Forest
+  forests: Forest
   admitted: jax.Array
+
+  def forest(self, which):
+    """Forest 0 (`which=0`) or forest τ (`which=1`) of every head, as a `Forest` of `heads` entries."""
+    heads = self.archive.max_norms.shape[2]
+    return jax.tree_util.tree_map(lambda x: x[:, which * heads:(which + 1) * heads], self.forests)
 
 
 def _static_children(levels):
@@ -100,9 +105,8 @@ def empty_forest_cache(batch, capacity, heads, head_dim, cell, dtype=jnp.float32
   """An empty archive of `capacity` tokens and two empty forests over its `capacity // cell` cells (nodes in
   `dtype` promoted to at least float32, the precision the reference builds them in)."""
   archive = archive_lib.empty_archive(batch, capacity, heads, head_dim, cell, dtype)
-  node_dtype = jnp.promote_types(dtype, jnp.float32)
-  make = lambda: empty_forest(batch, heads, head_dim, capacity // cell, node_dtype)
-  return ForestCache(archive=archive, everything=make(), high_norm=make(), admitted=jnp.zeros((batch,), jnp.int32))
+  forests = empty_forest(batch, 2 * heads, head_dim, capacity // cell, jnp.promote_types(dtype, jnp.float32))
+  return ForestCache(archive=archive, forests=forests, admitted=jnp.zeros((batch,), jnp.int32))
 
 
 def changed_levels(old_count, new_count, levels):
@@ -114,13 +118,14 @@ def changed_levels(old_count, new_count, levels):
 
 
 def _build_level(forest: Forest, archive, changed, k, *, cell):
-  """Builds the size-2^k chunk tree of every (row, head) where `changed` `[batch, heads]`, in place."""
+  """Builds the size-2^k chunk tree of every (row, forest head) where `changed` `[batch, heads]`, in place (forest
+  head h reads the archive's head h mod heads)."""
   size = 2**k
   start = (forest.count >> (k + 1)) << (k + 1)
   ids = jax.vmap(jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size)))(forest.arrivals, start)
   safe = jnp.maximum(ids, 0)  # [batch, heads, size]
   rows = jnp.arange(ids.shape[0])[:, None, None]
-  heads = jnp.arange(ids.shape[1])[None, :, None]
+  heads = (jnp.arange(ids.shape[1]) % archive.max_norms.shape[2])[None, :, None]
   dtype = forest.nodes["mu"].dtype
   means = archive.mean_keys[rows, safe, heads].astype(dtype)  # [batch, heads, size, d]
   norms = archive.max_norms[rows, safe, heads].astype(dtype)
@@ -150,7 +155,7 @@ def _rejoin(forest: Forest):
   joins, root = jax.vmap(jax.vmap(one))(nodes, forest.count)
   nodes = {name: value.at[:, :, first_join:].set(joins[name].astype(value.dtype)) if name in joins else value
            for name, value in nodes.items()}
-  return forest.replace(nodes=nodes, root=root)
+  return forest.replace(nodes=nodes, root=root.astype(forest.root.dtype))
 
 
 def num_levels_of(forest: Forest):
@@ -191,7 +196,7 @@ def admit(forest: Forest, archive, cells, accept, *, cell):
 
 def advance(cache: ForestCache, target, tau, *, cell, block):
   """Admits every cell below `target` `[batch]` (cells eligible for a block start), `block // cell` cells at a
-  time, into forest 0 and (where a_c ≥ τ `[heads]`) forest τ."""
+  time, into forest 0 and (where a_c ≥ τ `[heads]`) forest τ of every head."""
   per_block = block // cell
   target = target.astype(jnp.int32)
 
@@ -202,10 +207,9 @@ def advance(cache: ForestCache, target, tau, *, cell, block):
     norms = jnp.take_along_axis(cache.archive.max_norms, jnp.minimum(cells, cache.archive.max_norms.shape[1] - 1)
                                 [:, :, None], axis=1)  # [batch, n, heads]
     every = jnp.broadcast_to(fresh[:, :, None], norms.shape)
-    everything, _ = admit(cache.everything, cache.archive, cells, every, cell=cell)
-    high_norm, _ = admit(cache.high_norm, cache.archive, cells, every & (norms >= tau), cell=cell)
-    return cache.replace(everything=everything, high_norm=high_norm, admitted=jnp.maximum(lo, jnp.minimum(
-        lo + per_block, target)))
+    accept = jnp.concatenate([every, every & (norms >= tau)], axis=2)  # [batch, n, 2·heads]
+    forests, _ = admit(cache.forests, cache.archive, cells, accept, cell=cell)
+    return cache.replace(forests=forests, admitted=jnp.maximum(lo, jnp.minimum(lo + per_block, target)))
 
   return jax.lax.while_loop(lambda cache: jnp.any(cache.admitted < target), one_block, cache)
 
@@ -238,10 +242,13 @@ def select(cache: ForestCache, q, pos, *, lam, sigma, cell, top_k, beam, bound_c
   """FS-B's top-K cells (Eq. 11-12) for queries `[batch, C, heads, d]` at `pos`, all in the block the forests
   were advanced to: `[batch, C, heads, top_k]` int32, NO_NODE in unused slots. No gradient. `kernels`: beam
   search in Pallas (the rerank reads at most 2·beam cells per query and stays in XLA)."""
-  q = jax.lax.stop_gradient(q).astype(cache.everything.nodes["mu"].dtype)
-  routing = dict(lam=lam, sigma=sigma, beam=beam, bound_c=bound_c, kernels=kernels)
-  candidates = jnp.concatenate([search(cache.everything, q, pos, **routing),
-                                search(cache.high_norm, q, pos, **routing)], axis=-1)
+  q = jax.lax.stop_gradient(q).astype(cache.forests.nodes["mu"].dtype)
+  batch, count, heads, _ = q.shape
+  both = lambda x: jnp.concatenate([x, x], axis=-1)
+  candidates = search(cache.forests, jnp.concatenate([q, q], axis=2), pos, lam=both(lam), sigma=both(sigma),
+                      beam=beam, bound_c=bound_c, kernels=kernels)  # [batch, C, 2·heads, beam]
+  candidates = jnp.moveaxis(candidates.reshape(batch, count, 2, heads, beam), 2, 3).reshape(
+      batch, count, heads, 2 * beam)
   archive = cache.archive
   return ops_forest.rerank_candidates(q, pos, archive.tokens.k.astype(q.dtype), archive.max_norms.astype(q.dtype),
                                       candidates, lam=lam, sigma=sigma, cell=cell, top_k=top_k)
