@@ -41,9 +41,10 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers):
   model = Transformer(config)
   variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, config.vocab_size)
-  if kind == "fsb":  # τ as `fsjax.calibrate` computes it: the median cell norm, here of the first 4096 tokens
+  if kind == "fsb":  # τ as `fsjax.calibrate` computes it: the FS forward's median cell norm, first 4096 tokens
     from fsjax import calibrate
-    variables = calibrate.with_tau(config, variables, calibrate.calibrate(model, variables, [tokens[:, :4096]]))
+    fs_model = Transformer(dataclasses.replace(config, attention=model_preset(preset, kind="fs").attention))
+    variables = calibrate.with_tau(config, variables, calibrate.calibrate(fs_model, variables, [tokens[:, :4096]]))
   max_len = length + decode_tokens
   fresh = lambda: init_cache(config, 1, max_len, dtype=jnp.bfloat16)
   state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(fresh()))
