@@ -17,11 +17,12 @@ KINDS = ["fs", "fsl", "fsb", "tfpp", "swa", "moba", "zha"]
 SEQ, PROMPT = 150, 70  # crosses four 32-token query blocks in the prompt and more while decoding
 
 
-def _setup(kind, scan_layers=False):
+def _setup(kind, scan_layers=False, cell=8):
+  """The tiny model; `cell=16` gives a geometry the compiled kernels accept (Triton tiles need cell >= 16)."""
   config = model_preset("tiny", kind=kind, scan_layers=scan_layers)
   config = dataclasses.replace(config, attention=dataclasses.replace(
-      config.attention, window=40, moba_block=32, moba_top_k=2, retain_top=2, retain_recent=1, zha_refs=4,
-      zha_chunk=4, zha_top_p=(0.8,)))
+      config.attention, window=40, cell=cell, moba_block=32, moba_top_k=2, retain_top=2, retain_recent=1,
+      zha_refs=4, zha_chunk=4, zha_top_p=(0.8,)))
   variables = init_variables(config, jax.random.PRNGKey(0), 64)
   if kind == "fsb":  # τ from the model's own cell norms, so both forests hold cells
     from fsjax import calibrate
@@ -71,7 +72,7 @@ def test_prefill_and_decode_through_the_kernels_equal_the_reference_forward(rng,
   """The FS archive path with impl="pallas" (interpreted on CPU): selection from cached summaries at each row's
   positions and the readout over the archived keys, against the reference full forward; FS-B through the
   streaming forest cache and the beam-search kernel."""
-  config, _, variables = _setup(kind)
+  config, _, variables = _setup(kind, cell=16)
   tokens = _distinct_tokens(rng, config.vocab_size, 2, 110)
   full = np.asarray(jax.jit(_with_impl(config, "reference").apply)(variables, tokens))
   assert_close(_teacher_forced(_with_impl(config, "pallas"), variables, tokens, PROMPT, chunk=32), full,

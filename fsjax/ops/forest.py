@@ -41,43 +41,28 @@ def _normalize(u):
   return jnp.where(norm > 0, u / jnp.where(norm > 0, norm, 1.0), 0.0)
 
 
-def _run_reduce(v, width, op):
-  """`op`-reduction of `v` `[I, S, ...]` over the aligned runs of `width` (a power of two, possibly traced) along
-  axis 1, the result given to every element of the run.
-
-  Recursive doubling: after step t each element holds the reduction of its aligned run of 2^(t+1); then every
-  element takes its run's first element's value, so a run agrees bit for bit (pairwise summation order)."""
-  position = jnp.arange(v.shape[1])
-  steps = jax.lax.population_count(jnp.asarray(width - 1, jnp.int32))  # log2(width)
-  v = jax.lax.fori_loop(0, steps, lambda t, v: op(v, jnp.take(v, position ^ (1 << t), axis=1)), v)
-  return jnp.take(v, position & ~(width - 1), axis=1)
-
-
-def _split_level(groups, means, cell_ids, width):
-  """One level of Eq. 19 splits. groups `[I, S]` positions into `means` `[M, d]`, each aligned run of `width`
-  (a traced power of two ≥ 2) one node → the same runs reordered so that the first half of each is its left
-  child (sorted by projection, ties to the lower cell index). Runs are handled on the fixed `[I, S]` layout, so
-  every level of a chunk size is one loop body (compile time O(1) in the depth)."""
-  x_all = means[groups]  # [I, S, d]
+def _split_level(groups, means, cell_ids):
+  """One level of Eq. 19 splits. groups `[G, n]` positions into `means` `[M, d]` → the same groups reordered so
+  that the first n/2 of each are its left child (sorted by projection, ties to the lower cell index)."""
+  x_all = means[groups]  # [G, n, d]
+  x = x_all - jnp.mean(x_all, axis=1, keepdims=True)
   ids = cell_ids[groups]
-  total = lambda v: _run_reduce(v, width, jnp.add)
-  x = x_all - total(x_all) / width.astype(x_all.dtype)
   norms = jnp.linalg.norm(x, axis=-1)
-  farthest = _run_reduce(jnp.where(norms == _run_reduce(norms, width, jnp.maximum), ids, jnp.iinfo(jnp.int32).max),
-                         width, jnp.minimum)  # the farthest cell, ties to the lower cell index
-  u = _normalize(total(jnp.where((ids == farthest)[..., None], x, 0.0)))
+  farthest = jnp.argmin(jnp.where(norms == jnp.max(norms, axis=1, keepdims=True), ids, jnp.iinfo(jnp.int32).max),
+                        axis=1)
+  u = _normalize(jnp.take_along_axis(x, farthest[:, None, None], axis=1)[:, 0])
   for _ in range(2):
-    u = _normalize(total(x * jnp.sum(x * u, axis=-1, keepdims=True)))
-  projection = jnp.sum(x * u, axis=-1)
-  position = jnp.broadcast_to(jnp.arange(groups.shape[1]), groups.shape)
-  _, _, _, order = jax.lax.sort((position // width, projection, ids, position), dimension=1, num_keys=3)
+    u = _normalize(jnp.einsum("gnd,gn->gd", x, jnp.einsum("gnd,gd->gn", x, u, precision=PRECISION),
+                              precision=PRECISION))
+  projection = jnp.einsum("gnd,gd->gn", x, u, precision=PRECISION)
+  _, _, order = jax.lax.sort((projection, ids, jnp.broadcast_to(jnp.arange(groups.shape[1]), groups.shape)),
+                             dimension=1, num_keys=2)
   # u's sign is arbitrary (two cells are both farthest, up to rounding), so the half holding the lower cell index
   # goes left: the split, not the direction, defines the tree.
-  half = width // 2
-  lowest = _run_reduce(jnp.take_along_axis(ids, order, axis=1), half, jnp.minimum)  # per half-run
-  start = position & ~(width - 1)
-  swap = jnp.take_along_axis(lowest, start, axis=1) > jnp.take_along_axis(lowest, start + half, axis=1)
-  order = jnp.take_along_axis(order, jnp.where(swap, position ^ half, position), axis=1)
+  half = groups.shape[1] // 2
+  sorted_ids = jnp.take_along_axis(ids, order, axis=1)
+  swap = jnp.min(sorted_ids[:, :half], axis=1) > jnp.min(sorted_ids[:, half:], axis=1)
+  order = jnp.where(swap[:, None], jnp.roll(order, half, axis=1), order)
   return jnp.take_along_axis(groups, order, axis=1)
 
 
@@ -85,9 +70,12 @@ def chunk_leaf_orders(means, cell_ids, size):
   """Leaf order of every aligned chunk of `size` (a power of two) consecutive positions: `[M // size, size]`
   positions into `means` `[M, d]`, such that each node at depth ℓ covers a contiguous run of size / 2^ℓ."""
   count = means.shape[0] // size
-  groups = jnp.arange(count * size, dtype=jnp.int32).reshape(count, size)
-  depth = size.bit_length() - 1
-  return jax.lax.fori_loop(0, depth, lambda j, g: _split_level(g, means, cell_ids, jnp.int32(size) >> j), groups)
+  groups = jnp.arange(count * size).reshape(count, size)
+  width = size
+  while width > 1:
+    groups = _split_level(groups.reshape(-1, width), means, cell_ids).reshape(count, size)
+    width //= 2
+  return groups
 
 
 def chunk_trees(means, norms, centers, cell_ids, size):
@@ -101,33 +89,22 @@ def chunk_trees(means, norms, centers, cell_ids, size):
   Returns:
     dict of `[M // size, 2 size − 1]` arrays (mu `[.., d]`): mu, rho, amax, pmin, first (smallest cell index
     below the node), leaf (cell index at leaves, NO_NODE at inner nodes). The nodes of one depth are the aligned
-    runs of the leaf order: memory O(M·d), and one loop body serves every depth.
+    runs of the leaf order, summarized by one reshape: memory O(M·d).
   """
   order = chunk_leaf_orders(means, cell_ids, size)  # [I, size] positions, each node a contiguous run
   x, a, c, ids = means[order], norms[order], centers[order], cell_ids[order]
   count = order.shape[0]
-  starts = jnp.arange(size)
-
-  def depth(j, heap):
-    """Depth j: 2^j nodes of `width` leaves at heap ids 2^j … 2^(j+1) − 1. `size` entries are written from
-    2^j − 1 on; those past the 2^j nodes are overwritten by the deeper levels that follow."""
-    width = jnp.int32(size) >> j
-    run = lambda v, op: jnp.take(_run_reduce(v, width, op), jnp.minimum(starts * width, size - 1), axis=1)
-    mu = _run_reduce(x, width, jnp.add) / width.astype(x.dtype)
-    rho = _run_reduce(jnp.linalg.norm(x - mu, axis=-1), width, jnp.maximum)
-    first = run(ids, jnp.minimum)
-    values = dict(mu=jnp.take(mu, jnp.minimum(starts * width, size - 1), axis=1),
-                  rho=jnp.take(rho, jnp.minimum(starts * width, size - 1), axis=1), amax=run(a, jnp.maximum),
-                  pmin=run(c, jnp.minimum), first=first, leaf=jnp.where(width == 1, first, NO_NODE))
-    return {name: jax.lax.dynamic_update_slice_in_dim(heap[name], values[name], (1 << j) - 1, axis=1)
-            for name in heap}
-
-  heap = dict(mu=jnp.zeros((count, 3 * size - 1, x.shape[-1]), x.dtype),
-              **{name: jnp.zeros((count, 3 * size - 1), v.dtype) for name, v in (("rho", x), ("amax", a),
-                                                                                  ("pmin", c), ("first", ids),
-                                                                                  ("leaf", ids))})
-  heap = jax.lax.fori_loop(0, size.bit_length(), depth, heap)
-  return {name: v[:, :2 * size - 1] for name, v in heap.items()}
+  depths = []
+  width = size
+  while width >= 1:  # depth j: 2^j nodes of `width` leaves, heap ids 2^j … 2^(j+1) − 1
+    runs = lambda v: v.reshape(count, size // width, width, *v.shape[2:])
+    mu = jnp.mean(runs(x), axis=2)
+    depths.append(dict(mu=mu, rho=jnp.max(jnp.linalg.norm(runs(x) - mu[:, :, None], axis=-1), axis=2),
+                       amax=jnp.max(runs(a), axis=2), pmin=jnp.min(runs(c), axis=2),
+                       first=jnp.min(runs(ids), axis=2),
+                       leaf=ids if width == 1 else jnp.full((count, size // width), NO_NODE, ids.dtype)))
+    width //= 2
+  return {name: jnp.concatenate([d[name] for d in depths], axis=1) for name in depths[0]}
 
 
 def _chunk_nodes(means, norms, centers, cell_ids):
