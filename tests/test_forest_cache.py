@@ -88,7 +88,8 @@ def _assert_untouched_levels_kept(before, after):
     where = slice(forest_cache.level_offset(k), forest_cache.level_offset(k + 1))
     keep = ~changed[..., k]
     for name, value in after.nodes.items():
-      np.testing.assert_array_equal(np.asarray(value[:, :, where])[keep], np.asarray(before.nodes[name][:, :, where])[keep])
+      kept_before = np.asarray(before.nodes[name][:, :, where])[keep]
+      np.testing.assert_array_equal(np.asarray(value[:, :, where])[keep], kept_before)
 
 
 def test_streaming_selection_equals_the_prefill_formulation_in_every_block(rng):

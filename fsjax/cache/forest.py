@@ -9,9 +9,10 @@ preallocated node table per (batch row, head) — level k at `level_offset(k)`, 
 on every admission) at the end — and no admission reallocates, repacks or rereads the rest of it.
 
 Per block, a forest admits at most `block // cell` cells; the levels that change are built one switch branch
-each, for every (row, head) at once (masked), so the work per block is a handful of small tree builds whose
-amortized size does not depend on M, unlike the archive path, which rebuilds every forest at every step
-(`fsjax.ops.forest.fsb_select_from_summaries`, the prefill formulation). A `vmap` over heads would turn a
+each, for every (row, head) at once (masked): about one tree build per block whatever M (amortized), of
+log₂ M cells per admitted cell on average, where the archive path rebuilds every forest at every step
+(`fsjax.ops.forest.fsb_select_from_summaries`, the prefill formulation). Both forests of every head live in one
+table of `2·heads` entries, so one update and one search serve both. A `vmap` over heads would turn a
 data-dependent switch into a select that evaluates every branch, so the cache is written batched over
 (row, head) by hand.
 
@@ -93,7 +94,8 @@ def empty_forest(batch, heads, head_dim, max_cells, dtype):
   child0, child1 = _static_children(levels)
   shape = (batch, heads, size)
   nodes = dict(mu=jnp.zeros((*shape, head_dim), dtype), rho=jnp.zeros(shape, dtype), amax=jnp.zeros(shape, dtype),
-               pmin=jnp.zeros(shape, dtype), first=jnp.zeros(shape, jnp.int32), leaf=jnp.full(shape, NO_NODE, jnp.int32),
+               pmin=jnp.zeros(shape, dtype), first=jnp.zeros(shape, jnp.int32),
+               leaf=jnp.full(shape, NO_NODE, jnp.int32),
                child0=jnp.broadcast_to(jnp.asarray(child0, jnp.int32), shape),
                child1=jnp.broadcast_to(jnp.asarray(child1, jnp.int32), shape))
   return Forest(arrivals=jnp.full((batch, heads, max_cells), NO_NODE, jnp.int32),
@@ -169,7 +171,7 @@ def admit(forest: Forest, archive, cells, accept, *, cell):
     cells: `[batch, n]` int32 cell indices, increasing along n; accept: `[batch, n, heads]` bool.
 
   Returns:
-    (forest, changed `[batch, heads, levels]` — the chunk levels rebuilt).
+    the forest with the changed chunk levels (`changed_levels`) rebuilt and its joins recomputed.
   """
   levels = num_levels_of(forest)
   accept = jnp.moveaxis(accept, 1, 2)  # [batch, heads, n]
@@ -191,7 +193,7 @@ def admit(forest: Forest, archive, cells, accept, *, cell):
     return jax.lax.switch(k, builders, forest), pending.at[k].set(False)
 
   forest, _ = jax.lax.while_loop(lambda state: jnp.any(state[1]), build_next, (forest, pending))
-  return _rejoin(forest), changed
+  return _rejoin(forest)
 
 
 def advance(cache: ForestCache, target, tau, *, cell, block):
@@ -208,7 +210,7 @@ def advance(cache: ForestCache, target, tau, *, cell, block):
                                 [:, :, None], axis=1)  # [batch, n, heads]
     every = jnp.broadcast_to(fresh[:, :, None], norms.shape)
     accept = jnp.concatenate([every, every & (norms >= tau)], axis=2)  # [batch, n, 2·heads]
-    forests, _ = admit(cache.forests, cache.archive, cells, accept, cell=cell)
+    forests = admit(cache.forests, cache.archive, cells, accept, cell=cell)
     return cache.replace(forests=forests, admitted=jnp.maximum(lo, jnp.minimum(lo + per_block, target)))
 
   return jax.lax.while_loop(lambda cache: jnp.any(cache.admitted < target), one_block, cache)
