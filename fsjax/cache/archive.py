@@ -2,8 +2,8 @@
 
 Exact for FS and FS-L (FS-L availability is evaluated with the same death blocks as the masked operator) and
 for FS-B (each step rebuilds the forests from the cached summaries with the prefill formulation, O(M log M) per
-step: the reference for `fsjax.cache.forest`, which keeps them instead); its memory grows with the sequence. FS-L's bounded cache replaces it
-where constant memory matters.
+step: the reference for `fsjax.cache.forest`, which keeps them instead); its memory grows with the sequence.
+FS-L's bounded cache replaces it where constant memory matters.
 """
 
 import flax.struct
