@@ -43,7 +43,8 @@ def _normalize(u):
 
 def _split_level(groups, means, cell_ids):
   """One level of Eq. 19 splits. groups `[G, n]` positions into `means` `[M, d]` → the same groups reordered so
-  that the first n/2 of each are its left child (sorted by projection, ties to the lower cell index)."""
+  that each half is one child, sorted by projection (ties to the lower cell index), the half holding the lower
+  cell index first (the left child)."""
   x_all = means[groups]  # [G, n, d]
   x = x_all - jnp.mean(x_all, axis=1, keepdims=True)
   ids = cell_ids[groups]
