@@ -11,6 +11,7 @@ import typing
 
 import yaml
 
+from fsjax.data.copies import validate_copies
 from fsjax.ops.cells import validate_routing
 from fsjax.ops.zha import validate_zha
 
@@ -182,15 +183,33 @@ class DataConfig:
     tokenizer: a tokenizer.json; null = the packaged 32k byte-level BPE.
     seq_len: training context in tokens.
     recall_masks: compute the recall/switch masks of FS Eq. 13 per document (needed when recall_beta > 0).
+    copy_rate: copy curriculum (`fsjax.data.copies`): expected re-inserted earlier spans per training token;
+      0 = off. Held-out text never gets copies.
+    copy_span: [min, max] tokens per copy.
+    copy_distance: [min, max] tokens from a copy's source to its insertion point.
   """
   train_path: str | None = None
   eval_path: str | None = None
   tokenizer: str | None = None
   seq_len: int = 4096
   recall_masks: bool = False
+  copy_rate: float = 0.0
+  copy_span: tuple[int, ...] = (8, 32)
+  copy_distance: tuple[int, ...] = (160, 960)
 
   def __post_init__(self):
     _positive(self, "data.", "seq_len")
+    try:
+      validate_copies(rate=self.copy_rate, span=self.copy_span, distance=self.copy_distance, prefix="data.")
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+
+  @property
+  def copies(self):
+    """Keyword arguments of `fsjax.data.copies.insert_copies`, or None when the curriculum is off."""
+    if not self.copy_rate:
+      return None
+    return dict(rate=self.copy_rate, span=self.copy_span, distance=self.copy_distance)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,6 +492,9 @@ def to_dict(config):
 MODEL_PRESETS = {
     "fs_341m": dict(num_layers=24, d_model=1024, num_heads=16, head_dim=64),
     "fs_743m": dict(num_layers=24, d_model=1536, num_heads=16, head_dim=96),
+    # configs/repro/repro_fs.yaml's shape (issue #9), for benchmarks/decode.py --preset repro_43m.
+    "repro_43m": dict(num_layers=8, d_model=512, num_heads=8, head_dim=64,
+                      attention=AttentionConfig(window=128, cell=16, block=64, top_k=4, retain_top=32, retain_recent=4)),
     "tiny": dict(vocab_size=512, num_layers=2, d_model=64, num_heads=4, head_dim=16,
                  attention=AttentionConfig(window=64, cell=8, block=32, top_k=2, retain_top=4, retain_recent=2)),
 }

@@ -1,12 +1,14 @@
 """Builds the default corpus shipped in the package: whole public-domain books, train and valid splits.
 
-    python scripts/build_corpus.py [SOURCE] [--seed 0] [--out fsjax/data/corpus]
+    python scripts/build_corpus.py [SOURCE] [--seed 0] [--out fsjax/data/corpus] [--train-chars 11000000]
+        [--max-chars 1000000]
 
 SOURCE is a `.jsonl.gz` of Project Gutenberg books, one `{"id", "text"}` object per line (default
 `../shared/data/gutenberg_en.jsonl.gz` relative to the repository root). Writes `train.jsonl.gz` and
 `valid.jsonl.gz` under `--out`, in the same format. The selection depends only on the source and the seed:
 books sorted by id are shuffled with `random.Random(seed)`, the first `VALID_BOOKS` eligible ones are held out
-whole, and the following ones fill the train split until `TRAIN_CHARS`. The gzip headers carry no timestamp
+whole, and the following ones fill the train split until `--train-chars` (a larger budget only adds books: the
+held-out ones stay the same, so every corpus built from one source and seed shares the packaged valid split). The gzip headers carry no timestamp
 or file name, so rerunning reproduces the files byte for byte.
 """
 
@@ -39,16 +41,22 @@ def load_books(path):
     return {row["id"]: row["text"] for row in map(json.loads, f)}
 
 
-def select(books, seed):
-  """Returns `(train_ids, valid_ids)`, each sorted, by the rule in the module docstring."""
-  order = sorted(i for i, text in books.items() if MIN_CHARS <= len(text) <= MAX_CHARS)
+def select(books, seed, train_chars=TRAIN_CHARS, max_chars=MAX_CHARS):
+  """Returns `(train_ids, valid_ids)`, each sorted, by the rule in the module docstring.
+
+  Books over `max_chars` never enter either split; the held-out books are always drawn as with `MAX_CHARS`, so a
+  larger bound only adds training books.
+  """
+  eligible = lambda bound: sorted(i for i, text in books.items() if MIN_CHARS <= len(text) <= bound)
+  order = eligible(MAX_CHARS)
   random.Random(seed).shuffle(order)
   valid = [i for i in order if i not in OVERLAPPING][:VALID_BOOKS]
+  order += [i for i in eligible(max_chars) if len(books[i]) > MAX_CHARS]
   train, chars = [], 0
   for i in order:
     if i in valid:
       continue
-    if chars + len(books[i]) > TRAIN_CHARS:
+    if chars + len(books[i]) > train_chars:
       break
     train.append(i)
     chars += len(books[i])
@@ -68,10 +76,12 @@ def main(argv=None):
   parser.add_argument("source", nargs="?", type=Path, default=DEFAULT_SOURCE)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+  parser.add_argument("--train-chars", type=int, default=TRAIN_CHARS, help="character budget of the train split")
+  parser.add_argument("--max-chars", type=int, default=MAX_CHARS, help="longest book taken, in characters")
   args = parser.parse_args(argv)
 
   books = load_books(args.source)
-  train, valid = select(books, args.seed)
+  train, valid = select(books, args.seed, args.train_chars, args.max_chars)
   args.out.mkdir(parents=True, exist_ok=True)
   for split, ids in (("train", train), ("valid", valid)):
     path = args.out / f"{split}.jsonl.gz"

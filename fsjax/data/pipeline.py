@@ -15,6 +15,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
+from fsjax.data.copies import insert_copies
 from fsjax.data.tokenizer import eos_id, load_tokenizer
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".txt")
@@ -75,21 +76,28 @@ class Encode:
   """Grain map from a document's text to `{"tokens": int32 [n + 1]}`: its n tokens, then EOS.
 
   With `masks=True` also `recall` and `switch`, float32 `[n + 1]` from `fsjax.data.recall.recall_masks` on the
-  document's tokens, 0 at the EOS.
+  document's tokens, 0 at the EOS. With `copies` (keyword arguments of `fsjax.data.copies.insert_copies`) the
+  copy curriculum is applied to the tokens first, so the masks see the copies; the map then needs a random
+  generator (`MapDataset.random_map`).
   """
 
-  def __init__(self, tokenizer_path, masks=False):
+  def __init__(self, tokenizer_path, masks=False, copies=None):
     self._tokenizer = load_tokenizer(tokenizer_path)
     self._eos = eos_id(self._tokenizer)
+    self._copies = copies
     self._recall_masks = None
     if masks:
       from fsjax.data.recall import recall_masks  # lazy: only recall-weighted training needs it
       self._recall_masks = recall_masks
 
-  def __call__(self, text):
+  def __call__(self, text, rng=None):
     # `encode_batch` releases the GIL (`encode` holds it), so tokenizing a book in a grain thread does not
     # stall the training loop.
     ids = np.asarray(self._tokenizer.encode_batch([text])[0].ids, np.int32)
+    if self._copies is not None:
+      if rng is None:
+        raise ValueError("Encode with copies needs a random generator: use it through MapDataset.random_map")
+      ids = insert_copies(ids, rng, **self._copies)
     features = {"tokens": np.append(ids, np.int32(self._eos))}
     if self._recall_masks is not None:
       for key, mask in zip(MASK_KEYS, self._recall_masks(ids)):
@@ -162,13 +170,15 @@ def _slices_as_tuples(state):
 
 
 def make_train_iterator(*, path, tokenizer_path, seq_len, batch_size, seed, shard_index=0, shard_count=1,
-                        recall_masks=False, shuffle_window_tokens=SHUFFLE_WINDOW_TOKENS):
+                        recall_masks=False, copies=None, shuffle_window_tokens=SHUFFLE_WINDOW_TOKENS):
   """Infinite, deterministic, shardable iterator of packed training batches (see `TrainIterator`).
 
   Process `shard_index` of `shard_count` reads every `shard_count`-th document of `path` (disjoint slices of
   whole documents), reshuffles its documents every epoch from `seed`, packs them and shuffles rows within
   consecutive windows of `max(batch_size, shuffle_window_tokens // (seq_len + 1))` rows. The same arguments give
-  the same batches. `tokenizer_path=None` is the packaged tokenizer.
+  the same batches. `tokenizer_path=None` is the packaged tokenizer. `copies`: keyword arguments of
+  `fsjax.data.copies.insert_copies` for the copy curriculum (drawn afresh per document and epoch from `seed`),
+  or None.
   """
   if not 0 <= shard_index < shard_count:
     raise ValueError(f"shard_index must be in [0, {shard_count}), got {shard_index}")
@@ -178,7 +188,8 @@ def make_train_iterator(*, path, tokenizer_path, seq_len, batch_size, seed, shar
   dataset = grain.MapDataset.source(docs)[shard_index::shard_count]
   # Shuffle before repeat: grain then draws a new permutation for every epoch.
   dataset = dataset.seed(seed).shuffle().repeat()
-  dataset = dataset.map(Encode(tokenizer_path, recall_masks)).to_iter_dataset(READ_OPTIONS)
+  encode = Encode(tokenizer_path, recall_masks, copies)
+  dataset = (dataset.random_map(encode) if copies else dataset.map(encode)).to_iter_dataset(READ_OPTIONS)
   dataset = pack(dataset, seq_len=seq_len, keys=feature_keys(recall_masks))
   dataset = grain.experimental.WindowShuffleIterDataset(
       dataset, window_size=max(batch_size, shuffle_window_tokens // (seq_len + 1)), seed=seed)

@@ -48,7 +48,7 @@ def _train_iterator(config: Config):
                              tokenizer_path=config.data.tokenizer, seq_len=config.data.seq_len,
                              batch_size=_local_rows(config.train.batch_size), seed=config.train.seed,
                              shard_index=jax.process_index(), shard_count=jax.process_count(),
-                             recall_masks=config.data.recall_masks)
+                             recall_masks=config.data.recall_masks, copies=config.data.copies)
 
 
 def _eval_batches(config: Config):
