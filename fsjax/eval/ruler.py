@@ -63,21 +63,17 @@ def task_source(task):
   return "squad" if task == "qa_1" else "hotpotqa"
 
 
-def evaluate_checkpoint(args, path, progress):
-  """Scores of one checkpoint: list of dicts (model, task, length, samples, score)."""
+def evaluate_checkpoint(args, path, progress, scored=None):
+  """Scores of one checkpoint: list of dicts (model, task, length, samples, score).
+
+  `scored`, when given, is called with each row as soon as its task and length are done.
+  """
   from fsjax.data.tokenizer import eos_id, load_tokenizer
+  from fsjax.eval.loading import load_for_eval
   from fsjax.eval.runner import run_task
-  from fsjax.model import Transformer
-  from fsjax.train import checkpoint
 
-  from fsjax.calibrate import attach_tau
-
-  config, params, frozen, step = checkpoint.load(path)
+  name, config, model, variables = load_for_eval(path, args.set)
   tokenizer = load_tokenizer(config.data.tokenizer)
-  model_config = override_model(config.model, args.set)
-  model, variables = Transformer(model_config), {"params": params, **attach_tau(model_config, frozen, path)}
-  name = f"{Path(path).name}@{step}" + "".join(f"[{a.split('=', 1)[0].split('.')[-1]}={a.split('=', 1)[1]}]"
-                                                 for a in args.set)
   rows = []
   for length in args.lengths:
     for task in args.tasks:
@@ -95,6 +91,8 @@ def evaluate_checkpoint(args, path, progress):
                                   corpus=args.corpus, squad=args.squad, hotpotqa=args.hotpotqa)
       records.write_jsonl(Path(args.out) / name / str(length) / f"{task}.jsonl", predicted)
       rows.append(dict(model=name, task=task, length=length, samples=len(predicted), score=score))
+      if scored is not None:
+        scored(rows[-1])
   return rows
 
 
@@ -145,16 +143,16 @@ def main(argv=None):
     check_args(args)
     from tqdm import tqdm
     total = len(args.checkpoint) * len(args.tasks) * len(args.lengths) * args.num_samples
+    out, done = Path(args.out), []
+    scored = lambda row: (done.append(row), write_csv(out / "scores.csv", done))  # a killed run keeps its scores
     with tqdm(total=total, desc="RULER", unit="sample", file=sys.stderr) as bar:
-      rows = [row for path in args.checkpoint for row in evaluate_checkpoint(args, path, bar.update)]
+      rows = [row for path in args.checkpoint for row in evaluate_checkpoint(args, path, bar.update, scored)]
   except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if not rows:
     print("error: no task could be evaluated", file=sys.stderr)
     return 2
-  out = Path(args.out)
-  write_csv(out / "scores.csv", rows)
   plot(out / "scores.png", rows)
   print(format_table(rows))
   print(f"wrote {out / 'scores.csv'} and {out / 'scores.png'}")

@@ -1,0 +1,169 @@
+"""Long-range copy recall by distance: does a model copy a span it read far back? A generic retrieval probe.
+
+    python -m fsjax.eval.copy_recall --checkpoint runs/repro_fs [more ...] --lengths 1024,4096,16384
+        [--samples 50] [--span 24] [--cue 4] [--batch-size 2] [--set KEY=VALUE ...] [--out copy_recall.csv]
+
+RULER's NIAH needs a model that follows its question format; a small model can retrieve long before it can do
+that. This probe asks only for retrieval, in the form the copy curriculum (`fsjax.data.copies`) trains, on
+held-out text, with no template. A sample is `length` tokens of held-out books (the packaged valid split; window
+starts drawn with `--seed`) whose last `span` tokens are replaced by a copy of the `span` tokens at a source
+position in the first 128, so the copy's source lies `length - span - source` tokens back. One full forward pass
+reads the sequence; the copy's tokens after its first `cue` (which only tell which span is being copied) are
+scored: greedy accuracy (the argmax is the copied token) and mean loss. In the *control* twin of every sample
+the source span is replaced by other held-out text, so nothing earlier predicts the copy; its accuracy is what
+local context alone gives. `recall = accuracy(copy) - accuracy(control)` is the part owed to retrieval.
+
+Prints a table (model x length: recall, copy and control accuracy); writes a CSV.
+"""
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fsjax.config import ConfigError, ModelConfig, override_model
+from fsjax.train.checkpoint import CheckpointError
+
+SOURCE_RANGE = 128  # copy sources start in the first SOURCE_RANGE tokens of a sample
+
+
+def heldout_stream(path, tokenizer_path):
+  """The held-out documents at `path` tokenized and joined by EOS: int32 `[n]`."""
+  from fsjax.data.pipeline import read_documents
+  from fsjax.data.tokenizer import eos_id, load_tokenizer
+  tokenizer = load_tokenizer(tokenizer_path)
+  encoded = tokenizer.encode_batch(list(read_documents(path)))
+  eos = eos_id(tokenizer)
+  return np.concatenate([np.append(np.asarray(e.ids, np.int32), np.int32(eos)) for e in encoded])
+
+
+def make_samples(stream, length, count, span, seed):
+  """`count` copy samples of `length` tokens and their controls.
+
+  Returns:
+    (copies, controls, sources): int32 `[count, length]` twice (equal except over each copy's source span) and
+    the source positions `[count]`. In both, tokens `length - span:` equal `copies[i, s:s + span]`.
+  """
+  if length < SOURCE_RANGE + 2 * span:
+    raise ValueError(f"length {length} must be >= {SOURCE_RANGE + 2 * span} (source range + source + copy)")
+  if stream.size < length + span:
+    raise ValueError(f"the held-out text has {stream.size} tokens, fewer than length + span = {length + span}")
+  rng = np.random.default_rng(seed)
+  starts = rng.integers(0, stream.size - length + 1, count)
+  sources = rng.integers(0, SOURCE_RANGE, count)
+  fillers = rng.integers(0, stream.size - span + 1, count)
+  copies = np.stack([stream[a:a + length] for a in starts])
+  for row, s in enumerate(sources):
+    copies[row, length - span:] = copies[row, s:s + span]
+  controls = copies.copy()
+  for row, (s, f) in enumerate(zip(sources, fillers)):
+    controls[row, s:s + span] = stream[f:f + span]
+  return copies, controls, sources
+
+
+def score_copies(model, variables, tokens, span, cue, batch_size):
+  """Greedy hits and losses on the copied tokens after the cue.
+
+  Args:
+    tokens: int `[n, length]`, each ending in a `span`-token copy.
+
+  Returns:
+    (hits bool `[n, span - cue]`, losses float64 `[n, span - cue]`).
+  """
+  length = tokens.shape[1]
+  first = length - span + cue  # first scored target; predicted at position first - 1
+
+  @jax.jit
+  def score(batch):
+    logits = model.apply(variables, batch)[:, first - 1:length - 1].astype(jnp.float32)
+    targets = batch[:, first:]
+    return jnp.argmax(logits, -1) == targets, optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+  hits, losses = [], []
+  for start in range(0, tokens.shape[0], batch_size):
+    batch = tokens[start:start + batch_size]
+    padded = np.concatenate([batch, np.repeat(batch[:1], batch_size - batch.shape[0], 0)])  # one compile
+    hit, loss = score(jnp.asarray(padded))
+    hits.append(np.asarray(hit)[:batch.shape[0]])
+    losses.append(np.asarray(loss, np.float64)[:batch.shape[0]])
+  return np.concatenate(hits), np.concatenate(losses)
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--checkpoint", nargs="+", required=True, help="training workdirs or step directories")
+  parser.add_argument("--lengths", required=True, type=lambda s: [int(n) for n in s.split(",") if n])
+  parser.add_argument("--samples", type=int, default=50)
+  parser.add_argument("--span", type=int, default=24, help="tokens per copy")
+  parser.add_argument("--cue", type=int, default=4, help="leading copy tokens left unscored")
+  parser.add_argument("--batch-size", type=int, default=2)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--data", default=None, help="held-out jsonl/txt file or directory (default: packaged)")
+  parser.add_argument("--out", default=None, help="CSV path, rewritten after every length (default: none)")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a model config field of every checkpoint, e.g. --set attention.kind=fsb")
+  return parser.parse_args(argv)
+
+
+def check_args(args):
+  """One clear error per bad argument, before any model is loaded."""
+  if min(args.samples, args.batch_size, args.cue) < 1 or not args.lengths:
+    raise ConfigError("--samples, --batch-size and --cue must be >= 1 and --lengths must name a length")
+  if args.span <= args.cue:
+    raise ConfigError(f"--span must be > --cue, got span={args.span}, cue={args.cue}")
+  for length in args.lengths:
+    if length < SOURCE_RANGE + 2 * args.span:
+      raise ConfigError(f"--lengths: {length} is below {SOURCE_RANGE + 2 * args.span} (source range + 2 spans)")
+  for assignment in args.set:
+    override_model(ModelConfig(), [assignment])
+
+
+def write_csv(path, rows):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with path.open("w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  try:
+    check_args(args)
+    from fsjax.data.pipeline import default_corpus_path
+    from fsjax.eval.loading import load_for_eval
+    rows, streams = [], {}
+    for path in args.checkpoint:
+      name, config, model, variables = load_for_eval(path, args.set)
+      key = config.data.tokenizer
+      if key not in streams:
+        streams[key] = heldout_stream(args.data or default_corpus_path("valid"), key)
+      for length in args.lengths:
+        copies, controls, sources = make_samples(streams[key], length, args.samples, args.span, args.seed)
+        copy_hits, copy_losses = score_copies(model, variables, copies, args.span, args.cue, args.batch_size)
+        control_hits, _ = score_copies(model, variables, controls, args.span, args.cue, args.batch_size)
+        rows.append(dict(model=name, train_length=config.data.seq_len, length=length, samples=args.samples,
+                         distance=int(np.mean(length - args.span - sources)),
+                         recall=float(copy_hits.mean() - control_hits.mean()), copy_accuracy=float(copy_hits.mean()),
+                         control_accuracy=float(control_hits.mean()), copy_loss=float(copy_losses.mean())))
+        print(rows[-1], file=sys.stderr, flush=True)
+        if args.out:
+          write_csv(Path(args.out), rows)
+  except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print("| model | length | mean distance | recall | copy accuracy | control accuracy | copy loss |")
+  print("|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['model']} | {r['length']} | {r['distance']} | {r['recall']:.3f} | {r['copy_accuracy']:.3f} | "
+          f"{r['control_accuracy']:.3f} | {r['copy_loss']:.3f} |")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,54 @@
+"""The long-range copy-recall probe (fsjax.eval.copy_recall): its samples and its scoring."""
+
+import jax
+import numpy as np
+import pytest
+
+from fsjax.config import ConfigError
+from fsjax.eval import copy_recall
+
+
+def test_samples_end_in_a_copy_of_an_early_span_and_controls_differ_only_there():
+  stream = np.random.default_rng(0).integers(3, 1000, 5000).astype(np.int32)
+  copies, controls, sources = copy_recall.make_samples(stream, 400, 6, span=16, seed=1)
+  assert copies.shape == controls.shape == (6, 400) and copies.dtype == np.int32
+  for row, s in enumerate(sources):
+    assert 0 <= s < copy_recall.SOURCE_RANGE
+    np.testing.assert_array_equal(copies[row, -16:], copies[row, s:s + 16])
+    np.testing.assert_array_equal(controls[row, -16:], copies[row, -16:])
+    differs = np.flatnonzero(copies[row] != controls[row])
+    assert differs.size and differs.min() >= s and differs.max() < s + 16
+  again = copy_recall.make_samples(stream, 400, 6, span=16, seed=1)
+  np.testing.assert_array_equal(again[0], copies)
+
+
+class _NextTokenModel:
+  """Logits peaked on a chosen next token: the sequence's true continuation, or a token it never holds."""
+
+  def __init__(self, right):
+    self.right = right
+
+  def apply(self, variables, tokens):
+    import jax.numpy as jnp
+    target = jnp.roll(tokens, -1, axis=1) if self.right else jnp.zeros_like(tokens)
+    return jax.nn.one_hot(target, 1000) * 30.0
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_scores_count_only_the_copy_tokens_after_the_cue(right):
+  stream = np.random.default_rng(2).integers(3, 1000, 3000).astype(np.int32)
+  copies, _, _ = copy_recall.make_samples(stream, 300, 3, span=12, seed=0)
+  hits, losses = copy_recall.score_copies(_NextTokenModel(right), {}, copies, span=12, cue=4, batch_size=2)
+  assert hits.shape == losses.shape == (3, 8)
+  assert hits.all() if right else not hits.any()
+  assert (losses < 1e-3).all() if right else (losses > 29).all()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lengths", "100"], "--lengths: 100 is below"),
+    (["--lengths", "1024", "--span", "4", "--cue", "4"], "--span must be > --cue"),
+    (["--lengths", "1024", "--samples", "0"], "--samples"),
+])
+def test_bad_arguments_get_one_clear_error(argv, message, capsys):
+  assert copy_recall.main(["--checkpoint", "nowhere", *argv]) == 2
+  assert message in capsys.readouterr().err
