@@ -1,6 +1,7 @@
 """Config validation: each rule raises one clear error naming the field; YAML is strict."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +89,9 @@ def test_float_fields_accept_exponents_without_a_dot():
   assert config.train.learning_rate == 3e-4
   with pytest.raises(ConfigError, match="train.learning_rate must be of type float"):
     load_config(None, ["train.learning_rate=fast"])
+
+
+def test_repro_preset_is_the_repro_configs_shape():
+  config = load_config(Path(__file__).resolve().parent.parent / "configs/repro/repro_fs.yaml").model
+  preset = model_preset("repro_43m", dtype=config.dtype, scan_layers=config.scan_layers)
+  assert preset == config
