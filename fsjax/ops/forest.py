@@ -67,32 +67,43 @@ def _split_level(groups, means, cell_ids):
   return jnp.take_along_axis(groups, order, axis=1)
 
 
-def chunk_leaf_orders(means, cell_ids, size):
-  """Leaf order of every aligned chunk of `size` (a power of two) consecutive positions: `[M // size, size]`
-  positions into `means` `[M, d]`, such that each node at depth ℓ covers a contiguous run of size / 2^ℓ."""
-  count = means.shape[0] // size
-  groups = jnp.arange(count * size).reshape(count, size)
-  width = size
+def chunk_leaf_orders(means, cell_ids, sizes):
+  """Leaf order of every aligned chunk of each size in `sizes` (powers of two): per size a `[M // size, size]`
+  array of positions into `means` `[M, d]`, such that each node at depth ℓ covers a contiguous run of
+  size / 2^ℓ.
+
+  Splits are per node, so the nodes of one width from every size are split in one batch: max(sizes) split
+  levels to compile instead of one per (size, depth).
+  """
+  orders = {size: jnp.arange(means.shape[0] // size * size).reshape(-1, size) for size in sizes}
+  width = max(sizes, default=1)
   while width > 1:
-    groups = _split_level(groups.reshape(-1, width), means, cell_ids).reshape(count, size)
+    active = [size for size in sizes if size >= width and orders[size].size]
+    if active:
+      split = _split_level(jnp.concatenate([orders[size].reshape(-1, width) for size in active]), means, cell_ids)
+      counts = [orders[size].size // width for size in active]
+      for size, end, count in zip(active, np.cumsum(counts), counts):
+        orders[size] = split[end - count:end].reshape(orders[size].shape)
     width //= 2
-  return groups
+  return [orders[size] for size in sizes]
 
 
-def chunk_trees(means, norms, centers, cell_ids, size):
+def chunk_trees(means, norms, centers, cell_ids, size, order=None):
   """Every aligned chunk of `size` (a power of two) consecutive arrival positions, as a perfect binary tree of
   Eq. 19 splits with Eq. 20 summaries, in heap order.
 
   Args:
     means: `[M, d]` mean keys in arrival order; norms, centers: `[M]` (a_c and the cell's center position);
     cell_ids: `[M]` int32 cell index of each arrival (the tie-break of Eq. 19 and the node's first cell).
+    order: the chunks' leaf orders from `chunk_leaf_orders`, if already computed.
 
   Returns:
     dict of `[M // size, 2 size − 1]` arrays (mu `[.., d]`): mu, rho, amax, pmin, first (smallest cell index
     below the node), leaf (cell index at leaves, NO_NODE at inner nodes). The nodes of one depth are the aligned
     runs of the leaf order, summarized by one reshape: memory O(M·d).
   """
-  order = chunk_leaf_orders(means, cell_ids, size)  # [I, size] positions, each node a contiguous run
+  if order is None:
+    (order,) = chunk_leaf_orders(means, cell_ids, [size])  # [I, size] positions, each node a contiguous run
   x, a, c, ids = means[order], norms[order], centers[order], cell_ids[order]
   count = order.shape[0]
   depths = []
@@ -117,11 +128,10 @@ def _chunk_nodes(means, norms, centers, cell_ids):
     node id of chunk m of size 2^k.
   """
   num = means.shape[0]
+  sizes = [2**k for k in range(num.bit_length())]
   tables, roots, base = [], [], 0
-  k = 0
-  while 2**k <= num:
-    size = 2**k
-    trees = chunk_trees(means, norms, centers, cell_ids, size)
+  for size, order in zip(sizes, chunk_leaf_orders(means, cell_ids, sizes)):
+    trees = chunk_trees(means, norms, centers, cell_ids, size, order)
     count, per_tree = trees["leaf"].shape
     heap = np.arange(1, per_tree + 1)  # node h at index h − 1, children 2h and 2h + 1
     is_leaf = heap >= size
@@ -130,7 +140,6 @@ def _chunk_nodes(means, norms, centers, cell_ids):
     tables.append(dict(trees, child0=child(0), child1=child(1)))
     roots.append(base + np.arange(count) * per_tree)
     base += count * per_tree
-    k += 1
   table = {name: jnp.concatenate([jnp.asarray(t[name]).reshape(-1, *jnp.shape(t[name])[2:]) for t in tables])
            for name in tables[0]}
   return table, [jnp.asarray(r) for r in roots]
@@ -215,8 +224,7 @@ def beam_search(q, positions, table, roots, *, beam, bound_c, lam, sigma, steps)
     score = content + table["amax"][safe] * _prior(positions[:, None] - table["pmin"][safe], lam, sigma)
     return jnp.where(node >= 0, score, -jnp.inf)
 
-  current = jnp.full((q.shape[0], beam), NO_NODE).at[:, 0].set(roots)
-  for _ in range(steps):
+  def descend(_, current):  # one level: the same shapes every step, so one compiled body
     is_leaf = table["leaf"][jnp.maximum(current, 0)] >= 0
     inner = (current >= 0) & ~is_leaf
     kept = jnp.where((current >= 0) & is_leaf, current, NO_NODE)
@@ -227,7 +235,10 @@ def beam_search(q, positions, table, roots, *, beam, bound_c, lam, sigma, steps)
                      priority(pool))  # leaves keep their slots
     first = jnp.where(pool >= 0, table["first"][jnp.maximum(pool, 0)], jnp.iinfo(jnp.int32).max)
     _, _, ordered = jax.lax.sort((-rank, first, pool), dimension=1, num_keys=2)
-    current = ordered[:, :beam]
+    return ordered[:, :beam]
+
+  current = jnp.full((q.shape[0], beam), NO_NODE).at[:, 0].set(roots)
+  current = jax.lax.fori_loop(0, steps, descend, current)
   return jnp.where(current >= 0, table["leaf"][jnp.maximum(current, 0)], NO_NODE)
 
 
