@@ -494,7 +494,8 @@ MODEL_PRESETS = {
     "fs_743m": dict(num_layers=24, d_model=1536, num_heads=16, head_dim=96),
     # configs/repro/repro_fs.yaml's shape (issue #9), for benchmarks/decode.py --preset repro_43m.
     "repro_43m": dict(num_layers=8, d_model=512, num_heads=8, head_dim=64,
-                      attention=AttentionConfig(window=128, cell=16, block=64, top_k=4, retain_top=32, retain_recent=4)),
+                      attention=AttentionConfig(window=128, cell=16, block=64, top_k=4, retain_top=32,
+                                                retain_recent=4)),
     "tiny": dict(vocab_size=512, num_layers=2, d_model=64, num_heads=4, head_dim=16,
                  attention=AttentionConfig(window=64, cell=8, block=32, top_k=2, retain_top=4, retain_recent=2)),
 }

@@ -8,8 +8,8 @@ SOURCE is a `.jsonl.gz` of Project Gutenberg books, one `{"id", "text"}` object 
 `valid.jsonl.gz` under `--out`, in the same format. The selection depends only on the source and the seed:
 books sorted by id are shuffled with `random.Random(seed)`, the first `VALID_BOOKS` eligible ones are held out
 whole, and the following ones fill the train split until `--train-chars` (a larger budget only adds books: the
-held-out ones stay the same, so every corpus built from one source and seed shares the packaged valid split). The gzip headers carry no timestamp
-or file name, so rerunning reproduces the files byte for byte.
+held-out ones stay the same, so every corpus built from one source and seed shares the packaged valid split).
+The gzip headers carry no timestamp or file name, so rerunning reproduces the files byte for byte.
 """
 
 import argparse

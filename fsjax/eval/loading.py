@@ -1,6 +1,5 @@
 """Loading a checkpoint for evaluation: config overrides from the command line, FS-B's τ, a display name."""
 
-import dataclasses
 from pathlib import Path
 
 from fsjax.config import override_model
@@ -15,8 +14,9 @@ def load_for_eval(path, assignments=()):
       the checkpoint's calibration file when they make it an FS-B model.
 
   Returns:
-    (name, config, model, variables): `name` is `<workdir>@<step>` followed by `[field=value]` per override; the
-    config is the training config with the overridden model config.
+    (name, config, model, variables): `name` is `<workdir>@<step>` followed by `[field=value]` per override;
+    `config` is the training config as saved (its data section says how the model was trained); `model` is
+    built from the overridden model config (`model.config`).
   """
   from fsjax.calibrate import attach_tau
   from fsjax.model import Transformer
@@ -27,4 +27,4 @@ def load_for_eval(path, assignments=()):
   variables = {"params": params, **attach_tau(model_config, frozen, path)}
   name = f"{Path(path).name}@{step}" + "".join(
       f"[{key.split('.')[-1]}={value}]" for key, value in (a.split("=", 1) for a in assignments))
-  return name, dataclasses.replace(config, model=model_config), Transformer(model_config), variables
+  return name, config, Transformer(model_config), variables

@@ -96,8 +96,8 @@ def main(argv=None):
   print("| model | trained at | positions | loss | perplexity | keys attended |\n|---|---|---|---|---|---|")
   for r in rows:
     attended = "–" if r["attended"] is None else f"{r['attended']:.1%}"
-    print(f"| {r['model']} | {r['train_length']} | {r['first']}-{r['last']} | {r['loss']:.3f} | {r['perplexity']:.1f} | "
-          f"{attended} |")
+    print(f"| {r['model']} | {r['train_length']} | {r['first']}-{r['last']} | {r['loss']:.3f} | "
+          f"{r['perplexity']:.1f} | {attended} |")
   if args.out:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:
