@@ -11,7 +11,8 @@
 # one documented CLI call (the commands are printed), so any of them can be rerun alone. Outputs:
 #   runs/repro_<model>/            checkpoints, metrics.jsonl, eval.json (held-out loss at 1x)
 #   runs/repro_eval/copy_<model>.csv long-range copy recall by distance (fsjax.eval.copy_recall)
-#   runs/repro_eval/ruler_<model>/ RULER S-NIAH-1/2/3 scores.csv and every prediction
+#   runs/repro_eval/ruler_<model>/ RULER S-NIAH-1/2/3 scores.csv and every prediction (ruler_long_<model>/
+#                                  for lengths beyond 8k)
 #   runs/repro_eval/ppl_<model>.csv held-out loss (and ZHA keys attended) by position at 16x
 #   runs/repro_eval/decode.txt     FS-L state bytes and decode tokens/s vs TF++ per length
 #   runs/repro_eval/steps_<chain>.tsv wall seconds and exit status per step
@@ -45,18 +46,25 @@ step() {
 
 train() { step "train_$1" python train.py --config "configs/repro/repro_$1.yaml" "${overrides[@]}"; }
 
+# lengths_between LIST LOW HIGH: the comma-separated lengths of LIST in [LOW, HIGH].
+lengths_between() { tr , '\n' <<<"$1" | awk -v low="$2" -v high="$3" '$1 >= low && $1 <= high' | paste -sd,; }
+
 # evaluate MODEL CHECKPOINT BATCH MAX_PROBE_LENGTH [--set ...]: the copy-recall probe at every probe length up
-# to MAX_PROBE_LENGTH, held-out loss by position, then S-NIAH-1/2/3 at every length.
+# to MAX_PROBE_LENGTH, held-out loss by position, then S-NIAH-1/2/3 at every length: up to 8k at BATCH prompts
+# per call, beyond at 5 (at 25, three evaluations sharing a GPU ran out of memory from 4k to 32k).
 evaluate() {
   local model=$1 checkpoint=$2 batch=$3 max_probe=$4
   shift 4
-  local probes=$(tr , '\n' <<<"$probe_lengths" | awk -v m="$max_probe" '$1 <= m' | paste -sd,)
-  step "copy_$model" python -m fsjax.eval.copy_recall --checkpoint "$checkpoint" --lengths "$probes" \
-      --samples "$samples" --batch-size 1 --out "$eval_dir/copy_$model.csv" "$@"
+  step "copy_$model" python -m fsjax.eval.copy_recall --checkpoint "$checkpoint" \
+      --lengths "$(lengths_between "$probe_lengths" 0 "$max_probe")" --samples "$samples" --batch-size 1 \
+      --out "$eval_dir/copy_$model.csv" "$@"
   step "ppl_$model" python -m fsjax.eval.perplexity --checkpoint "$checkpoint" --length "$ppl_length" \
       --buckets 16 --batches 8 --batch-size 1 --out "$eval_dir/ppl_$model.csv" "$@"
-  step "ruler_$model" python -m fsjax.eval.ruler --checkpoint "$checkpoint" --lengths "$lengths" \
+  local short=$(lengths_between "$lengths" 0 8192) long=$(lengths_between "$lengths" 8193 1000000000)
+  [ -z "$short" ] || step "ruler_$model" python -m fsjax.eval.ruler --checkpoint "$checkpoint" --lengths "$short" \
       --num-samples "$samples" --batch-size "$batch" --out "$eval_dir/ruler_$model" "$@"
+  [ -z "$long" ] || step "ruler_long_$model" python -m fsjax.eval.ruler --checkpoint "$checkpoint" \
+      --lengths "$long" --num-samples "$samples" --batch-size 5 --out "$eval_dir/ruler_long_$model" "$@"
 }
 
 case $chain in
