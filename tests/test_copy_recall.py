@@ -52,3 +52,14 @@ def test_scores_count_only_the_copy_tokens_after_the_cue(right):
 def test_bad_arguments_get_one_clear_error(argv, message, capsys):
   assert copy_recall.main(["--checkpoint", "nowhere", *argv]) == 2
   assert message in capsys.readouterr().err
+
+
+def test_cli_scores_each_length_and_writes_csv(micro_workdir, tmp_path, capsys):
+  import csv
+  out = tmp_path / "copy.csv"
+  assert copy_recall.main(["--checkpoint", str(micro_workdir), "--lengths", "160", "--samples", "3", "--span", "8",
+                           "--cue", "2", "--out", str(out)]) == 0
+  (row,) = list(csv.DictReader(out.open()))
+  assert row["length"] == "160" and int(row["distance"]) < 160 - 8
+  assert float(row["recall"]) == pytest.approx(float(row["copy_accuracy"]) - float(row["control_accuracy"]))
+  assert f"| {micro_workdir.name}@2 | 160 |" in capsys.readouterr().out
