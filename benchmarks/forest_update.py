@@ -1,7 +1,7 @@
 """FS-B forest update per block: the streaming forest cache's `advance` by one block, at growing cell counts.
 
     python benchmarks/forest_update.py [--lengths 16384,65536,131072,262144] [--blocks 256] [--heads 16]
-        [--head-dim 64] [--cell 32] [--block 128]
+        [--head-dim 64] [--cell 32] [--block 128] [--looped-from 6]
 
 One layer, batch 1: an archive holding `length` random bf16 keys; both forests (τ = the median cell norm, so
 forest τ admits about half) advanced to the cells eligible at `length − blocks·block` tokens; then `blocks`
@@ -9,7 +9,9 @@ consecutive block admissions run in one jitted loop and the time per block is th
 chunk rebuilds are amortized the way decoding meets them. The same loop through the prefill formulation would
 rebuild every chunk tree at every block; its time per block is printed beside it (`fsb_select_from_summaries`
 for one query, the archive path's cost per block boundary and per token), and the beam search of one decode
-query over forest 0 in XLA and in the Pallas kernel (on a GPU). Target (FS-B issue): time per block flat in M
+query over forest 0 in XLA and in the Pallas kernel (on a GPU). `--looped-from`: the first chunk level built with
+`looped_leaf_order` (above the largest level: every level unrolled, the cache's compile time then grows
+quadratically in the levels). Target (FS-B issue): time per block flat in M
 (±20% from 16k to 128k).
 """
 
@@ -41,10 +43,11 @@ def main():
   parser.add_argument("--head-dim", type=int, default=64)
   parser.add_argument("--cell", type=int, default=32)
   parser.add_argument("--block", type=int, default=128)
+  parser.add_argument("--looped-from", type=int, default=forest_cache.LOOPED_FROM)
   args = parser.parse_args()
   per_block = args.block // args.cell
   print(f"{jax.devices()[0].device_kind}, one layer, {args.heads} heads x {args.head_dim}, cell {args.cell}, "
-        f"block {args.block}, mean over {args.blocks} blocks")
+        f"block {args.block}, mean over {args.blocks} blocks, levels from {args.looped_from} looped")
   kernels = jax.default_backend() == "gpu"
   print("| length | cells M | streaming update ms/block | vs first length | prefill-formulation rebuild ms | "
         "beam search ms (XLA) | beam search ms (kernel) |")
@@ -54,7 +57,7 @@ def main():
     cache, tau = filled_cache(length, args.heads, args.head_dim, args.cell, jax.random.PRNGKey(length))
     start_cells = (length - args.blocks * args.block) // args.cell
     advance = lambda c, target: forest_cache.advance(c, jnp.full((1,), target, jnp.int32), tau, cell=args.cell,
-                                                     block=args.block)
+                                                     block=args.block, looped_from=args.looped_from)
     cache = jax.jit(advance, static_argnums=1)(cache, start_cells)
 
     @jax.jit

@@ -4,6 +4,7 @@ forests, the same selections, and an update whose work per block does not grow w
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from fsjax.cache import archive as archive_lib
 from fsjax.cache import forest as forest_cache
@@ -19,7 +20,7 @@ def _filled_cache(rng, seq, dtype=jnp.float64):
   k = jnp.asarray(rng.standard_normal((BATCH, seq, HEADS, DIM)) * rng.uniform(0.5, 2.0, (BATCH, seq, HEADS, 1)))
   archive = cache.archive
   for start, stop in ((0, 37), (37, 38), (38, seq)):
-    pos = jnp.broadcast_to(jnp.arange(start, stop), (BATCH, stop - start))
+    pos = jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (BATCH, stop - start))
     archive = archive_lib.extend(archive, k[:, start:stop], k[:, start:stop], pos, jnp.ones(pos.shape, bool), CELL)
   tau = jnp.asarray(np.median(np.asarray(archive.max_norms).reshape(-1, HEADS), axis=0))
   return cache.replace(archive=archive), tau
@@ -54,13 +55,15 @@ def _prefill_forest(means, norms, admitted):
   return ops_forest.block_forests(table, roots, jnp.sum(admitted, dtype=jnp.int32)[None])
 
 
-def test_streaming_forests_equal_the_prefill_forests_after_every_block(rng):
+@pytest.mark.parametrize("looped_from", [forest_cache.LOOPED_FROM, 1], ids=["default", "every-level-looped"])
+def test_streaming_forests_equal_the_prefill_forests_after_every_block(rng, looped_from):
   """Both forests, every (row, head), after each block's admissions (rows one block apart), node for node;
-  chunk levels whose digits did not change are not touched."""
+  chunk levels whose digits did not change are not touched. With `looped_from=1` every chunk tree's leaf order
+  comes from `looped_leaf_order`."""
   seq = 160  # 40 cells: counts 0 … 40 cross every binary carry up to 32
   with jax.enable_x64(True):
     cache, tau = _filled_cache(rng, seq)
-    advance = jax.jit(lambda c, t: forest_cache.advance(c, t, tau, cell=CELL, block=BLOCK))
+    advance = jax.jit(lambda c, t: forest_cache.advance(c, t, tau, cell=CELL, block=BLOCK, looped_from=looped_from))
     means, norms = np.asarray(cache.archive.mean_keys), np.asarray(cache.archive.max_norms)
     for n in range(seq // BLOCK + 1):
       target = jnp.array([n, max(n - 1, 0)]) * (BLOCK // CELL)
@@ -90,6 +93,21 @@ def _assert_untouched_levels_kept(before, after):
     for name, value in after.nodes.items():
       kept_before = np.asarray(before.nodes[name][:, :, where])[keep]
       np.testing.assert_array_equal(np.asarray(value[:, :, where])[keep], kept_before)
+
+
+def test_looped_leaf_order_equals_the_reference_splits_including_ties(rng):
+  """`looped_leaf_order` against `chunk_leaf_orders` on 64 cells: random means, means with repeated rows (ties
+  in the farthest cell and in the projection sort, broken by cell index) and all-equal means (zero direction)."""
+  size = 64
+  ids = jnp.asarray(rng.permutation(200)[:size].astype(np.int32))
+  random = rng.standard_normal((size, DIM)) * rng.uniform(0.5, 2.0, (size, 1))
+  repeated = random[rng.integers(0, 5, size)]
+  equal = np.ones((size, DIM))
+  looped = jax.jit(forest_cache.looped_leaf_order)
+  reference = jax.jit(lambda m, i: ops_forest.chunk_leaf_orders(m, i, [size])[0][0])
+  with jax.enable_x64(True):
+    for means in (random, repeated, equal):
+      np.testing.assert_array_equal(looped(jnp.asarray(means), ids), reference(jnp.asarray(means), ids))
 
 
 def test_streaming_selection_equals_the_prefill_formulation_in_every_block(rng):

@@ -33,6 +33,10 @@ from fsjax.cache import archive as archive_lib
 from fsjax.ops import forest as ops_forest
 
 NO_NODE = ops_forest.NO_NODE
+# Chunk levels from this one up build their leaf order in a loop (`looped_leaf_order`): one compiled split per
+# level instead of k. Unrolled splits run faster, and the small levels are the ones built at almost every block;
+# a level k >= 6 is rebuilt once per 2^k admissions, so its slower loop costs little per block.
+LOOPED_FROM = 6
 
 
 def num_levels(max_cells):
@@ -119,9 +123,47 @@ def changed_levels(old_count, new_count, levels):
   return ((new >> k) & 1 == 1) & ((new >> k) != (old >> k))
 
 
-def _build_level(forest: Forest, archive, changed, k, *, cell):
+def looped_leaf_order(means, cell_ids):
+  """The leaf order of one chunk, `ops_forest.chunk_leaf_orders(means, cell_ids, [S])[0][0]`, with one loop body
+  for every depth: means `[S, d]` (S a power of two), cell_ids `[S]` → `[S]` positions into `means`.
+
+  The reference splits the `[2^j, S / 2^j]` nodes of depth j as a reshape, one traced split per depth; here the
+  node of each position is `position >> log₂ width` and the Eq. 19 reductions are segment sums, so the width
+  is a loop variable and a size-2^k chunk compiles one split instead of k. Same splits and tie rules; the sums
+  run in another order, so summaries agree to rounding.
+  """
+  size = means.shape[0]
+  positions = jnp.arange(size, dtype=jnp.int32)
+  largest = jnp.iinfo(jnp.int32).max
+
+  def split(depth, order):
+    shift = (size.bit_length() - 1) - depth  # log₂ of the node width at this depth
+    width = 1 << shift
+    node = positions >> shift
+    per_node = lambda reduce, v: reduce(v, node, num_segments=size, indices_are_sorted=True)
+    x_all, ids = means[order], cell_ids[order]
+    x = x_all - (per_node(jax.ops.segment_sum, x_all) / width.astype(means.dtype))[node]
+    norms = jnp.linalg.norm(x, axis=-1)
+    farthest = per_node(jax.ops.segment_min, jnp.where(norms == per_node(jax.ops.segment_max, norms)[node], ids,
+                                                       largest))
+    u = ops_forest.normalize(per_node(jax.ops.segment_sum, jnp.where((ids == farthest[node])[:, None], x, 0.0)))
+    for _ in range(2):
+      u = ops_forest.normalize(per_node(jax.ops.segment_sum, x * jnp.sum(x * u[node], axis=-1, keepdims=True)))
+    projection = jnp.sum(x * u[node], axis=-1)
+    *_, within = jax.lax.sort((node, projection, ids, positions), num_keys=3)  # nodes stay contiguous
+    sorted_ids = ids[within]
+    first_half = (positions & (width - 1)) < width // 2
+    lowest = lambda half: per_node(jax.ops.segment_min, jnp.where(half, sorted_ids, largest))
+    swap = lowest(first_half) > lowest(~first_half)  # the half holding the lower cell index goes left
+    within = jnp.where(swap[node], within[positions ^ (width // 2)], within)
+    return order[within]
+
+  return jax.lax.fori_loop(0, size.bit_length() - 1, split, positions)
+
+
+def _build_level(forest: Forest, archive, changed, k, *, cell, looped):
   """Builds the size-2^k chunk tree of every (row, forest head) where `changed` `[batch, heads]`, in place (forest
-  head h reads the archive's head h mod heads)."""
+  head h reads the archive's head h mod heads). `looped`: leaf order by `looped_leaf_order`."""
   size = 2**k
   start = (forest.count >> (k + 1)) << (k + 1)
   ids = jax.vmap(jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size)))(forest.arrivals, start)
@@ -132,7 +174,11 @@ def _build_level(forest: Forest, archive, changed, k, *, cell):
   means = archive.mean_keys[rows, safe, heads].astype(dtype)  # [batch, heads, size, d]
   norms = archive.max_norms[rows, safe, heads].astype(dtype)
   centers = ((safe + 0.5) * cell).astype(dtype)
-  build = lambda m, n, c, i: {name: x[0] for name, x in ops_forest.chunk_trees(m, n, c, i, size).items()}
+
+  def build(m, n, c, i):
+    order = looped_leaf_order(m, i)[None] if looped else None
+    return {name: x[0] for name, x in ops_forest.chunk_trees(m, n, c, i, size, order=order).items()}
+
   trees = jax.vmap(jax.vmap(build))(means, norms, centers, safe)
   where = slice(level_offset(k), level_offset(k) + 2 * size - 1)
   nodes = dict(forest.nodes)
@@ -164,11 +210,12 @@ def num_levels_of(forest: Forest):
   return num_levels(forest.arrivals.shape[-1])
 
 
-def admit(forest: Forest, archive, cells, accept, *, cell):
+def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FROM):
   """Appends the accepted cells to each (row, head)'s arrival order and rebuilds what changed.
 
   Args:
     cells: `[batch, n]` int32 cell indices, increasing along n; accept: `[batch, n, heads]` bool.
+    looped_from: levels k >= this build their leaf order with `looped_leaf_order` (see LOOPED_FROM).
 
   Returns:
     the forest with the changed chunk levels (`changed_levels`) rebuilt and its joins recomputed.
@@ -184,8 +231,8 @@ def admit(forest: Forest, archive, cells, accept, *, cell):
   changed = changed_levels(forest.count, new_count, levels)
   forest = forest.replace(arrivals=arrivals, count=new_count)
   pending = jnp.any(changed, axis=(0, 1))  # [levels]: a level is built once for every (row, head) that needs it
-  builders = [functools.partial(lambda f, k: _build_level(f, archive, changed[..., k], k, cell=cell), k=k)
-              for k in range(levels)]
+  builders = [functools.partial(lambda f, k: _build_level(f, archive, changed[..., k], k, cell=cell,
+                                                         looped=k >= looped_from), k=k) for k in range(levels)]
 
   def build_next(state):
     forest, pending = state
@@ -196,9 +243,9 @@ def admit(forest: Forest, archive, cells, accept, *, cell):
   return _rejoin(forest)
 
 
-def advance(cache: ForestCache, target, tau, *, cell, block):
+def advance(cache: ForestCache, target, tau, *, cell, block, looped_from=LOOPED_FROM):
   """Admits every cell below `target` `[batch]` (cells eligible for a block start), `block // cell` cells at a
-  time, into forest 0 and (where a_c ≥ τ `[heads]`) forest τ of every head."""
+  time, into forest 0 and (where a_c ≥ τ `[heads]`) forest τ of every head (`looped_from`: see `admit`)."""
   per_block = block // cell
   target = target.astype(jnp.int32)
 
@@ -210,7 +257,7 @@ def advance(cache: ForestCache, target, tau, *, cell, block):
                                 [:, :, None], axis=1)  # [batch, n, heads]
     every = jnp.broadcast_to(fresh[:, :, None], norms.shape)
     accept = jnp.concatenate([every, every & (norms >= tau)], axis=2)  # [batch, n, 2·heads]
-    forests = admit(cache.forests, cache.archive, cells, accept, cell=cell)
+    forests = admit(cache.forests, cache.archive, cells, accept, cell=cell, looped_from=looped_from)
     return cache.replace(forests=forests, admitted=jnp.maximum(lo, jnp.minimum(lo + per_block, target)))
 
   return jax.lax.while_loop(lambda cache: jnp.any(cache.admitted < target), one_block, cache)

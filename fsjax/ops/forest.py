@@ -36,7 +36,7 @@ def _prior(distance, lam, sigma):
   return lam * jax.scipy.special.erf(distance / (2.0 * sigma))
 
 
-def _normalize(u):
+def normalize(u):
   norm = jnp.linalg.norm(u, axis=-1, keepdims=True)
   return jnp.where(norm > 0, u / jnp.where(norm > 0, norm, 1.0), 0.0)
 
@@ -51,9 +51,9 @@ def _split_level(groups, means, cell_ids):
   norms = jnp.linalg.norm(x, axis=-1)
   farthest = jnp.argmin(jnp.where(norms == jnp.max(norms, axis=1, keepdims=True), ids, jnp.iinfo(jnp.int32).max),
                         axis=1)
-  u = _normalize(jnp.take_along_axis(x, farthest[:, None, None], axis=1)[:, 0])
+  u = normalize(jnp.take_along_axis(x, farthest[:, None, None], axis=1)[:, 0])
   for _ in range(2):
-    u = _normalize(jnp.einsum("gnd,gn->gd", x, jnp.einsum("gnd,gd->gn", x, u, precision=PRECISION),
+    u = normalize(jnp.einsum("gnd,gn->gd", x, jnp.einsum("gnd,gd->gn", x, u, precision=PRECISION),
                               precision=PRECISION))
   projection = jnp.einsum("gnd,gd->gn", x, u, precision=PRECISION)
   _, _, order = jax.lax.sort((projection, ids, jnp.broadcast_to(jnp.arange(groups.shape[1]), groups.shape)),
