@@ -1,7 +1,7 @@
 """Prefill and decode throughput, attention-state bytes and the HBM roofline: FS-L, FS, FS-B, TF++ and SWA.
 
     python benchmarks/decode.py [--lengths 4096,16384,65536,131072,262144] [--kinds fsl,fs,fsb,tfpp,swa]
-        [--decode-tokens 64] [--preset fs_341m] [--layers scanned|unrolled]
+        [--decode-tokens 64] [--preset fs_341m] [--layers scanned|unrolled] [--profile]
 
 Batch 1, random weights, bf16 parameters and caches. Each (kind, length) runs in its own subprocess. Prefill goes
 through `fsjax.decode.prefill` (2048-token chunks); decode through the on-device `decode_loop`. The roofline
@@ -10,7 +10,8 @@ bandwidth. Prints one table with ratios to TF++ at the same length, and the devi
 library calls) one compiled decode step launches: at batch 1 a step is short enough for launches to matter.
 `--layers unrolled` decodes with one layer body per layer instead of `nn.scan` over stacked layers and caches.
 FS-B prefills with the prefill formulation and decodes through the streaming forest cache, τ calibrated on the
-first 4096 tokens; its per-block forest update is timed alone by `forest_update.py`.
+first 4096 tokens; its per-block forest update is timed alone by `forest_update.py`. `--profile` traces one more
+decode loop per case and prints the device kernels that take the most time per token.
 """
 
 import dataclasses
@@ -26,7 +27,27 @@ def kernels_per_step(compiled_text):
   return len(re.findall(r"= [^=]*\b(?:fusion|custom-call)\(", compiled_text))
 
 
-def run_case(kind, length, decode_tokens, preset, chunk, layers):
+def top_kernels(trace_dir, tokens, count=12):
+  """`[(kernel name, ms per token, launches per token)]` of the device events in the Perfetto trace that
+  `jax.profiler.trace(..., create_perfetto_trace=True)` wrote under `trace_dir`, most time first."""
+  import collections
+  import gzip
+  import pathlib
+
+  path = next(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))
+  events = json.loads(gzip.decompress(path.read_bytes()))
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+             and "/device:GPU" in e.get("args", {}).get("name", "")}
+  time_us, launches = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in devices:
+      time_us[e["name"]] += e.get("dur", 0)
+      launches[e["name"]] += 1
+  return [(name, us / 1e3 / tokens, launches[name] / tokens) for name, us in time_us.most_common(count)]
+
+
+def run_case(kind, length, decode_tokens, preset, chunk, layers, profile=False):
   import jax
   import jax.numpy as jnp
 
@@ -60,13 +81,22 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers):
   warm = jax.tree_util.tree_map(jnp.copy, cache)  # decode_loop donates its cache: compile and warm up on a copy
   compiled = jax.jit(loop).lower(warm).compile().as_text()
   loop(warm).block_until_ready()  # compile
+  traced = jax.tree_util.tree_map(jnp.copy, cache) if profile else None
   start = time.perf_counter()
   loop(cache).block_until_ready()
   decode_s = (time.perf_counter() - start) / (decode_tokens - 1)
+  kernels = []
+  if profile:
+    import tempfile
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        loop(traced).block_until_ready()
+      kernels = top_kernels(trace_dir, decode_tokens - 1)
   param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(variables))
   return dict(kind=kind, length=length, prefill_tok_s=length / prefill_s, decode_tok_s=1 / decode_s,
               state_mib=state_bytes / 2**20, roofline_tok_s=copy_bandwidth() / (param_bytes + state_bytes),
-              kernels=kernels_per_step(compiled), layers=layers, device=jax.devices()[0].device_kind)
+              kernels=kernels_per_step(compiled), layers=layers, device=jax.devices()[0].device_kind,
+              top_kernels=kernels)
 
 
 def main():
@@ -74,13 +104,14 @@ def main():
   parser.add_argument("--decode-tokens", type=int, default=64)
   parser.add_argument("--chunk", type=int, default=2048)
   parser.add_argument("--layers", choices=("scanned", "unrolled"), default="scanned")
+  parser.add_argument("--profile", action="store_true", help="print each case's costliest kernels per token")
   args = parser.parse_args()
   if args.case:
-    print(json.dumps(run_case(*args.case, args.decode_tokens, args.preset, args.chunk, args.layers)))
+    print(json.dumps(run_case(*args.case, args.decode_tokens, args.preset, args.chunk, args.layers, args.profile)))
     return
   rows = run_cases(__file__, args.kinds, args.lengths,
                    ["--decode-tokens", args.decode_tokens, "--chunk", args.chunk, "--preset", args.preset,
-                    "--layers", args.layers], args.case_timeout)
+                    "--layers", args.layers, *(["--profile"] if args.profile else [])], args.case_timeout)
 
   base = {r["length"]: r for r in rows if r["kind"] == "tfpp" and "error" not in r}
   print(f"\n{args.preset}, batch 1, bf16, {args.layers} layers, "
@@ -96,6 +127,11 @@ def main():
     print(f"| {r['kind']} | {r['length']} | {r['prefill_tok_s']:,.0f} | {ratio('prefill_tok_s')} | "
           f"{r['decode_tok_s']:,.1f} | {ratio('decode_tok_s')} | {r['roofline_tok_s']:,.0f} | {r['state_mib']:.1f} | "
           f"{r['kernels']} |")
+  for r in rows:
+    if r.get("top_kernels"):
+      print(f"\n{r['kind']} at {r['length']:,}: costliest device kernels per decoded token")
+      for name, ms, launches in r["top_kernels"]:
+        print(f"  {ms:8.3f} ms  {launches:6.1f} launches  {name[:100]}")
 
 
 if __name__ == "__main__":

@@ -3,16 +3,18 @@
     python benchmarks/forest_update.py [--lengths 16384,65536,131072,262144] [--blocks 256] [--heads 16]
         [--head-dim 64] [--cell 32] [--block 128] [--looped-from 6]
 
-One layer, batch 1: an archive holding `length` random bf16 keys; both forests (τ = the median cell norm, so
-forest τ admits about half) advanced to the cells eligible at `length − blocks·block` tokens; then `blocks`
-consecutive block admissions run in one jitted loop and the time per block is their mean, so the rare large
-chunk rebuilds are amortized the way decoding meets them. The same loop through the prefill formulation would
-rebuild every chunk tree at every block; its time per block is printed beside it (`fsb_select_from_summaries`
-for one query, the archive path's cost per block boundary and per token), and the beam search of one decode
-query over forest 0 in XLA and in the Pallas kernel (on a GPU). `--looped-from`: the first chunk level built with
-`looped_leaf_order` (above the largest level: every level unrolled, the cache's compile time then grows
-quadratically in the levels). Target (FS-B issue): time per block flat in M
-(±20% from 16k to 128k).
+One layer, batch 1, `length` a power of two: an archive of `length + blocks·block` random bf16 keys; both forests
+(τ = the median cell norm, so forest τ admits about half) advanced to the cells eligible at `length` tokens, where
+forest 0 holds M = length / cell cells, a power of two, so every length starts its window at the same point of the
+binary counter; then `blocks` consecutive block admissions run in one jitted loop and the time per block is their
+mean (the same chunk levels are built in every length's window). The rare builds beyond the window are timed
+alone: one build of a level for every head of both forests (`--looped-from` levels up use `looped_leaf_order`),
+at level 2 (built about every block) and at the forest's top level (built once per M / (block / cell) blocks), so
+the amortized cost of the largest chunk is top-level ms ÷ that count. The same loop through the prefill
+formulation would rebuild every chunk tree at every block; its time is printed beside it
+(`fsb_select_from_summaries` for one query, the archive path's cost per block boundary and per token), and the
+beam search of one decode query over forest 0 in XLA and in the Pallas kernel (on a GPU). Target (FS-B issue):
+time per block flat in M (±20% from 16k to 128k).
 """
 
 import argparse
@@ -26,10 +28,10 @@ from fsjax.ops import forest as ops_forest
 from timing import median_ms
 
 
-def filled_cache(length, heads, dim, cell, key):
-  cache = forest_cache.empty_forest_cache(1, length, heads, dim, cell, jnp.bfloat16)
-  k = jax.random.normal(key, (1, length, heads, dim), jnp.bfloat16)
-  pos = jnp.arange(length, dtype=jnp.int32)[None]
+def filled_cache(capacity, heads, dim, cell, key):
+  cache = forest_cache.empty_forest_cache(1, capacity, heads, dim, cell, jnp.bfloat16)
+  k = jax.random.normal(key, (1, capacity, heads, dim), jnp.bfloat16)
+  pos = jnp.arange(capacity, dtype=jnp.int32)[None]
   archive = jax.jit(lambda a: archive_lib.extend(a, k, k, pos, jnp.ones(pos.shape, bool), cell))(cache.archive)
   tau = jnp.median(archive.max_norms[0].astype(jnp.float32), axis=0)
   return cache.replace(archive=archive), tau
@@ -43,19 +45,24 @@ def main():
   parser.add_argument("--head-dim", type=int, default=64)
   parser.add_argument("--cell", type=int, default=32)
   parser.add_argument("--block", type=int, default=128)
-  parser.add_argument("--looped-from", type=int, default=forest_cache.LOOPED_FROM)
+  parser.add_argument("--looped-from", type=int, default=forest_cache.LOOPED_FROM,
+                      help="first chunk level built by looped_leaf_order (above the top level: all unrolled)")
   args = parser.parse_args()
   per_block = args.block // args.cell
+  for length in args.lengths:
+    if length & (length - 1) or length < args.cell:
+      parser.error(f"--lengths must be powers of two >= --cell, got {length}")
   print(f"{jax.devices()[0].device_kind}, one layer, {args.heads} heads x {args.head_dim}, cell {args.cell}, "
         f"block {args.block}, mean over {args.blocks} blocks, levels from {args.looped_from} looped")
   kernels = jax.default_backend() == "gpu"
-  print("| length | cells M | streaming update ms/block | vs first length | prefill-formulation rebuild ms | "
-        "beam search ms (XLA) | beam search ms (kernel) |")
-  print("|---|---|---|---|---|---|---|", flush=True)
+  print(f"| length | cells M | update ms/block | vs first length | level-2 build ms | top-level build ms "
+        f"(every M/{per_block} blocks) | prefill-formulation rebuild ms | beam search ms (XLA) | beam search ms (kernel) |")
+  print("|---|---|---|---|---|---|---|---|---|", flush=True)
   first = None
   for length in args.lengths:
-    cache, tau = filled_cache(length, args.heads, args.head_dim, args.cell, jax.random.PRNGKey(length))
-    start_cells = (length - args.blocks * args.block) // args.cell
+    cache, tau = filled_cache(length + args.blocks * args.block, args.heads, args.head_dim, args.cell,
+                              jax.random.PRNGKey(length))
+    start_cells = length // args.cell
     advance = lambda c, target: forest_cache.advance(c, jnp.full((1,), target, jnp.int32), tau, cell=args.cell,
                                                      block=args.block, looped_from=args.looped_from)
     cache = jax.jit(advance, static_argnums=1)(cache, start_cells)
@@ -65,6 +72,10 @@ def main():
       return jax.lax.fori_loop(0, args.blocks, lambda n, c: advance(c, start_cells + (n + 1) * per_block), cache)
 
     update_ms = median_ms(blocks, cache, repeats=5) / args.blocks
+    every = jnp.ones(cache.forests.count.shape, bool)
+    build_ms = [median_ms(jax.jit(lambda f, a, k=k: forest_cache.build_level(
+        f, a, every, k, cell=args.cell, looped=k >= args.looped_from)), cache.forests, cache.archive, repeats=5)
+                for k in (2, forest_cache.num_levels(start_cells) - 1)]
     archive = cache.archive
     q = jax.random.normal(jax.random.PRNGKey(1), (1, 1, args.heads, args.head_dim), jnp.float32)
     rebuild = jax.jit(lambda a, q: ops_forest.fsb_select_from_summaries(
@@ -79,8 +90,8 @@ def main():
                for k in (False, True)]
     first = first or update_ms
     shown = lambda ms: "–" if ms is None else f"{ms:.3f}"
-    print(f"| {length:,} | {length // args.cell:,} | {update_ms:.3f} | {update_ms / first:.2f}x | {rebuild_ms:.2f} | "
-          f"{shown(beam_ms[0])} | {shown(beam_ms[1])} |", flush=True)
+    print(f"| {length:,} | {start_cells:,} | {update_ms:.3f} | {update_ms / first:.2f}x | {build_ms[0]:.3f} | "
+          f"{build_ms[1]:.2f} | {rebuild_ms:.2f} | {shown(beam_ms[0])} | {shown(beam_ms[1])} |", flush=True)
 
 
 if __name__ == "__main__":

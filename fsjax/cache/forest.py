@@ -161,7 +161,7 @@ def looped_leaf_order(means, cell_ids):
   return jax.lax.fori_loop(0, size.bit_length() - 1, split, positions)
 
 
-def _build_level(forest: Forest, archive, changed, k, *, cell, looped):
+def build_level(forest: Forest, archive, changed, k, *, cell, looped):
   """Builds the size-2^k chunk tree of every (row, forest head) where `changed` `[batch, heads]`, in place (forest
   head h reads the archive's head h mod heads). `looped`: leaf order by `looped_leaf_order`."""
   size = 2**k
@@ -231,7 +231,7 @@ def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FR
   changed = changed_levels(forest.count, new_count, levels)
   forest = forest.replace(arrivals=arrivals, count=new_count)
   pending = jnp.any(changed, axis=(0, 1))  # [levels]: a level is built once for every (row, head) that needs it
-  builders = [functools.partial(lambda f, k: _build_level(f, archive, changed[..., k], k, cell=cell,
+  builders = [functools.partial(lambda f, k: build_level(f, archive, changed[..., k], k, cell=cell,
                                                          looped=k >= looped_from), k=k) for k in range(levels)]
 
   def build_next(state):
