@@ -72,9 +72,8 @@ def main():
       return jax.lax.fori_loop(0, args.blocks, lambda n, c: advance(c, start_cells + (n + 1) * per_block), cache)
 
     update_ms = median_ms(blocks, cache, repeats=5) / args.blocks
-    every = jnp.ones(cache.forests.count.shape, bool)
-    build_ms = [median_ms(jax.jit(lambda f, a, k=k: forest_cache.build_level(
-        f, a, every, k, cell=args.cell, looped=k >= args.looped_from)), cache.forests, cache.archive, repeats=5)
+    build_ms = [median_ms(jax.jit(lambda f, a, k=k: forest_cache.level_trees(
+        f, a, k, cell=args.cell, looped=k >= args.looped_from)), cache.forests, cache.archive, repeats=5)
                 for k in (2, forest_cache.num_levels(start_cells) - 1)]
     archive = cache.archive
     q = jax.random.normal(jax.random.PRNGKey(1), (1, 1, args.heads, args.head_dim), jnp.float32)

@@ -132,7 +132,7 @@ def test_streaming_selection_equals_the_prefill_formulation_in_every_block(rng):
 
 
 def test_tree_builds_per_block_do_not_grow_with_the_number_of_cells():
-  """The binary counter's work, counted: the chunk levels built per block (one switch branch each, all rows and
+  """The binary counter's work, counted: the chunk levels built per block (one conditional each, all rows and
   heads at once) average the same small number near 2^6 cells as near 2^16, and the cells put into new trees
   per admitted cell grow only like log₂ M (each level is rebuilt once per 2^k admissions, 2^k cells each)."""
   per_block = 4

@@ -8,12 +8,12 @@ where it is. Each level k owns fixed storage for one perfect tree of 2^k leaves 
 preallocated node table per (batch row, head) — level k at `level_offset(k)`, the join nodes (Eq. 21, recomputed
 on every admission) at the end — and no admission reallocates, repacks or rereads the rest of it.
 
-Per block, a forest admits at most `block // cell` cells; the levels that change are built one switch branch
-each, for every (row, head) at once (masked): about one tree build per block whatever M (amortized), of
-log₂ M cells per admitted cell on average, where the archive path rebuilds every forest at every step
-(`fsjax.ops.forest.fsb_select_from_summaries`, the prefill formulation). Both forests of every head live in one
-table of `2·heads` entries, so one update and one search serve both. A `vmap` over heads would turn a
-data-dependent switch into a select that evaluates every branch, so the cache is written batched over
+Per block, a forest admits at most `block // cell` cells; each level that changes is built in its own conditional,
+for every (row, head) at once (masked), on operands the size of that level's tree: about one tree build per block
+whatever M (amortized), of log₂ M cells per admitted cell on average, where the archive path rebuilds every forest
+at every step (`fsjax.ops.forest.fsb_select_from_summaries`, the prefill formulation). Both forests of every head
+live in one table of `2·heads` entries, so one update and one search serve both. A `vmap` over heads would turn a
+data-dependent conditional into a select that evaluates both branches, so the cache is written batched over
 (row, head) by hand.
 
 The forests hold the cells eligible for the block of the last admission target (`advance`); a single-token step
@@ -21,8 +21,6 @@ advances to its own block and beam-searches the cached forests. A multi-token ch
 formulation over the archive (each query in it may sit in another block) and the forests catch up at the start
 of the next call, so they never lag by more than one chunk.
 """
-
-import functools
 
 import flax.struct
 import jax
@@ -161,9 +159,15 @@ def looped_leaf_order(means, cell_ids):
   return jax.lax.fori_loop(0, size.bit_length() - 1, split, positions)
 
 
-def build_level(forest: Forest, archive, changed, k, *, cell, looped):
-  """Builds the size-2^k chunk tree of every (row, forest head) where `changed` `[batch, heads]`, in place (forest
-  head h reads the archive's head h mod heads). `looped`: leaf order by `looped_leaf_order`."""
+def level_slice(k):
+  """Node ids of level k's tree in the node table."""
+  return slice(level_offset(k), level_offset(k) + 2 ** (k + 1) - 1)
+
+
+def level_trees(forest: Forest, archive, k, *, cell, looped):
+  """The size-2^k chunk tree over each (row, forest head)'s current level-k chunk (forest head h reads the
+  archive's head h mod heads): dict of `[batch, heads, 2^(k+1) − 1(, d)]` node fields, in heap order, in the
+  node table's dtypes. `looped`: leaf order by `looped_leaf_order`."""
   size = 2**k
   start = (forest.count >> (k + 1)) << (k + 1)
   ids = jax.vmap(jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size)))(forest.arrivals, start)
@@ -180,13 +184,7 @@ def build_level(forest: Forest, archive, changed, k, *, cell, looped):
     return {name: x[0] for name, x in ops_forest.chunk_trees(m, n, c, i, size, order=order).items()}
 
   trees = jax.vmap(jax.vmap(build))(means, norms, centers, safe)
-  where = slice(level_offset(k), level_offset(k) + 2 * size - 1)
-  nodes = dict(forest.nodes)
-  for name, tree in trees.items():
-    old = nodes[name][:, :, where]
-    mask = changed.reshape(*changed.shape, *([1] * (old.ndim - 2)))
-    nodes[name] = nodes[name].at[:, :, where].set(jnp.where(mask, tree.astype(old.dtype), old))
-  return forest.replace(nodes=nodes)
+  return {name: tree.astype(forest.nodes[name].dtype) for name, tree in trees.items()}
 
 
 def _rejoin(forest: Forest):
@@ -230,16 +228,22 @@ def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FR
   new_count = forest.count + jnp.sum(accept, axis=-1, dtype=jnp.int32)
   changed = changed_levels(forest.count, new_count, levels)
   forest = forest.replace(arrivals=arrivals, count=new_count)
-  pending = jnp.any(changed, axis=(0, 1))  # [levels]: a level is built once for every (row, head) that needs it
-  builders = [functools.partial(lambda f, k: build_level(f, archive, changed[..., k], k, cell=cell,
-                                                         looped=k >= looped_from), k=k) for k in range(levels)]
+  nodes = dict(forest.nodes)
+  for k in range(levels):
+    # One conditional per level, on level-k-sized operands, and the slice written back outside it: a conditional
+    # (or a switch over levels) that returned the whole node table would copy the table, O(M), at every build.
+    where = level_slice(k)
+    old = {name: nodes[name][:, :, where] for name in ops_forest.TREE_FIELDS}
 
-  def build_next(state):
-    forest, pending = state
-    k = jnp.argmax(pending)
-    return jax.lax.switch(k, builders, forest), pending.at[k].set(False)
+    def rebuilt(old, forest=forest, k=k):
+      mask = changed[..., k]
+      trees = level_trees(forest, archive, k, cell=cell, looped=k >= looped_from)
+      return {name: jnp.where(mask.reshape(*mask.shape, *([1] * (v.ndim - 2))), trees[name], v)
+              for name, v in old.items()}
 
-  forest, _ = jax.lax.while_loop(lambda state: jnp.any(state[1]), build_next, (forest, pending))
+    new = jax.lax.cond(jnp.any(changed[..., k]), rebuilt, lambda old: old, old)
+    nodes.update({name: nodes[name].at[:, :, where].set(value) for name, value in new.items()})
+  forest = forest.replace(nodes=nodes)
   return _rejoin(forest)
 
 
@@ -248,19 +252,22 @@ def advance(cache: ForestCache, target, tau, *, cell, block, looped_from=LOOPED_
   time, into forest 0 and (where a_c ≥ τ `[heads]`) forest τ of every head (`looped_from`: see `admit`)."""
   per_block = block // cell
   target = target.astype(jnp.int32)
+  archive = cache.archive  # read, never written, inside the loop: not part of its carry
 
-  def one_block(cache):
-    lo = cache.admitted
+  def one_block(state):
+    forests, lo = state
     cells = lo[:, None] + jnp.arange(per_block, dtype=jnp.int32)  # [batch, n]
     fresh = cells < target[:, None]
-    norms = jnp.take_along_axis(cache.archive.max_norms, jnp.minimum(cells, cache.archive.max_norms.shape[1] - 1)
-                                [:, :, None], axis=1)  # [batch, n, heads]
+    norms = jnp.take_along_axis(archive.max_norms, jnp.minimum(cells, archive.max_norms.shape[1] - 1)[:, :, None],
+                                axis=1)  # [batch, n, heads]
     every = jnp.broadcast_to(fresh[:, :, None], norms.shape)
     accept = jnp.concatenate([every, every & (norms >= tau)], axis=2)  # [batch, n, 2·heads]
-    forests = admit(cache.forests, cache.archive, cells, accept, cell=cell, looped_from=looped_from)
-    return cache.replace(forests=forests, admitted=jnp.maximum(lo, jnp.minimum(lo + per_block, target)))
+    forests = admit(forests, archive, cells, accept, cell=cell, looped_from=looped_from)
+    return forests, jnp.maximum(lo, jnp.minimum(lo + per_block, target))
 
-  return jax.lax.while_loop(lambda cache: jnp.any(cache.admitted < target), one_block, cache)
+  forests, admitted = jax.lax.while_loop(lambda state: jnp.any(state[1] < target), one_block,
+                                         (cache.forests, cache.admitted))
+  return cache.replace(forests=forests, admitted=admitted)
 
 
 def eligible_target(pos, valid, admitted, *, cell, block):
@@ -299,5 +306,6 @@ def select(cache: ForestCache, q, pos, *, lam, sigma, cell, top_k, beam, bound_c
   candidates = jnp.moveaxis(candidates.reshape(batch, count, 2, heads, beam), 2, 3).reshape(
       batch, count, heads, 2 * beam)
   archive = cache.archive
-  return ops_forest.rerank_candidates(q, pos, archive.tokens.k.astype(q.dtype), archive.max_norms.astype(q.dtype),
-                                      candidates, lam=lam, sigma=sigma, cell=cell, top_k=top_k)
+  # The keys stay in the archive's dtype: the rerank converts only the ≤ 2·beam cells it gathers.
+  return ops_forest.rerank_candidates(q, pos, archive.tokens.k, archive.max_norms.astype(q.dtype), candidates,
+                                      lam=lam, sigma=sigma, cell=cell, top_k=top_k)

@@ -156,6 +156,7 @@ def _join(a, b):
 
 
 SUMMARY = ("mu", "rho", "amax", "pmin", "first")
+TREE_FIELDS = (*SUMMARY, "leaf")  # what `chunk_trees` returns per node
 
 
 def join_chains(table, roots, admitted_before, first_join_id):
@@ -267,8 +268,9 @@ def token_rerank(q, positions, k, candidates, max_norms, *, lam, sigma, cell, to
   """Eq. 12 over the deduplicated candidates, then the top K (ties to the lower cell index).
 
   Args:
-    q: `[C, d]` at `positions` `[C]`; k: `[S, d]` keys (one head, unrotated, slot = position); candidates:
-      `[C, n]` cell indices (NO_NODE pad, repeats allowed); max_norms: `[M]`.
+    q: `[C, d]` at `positions` `[C]`; k: `[S, d]` keys (one head, unrotated, slot = position; any float dtype, the
+      gathered cells are computed in q's); candidates: `[C, n]` cell indices (NO_NODE pad, repeats allowed);
+      max_norms: `[M]`.
 
   Returns:
     `[C, top_k]` int32 cells in decreasing Eq. 12 score, NO_NODE in unused slots.
@@ -276,7 +278,7 @@ def token_rerank(q, positions, k, candidates, max_norms, *, lam, sigma, cell, to
   count_q, dim = q.shape
   num_cells = max_norms.shape[0]
   safe = jnp.maximum(candidates, 0)
-  tokens = k[: num_cells * cell].reshape(num_cells, cell, dim)[safe]  # [C, n, s, d]
+  tokens = k[: num_cells * cell].reshape(num_cells, cell, dim)[safe].astype(q.dtype)  # [C, n, s, d]
   mass = jax.nn.logsumexp(jnp.einsum("td,tnsd->tns", q, tokens, precision=PRECISION) / math.sqrt(dim), axis=-1)
   score = mass + max_norms[safe] * _prior(positions[:, None] - (safe + 0.5) * cell, lam, sigma)
   # Deduplicate: sort by cell index and keep the first of each run.
