@@ -56,7 +56,8 @@ def main():
         f"block {args.block}, mean over {args.blocks} blocks, levels from {args.looped_from} looped")
   kernels = jax.default_backend() == "gpu"
   print(f"| length | cells M | update ms/block | vs first length | level-2 build ms | top-level build ms "
-        f"(every M/{per_block} blocks) | prefill-formulation rebuild ms | beam search ms (XLA) | beam search ms (kernel) |")
+        f"(every M/{per_block} blocks) | prefill-formulation rebuild ms | beam search ms (XLA) | "
+        f"beam search ms (kernel) |")
   print("|---|---|---|---|---|---|---|---|---|", flush=True)
   first = None
   for length in args.lengths:
