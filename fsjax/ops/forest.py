@@ -54,7 +54,7 @@ def _split_level(groups, means, cell_ids):
   u = normalize(jnp.take_along_axis(x, farthest[:, None, None], axis=1)[:, 0])
   for _ in range(2):
     u = normalize(jnp.einsum("gnd,gn->gd", x, jnp.einsum("gnd,gd->gn", x, u, precision=PRECISION),
-                              precision=PRECISION))
+                             precision=PRECISION))
   projection = jnp.einsum("gnd,gd->gn", x, u, precision=PRECISION)
   _, _, order = jax.lax.sort((projection, ids, jnp.broadcast_to(jnp.arange(groups.shape[1]), groups.shape)),
                              dimension=1, num_keys=2)
