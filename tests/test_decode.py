@@ -98,6 +98,17 @@ def test_prefill_can_keep_only_each_rows_last_logits(rng):
   np.testing.assert_array_equal(np.asarray(last), np.asarray(full)[[0, 1], [99, 40]])
 
 
+def test_fsb_prefill_leaves_the_forests_current(rng):
+  """After a prompt, each row's forests hold the cells eligible for its next token's block, so a decode step
+  only builds what its own block adds (a 64-token row: 8 cells of 8 after two 32-token blocks)."""
+  config, model, variables = _setup("fsb")
+  tokens = jnp.asarray(rng.integers(3, config.vocab_size, (2, 64)))
+  _, cache = prefill(model, variables, tokens, jnp.array([64, 45]), init_cache(config, 2, 96), chunk=32)
+  for layer in cache.values():
+    np.testing.assert_array_equal(layer.admitted, [8, 4])
+    np.testing.assert_array_equal(layer.forests.count[:, :config.num_heads], [[8] * 4, [4] * 4])
+
+
 @pytest.mark.parametrize("kind", ["fs", "fsb", "tfpp", "swa", "zha"])
 def test_batch_of_different_lengths_equals_each_sequence_alone(rng, kind):
   config, model, variables = _setup(kind)

@@ -18,8 +18,9 @@ data-dependent conditional into a select that evaluates both branches, so the ca
 
 The forests hold the cells eligible for the block of the last admission target (`advance`); a single-token step
 advances to its own block and beam-searches the cached forests. A multi-token chunk selects with the prefill
-formulation over the archive (each query in it may sit in another block) and the forests catch up at the start
-of the next call, so they never lag by more than one chunk.
+formulation over the archive (each query in it may sit in another block), then advances the forests to the block
+of the token after it (`eligible_after`), so the next step finds them current and building a prompt's forests
+counts as prefill work, not as the first decode step's.
 """
 
 import flax.struct
@@ -274,6 +275,13 @@ def eligible_target(pos, valid, admitted, *, cell, block):
   """Cells eligible for the block of each row's first valid position `[batch]` (rows without one stay put)."""
   first = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max), axis=1)
   return jnp.where(jnp.any(valid, axis=1), first // block * (block // cell), admitted).astype(jnp.int32)
+
+
+def eligible_after(pos, valid, admitted, *, cell, block):
+  """Cells eligible for the block of the token after each row's last valid position `[batch]` (rows without one
+  stay put): every cell of a block that the chunk completed."""
+  last = jnp.max(jnp.where(valid, pos, -1), axis=1)
+  return jnp.where(jnp.any(valid, axis=1), (last + 1) // block * (block // cell), admitted).astype(jnp.int32)
 
 
 def search(forest: Forest, q, pos, *, lam, sigma, beam, bound_c, kernels=False):
