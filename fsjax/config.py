@@ -183,26 +183,52 @@ class DataConfig:
     tokenizer: a tokenizer.json; null = the packaged 32k byte-level BPE.
     seq_len: training context in tokens.
     recall_masks: compute the recall/switch masks of FS Eq. 13 per document (needed when recall_beta > 0).
+    recall_distance: a recall match lies more than this many tokens back (paper: 512, its local radius at a
+      4k context; scale it with the radius for smaller models).
+    recall_switch_window: a new recall start within this many tokens of the previous one can be a switch (64).
     copy_rate: copy curriculum (`fsjax.data.copies`): expected re-inserted earlier spans per training token;
       0 = off. Held-out text never gets copies.
     copy_span: [min, max] tokens per copy.
     copy_distance: [min, max] tokens from a copy's source to its insertion point.
+    source: "text" (the documents of train_path) or "random": rows of uniformly random ids into which the copy
+      curriculum splices its copies (`fsjax.data.random_rows`, a copying warm-up; needs copy_rate > 0).
+    random_ids: the ids random rows draw from, `[min, max)`; the default is the packaged tokenizer's
+      vocabulary without its three special tokens.
   """
   train_path: str | None = None
   eval_path: str | None = None
   tokenizer: str | None = None
   seq_len: int = 4096
   recall_masks: bool = False
+  recall_distance: int = 512
+  recall_switch_window: int = 64
   copy_rate: float = 0.0
   copy_span: tuple[int, ...] = (8, 32)
   copy_distance: tuple[int, ...] = (160, 960)
+  source: str = "text"
+  random_ids: tuple[int, ...] = (3, 32000)
 
   def __post_init__(self):
-    _positive(self, "data.", "seq_len")
+    _positive(self, "data.", "seq_len", "recall_distance", "recall_switch_window")
+    _one_of(self, "data.", "source", ("text", "random"))
+    if self.source == "random":
+      if len(self.random_ids) != 2 or not 0 <= self.random_ids[0] < self.random_ids[1]:
+        raise ConfigError(f"data.random_ids must be [min, max) with 0 <= min < max, got {list(self.random_ids)}")
+      if not self.copy_rate:
+        raise ConfigError("data.source random needs data.copy_rate > 0: its copies are all there is to learn")
+      if self.recall_masks:
+        raise ConfigError("data.recall_masks must be false with data.source random")
     try:
       validate_copies(rate=self.copy_rate, span=self.copy_span, distance=self.copy_distance, prefix="data.")
     except ValueError as e:
       raise ConfigError(str(e)) from None
+
+  @property
+  def recall(self):
+    """Keyword arguments of `fsjax.data.recall.recall_masks`, or None when the masks are off."""
+    if not self.recall_masks:
+      return None
+    return dict(min_distance=self.recall_distance, switch_window=self.recall_switch_window)
 
   @property
   def copies(self):
@@ -364,6 +390,9 @@ class Config:
   log: LogConfig = dataclasses.field(default_factory=LogConfig)
 
   def __post_init__(self):
+    if self.data.source == "random" and self.data.random_ids[1] > self.model.vocab_size:
+      raise ConfigError(f"data.random_ids must lie below model.vocab_size={self.model.vocab_size}, got "
+                        f"{list(self.data.random_ids)}")
     if self.train.objective == "zha_kl" and self.model.attention.kind != "zha":
       raise ConfigError(f"train.objective zha_kl needs model.attention.kind zha, got "
                         f"{self.model.attention.kind!r}")

@@ -9,6 +9,7 @@ import grain
 import numpy as np
 import pytest
 
+from fsjax.config import ConfigError, DataConfig
 from fsjax.data.pipeline import (Encode, default_corpus_path, make_eval_batches, make_train_iterator, pack,
                                  read_documents)
 from fsjax.data.recall import recall_masks
@@ -269,7 +270,7 @@ def _recall_text(rng):
 
 def test_encode_recall_masks_align_with_tokens(tokenizer, rng):
   text = _recall_text(rng)
-  element = Encode(None, masks=True)(text)
+  element = Encode(None, masks={})(text)
   ids = np.asarray(tokenizer.encode(text).ids)
   recall, switch = recall_masks(ids)
   assert set(element) == {"tokens", "recall", "switch"}
@@ -279,9 +280,19 @@ def test_encode_recall_masks_align_with_tokens(tokenizer, rng):
   assert element["recall"].dtype == np.float32 and element["recall"].sum() > 50
 
 
+def test_encode_recall_distance_reaches_the_masks(tokenizer):
+  # One sentence repeated 40 tokens after itself: a recall target only when matches may lie closer than 512.
+  text = "the quick brown fox jumps over the lazy dog near a red barn " * 3
+  ids = np.asarray(tokenizer.encode(text).ids)
+  near = Encode(None, masks=dict(min_distance=8, switch_window=4))(text)
+  np.testing.assert_array_equal(near["recall"][:-1], np.asarray(recall_masks(ids, min_distance=8,
+                                                                             switch_window=4)[0], np.float32))
+  assert near["recall"].sum() > 0 and Encode(None, masks={})(text)["recall"].sum() == 0
+
+
 def test_train_recall_masks(tmp_path, rng):
   path = _write_jsonl(tmp_path / "recall.jsonl", [_recall_text(rng), "a short document without repeats"])
-  iterator = _train(path, recall_masks=True, seq_len=64)
+  iterator = _train(path, recall_masks={}, seq_len=64)
   batches = [next(iterator) for _ in range(30)]
   for batch in batches:
     assert set(batch) == {"tokens", "recall", "switch"}
@@ -308,3 +319,12 @@ def test_eval_batches_in_order_and_deterministic(tokenizer, word_corpus):
   assert len(again) == 2
   for a, b in zip(again, batches):
     np.testing.assert_array_equal(a, b)
+
+
+def test_data_config_recall_arguments():
+  assert DataConfig().recall is None
+  assert DataConfig(recall_masks=True).recall == dict(min_distance=512, switch_window=64)
+  assert DataConfig(recall_masks=True, recall_distance=128, recall_switch_window=16).recall == dict(
+      min_distance=128, switch_window=16)
+  with pytest.raises(ConfigError, match="data.recall_distance must be positive"):
+    DataConfig(recall_distance=0)

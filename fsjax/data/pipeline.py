@@ -7,6 +7,7 @@ window; evaluation keeps the held-out documents in order. Optional recall/switch
 document and packed alongside the tokens, so they stay aligned with them.
 """
 
+import functools
 import gzip
 import itertools
 import json
@@ -75,20 +76,20 @@ def read_documents(path):
 class Encode:
   """Grain map from a document's text to `{"tokens": int32 [n + 1]}`: its n tokens, then EOS.
 
-  With `masks=True` also `recall` and `switch`, float32 `[n + 1]` from `fsjax.data.recall.recall_masks` on the
-  document's tokens, 0 at the EOS. With `copies` (keyword arguments of `fsjax.data.copies.insert_copies`) the
+  With `masks` (keyword arguments of `fsjax.data.recall.recall_masks`, `{}` for the paper's) also `recall` and
+  `switch`, float32 `[n + 1]` from `recall_masks` on the document's tokens, 0 at the EOS. With `copies` (keyword arguments of `fsjax.data.copies.insert_copies`) the
   copy curriculum is applied to the tokens first, so the masks see the copies; the map then needs a random
   generator (`MapDataset.random_map`).
   """
 
-  def __init__(self, tokenizer_path, masks=False, copies=None):
+  def __init__(self, tokenizer_path, masks=None, copies=None):
     self._tokenizer = load_tokenizer(tokenizer_path)
     self._eos = eos_id(self._tokenizer)
     self._copies = copies
     self._recall_masks = None
-    if masks:
+    if masks is not None:
       from fsjax.data.recall import recall_masks  # lazy: only recall-weighted training needs it
-      self._recall_masks = recall_masks
+      self._recall_masks = functools.partial(recall_masks, **masks)
 
   def __call__(self, text, rng=None):
     # `encode_batch` releases the GIL (`encode` holds it), so tokenizing a book in a grain thread does not
@@ -109,8 +110,8 @@ class Encode:
 
 
 def feature_keys(masks):
-  """Keys of every element: `tokens`, plus the mask keys when `masks`."""
-  return ("tokens", *MASK_KEYS) if masks else ("tokens",)
+  """Keys of every element: `tokens`, plus the mask keys when `masks` (recall-mask arguments) is not None."""
+  return ("tokens", *MASK_KEYS) if masks is not None else ("tokens",)
 
 
 def pack(dataset, *, seq_len, keys):
@@ -170,13 +171,14 @@ def _slices_as_tuples(state):
 
 
 def make_train_iterator(*, path, tokenizer_path, seq_len, batch_size, seed, shard_index=0, shard_count=1,
-                        recall_masks=False, copies=None, shuffle_window_tokens=SHUFFLE_WINDOW_TOKENS):
+                        recall_masks=None, copies=None, shuffle_window_tokens=SHUFFLE_WINDOW_TOKENS):
   """Infinite, deterministic, shardable iterator of packed training batches (see `TrainIterator`).
 
   Process `shard_index` of `shard_count` reads every `shard_count`-th document of `path` (disjoint slices of
   whole documents), reshuffles its documents every epoch from `seed`, packs them and shuffles rows within
   consecutive windows of `max(batch_size, shuffle_window_tokens // (seq_len + 1))` rows. The same arguments give
-  the same batches. `tokenizer_path=None` is the packaged tokenizer. `copies`: keyword arguments of
+  the same batches. `tokenizer_path=None` is the packaged tokenizer. `recall_masks`: keyword arguments of
+  `fsjax.data.recall.recall_masks` (`{}` for the paper's) to add the Eq. 13 masks, or None. `copies`: those of
   `fsjax.data.copies.insert_copies` for the copy curriculum (drawn afresh per document and epoch from `seed`),
   or None.
   """

@@ -1,0 +1,58 @@
+"""Random-id rows with spliced copies (fsjax.data.random_rows) and their config rules."""
+
+import json
+
+import numpy as np
+import pytest
+
+from fsjax.config import Config, ConfigError, DataConfig, model_preset
+from fsjax.data.copies import insert_copies
+from fsjax.data.random_rows import make_random_iterator, random_row
+
+COPIES = dict(rate=0.02, span=(8, 16), distance=(20, 60))
+
+
+def test_a_row_is_random_ids_with_the_curriculums_copies():
+  row = random_row(7, seed=3, length=300, vocab=(3, 5000), copies=COPIES)
+  rng = np.random.default_rng([3, 7])
+  ids = rng.integers(3, 5000, 300, dtype=np.int32)
+  np.testing.assert_array_equal(row, insert_copies(ids, rng, **COPIES)[:300])
+  assert row.shape == (300,) and row.dtype == np.int32 and row.min() >= 3 and row.max() < 5000
+  # The copies are there: some 8-gram occurs twice (random ids over 5000 would almost never repeat one).
+  grams = [tuple(row[i:i + 8]) for i in range(len(row) - 7)]
+  assert len(set(grams)) < len(grams)
+  assert not np.array_equal(row, random_row(8, seed=3, length=300, vocab=(3, 5000), copies=COPIES))
+
+
+def test_iterator_resumes_from_its_json_state_and_shards_rows():
+  make = lambda **kw: make_random_iterator(seq_len=64, batch_size=3, seed=0, vocab=(3, 500), copies=COPIES, **kw)
+  iterator = make()
+  first = next(iterator)["tokens"]
+  assert first.shape == (3, 65) and first.dtype == np.int32
+  state = json.loads(json.dumps(iterator.get_state()))
+  expected = [next(iterator)["tokens"] for _ in range(2)]
+  resumed = make()
+  resumed.set_state(state)
+  for batch in expected:
+    np.testing.assert_array_equal(next(resumed)["tokens"], batch)
+  shards = [next(make(shard_index=i, shard_count=2))["tokens"] for i in range(2)]
+  np.testing.assert_array_equal(shards[0][0], first[0])  # shard 0 reads rows 0, 2, 4
+  np.testing.assert_array_equal(shards[1][0], first[1])  # shard 1 reads rows 1, 3, 5
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(source="noise"), "data.source must be one of"),
+    (dict(source="random", copy_rate=0.01, random_ids=(5, 5)), "data.random_ids must be"),
+    (dict(source="random"), "data.source random needs data.copy_rate > 0"),
+    (dict(source="random", copy_rate=0.01, recall_masks=True), "data.recall_masks must be false"),
+])
+def test_random_source_rules(fields, message):
+  with pytest.raises(ConfigError, match=message):
+    DataConfig(**fields)
+
+
+def test_random_ids_must_fit_the_vocabulary():
+  data = dict(seq_len=64, source="random", copy_rate=0.01, copy_span=(4, 8), copy_distance=(8, 16))
+  with pytest.raises(ConfigError, match="data.random_ids must lie below model.vocab_size=512"):
+    Config(model=model_preset("tiny"), data=DataConfig(**data))
+  Config(model=model_preset("tiny"), data=DataConfig(**data, random_ids=(3, 512)))
