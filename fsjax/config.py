@@ -216,6 +216,9 @@ class DataConfig:
         raise ConfigError(f"data.random_ids must be [min, max) with 0 <= min < max, got {list(self.random_ids)}")
       if not self.copy_rate:
         raise ConfigError("data.source random needs data.copy_rate > 0: its copies are all there is to learn")
+      if self.copy_distance[0] >= self.seq_len:
+        raise ConfigError(f"data.copy_distance min must be < data.seq_len={self.seq_len} with data.source random "
+                          f"(a row holds no copy otherwise), got {self.copy_distance[0]}")
       if self.recall_masks:
         raise ConfigError("data.recall_masks must be false with data.source random")
     try:

@@ -281,7 +281,7 @@ def test_encode_recall_masks_align_with_tokens(tokenizer, rng):
 
 
 def test_encode_recall_distance_reaches_the_masks(tokenizer):
-  # One sentence repeated 40 tokens after itself: a recall target only when matches may lie closer than 512.
+  # One short sentence three times: its repeats are recall targets only when a match may lie closer than 512.
   text = "the quick brown fox jumps over the lazy dog near a red barn " * 3
   ids = np.asarray(tokenizer.encode(text).ids)
   near = Encode(None, masks=dict(min_distance=8, switch_window=4))(text)

@@ -45,6 +45,7 @@ def test_iterator_resumes_from_its_json_state_and_shards_rows():
     (dict(source="random", copy_rate=0.01, random_ids=(5, 5)), "data.random_ids must be"),
     (dict(source="random"), "data.source random needs data.copy_rate > 0"),
     (dict(source="random", copy_rate=0.01, recall_masks=True), "data.recall_masks must be false"),
+    (dict(source="random", copy_rate=0.01, seq_len=128), "data.copy_distance min must be < data.seq_len=128"),
 ])
 def test_random_source_rules(fields, message):
   with pytest.raises(ConfigError, match=message):

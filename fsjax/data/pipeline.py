@@ -77,9 +77,9 @@ class Encode:
   """Grain map from a document's text to `{"tokens": int32 [n + 1]}`: its n tokens, then EOS.
 
   With `masks` (keyword arguments of `fsjax.data.recall.recall_masks`, `{}` for the paper's) also `recall` and
-  `switch`, float32 `[n + 1]` from `recall_masks` on the document's tokens, 0 at the EOS. With `copies` (keyword arguments of `fsjax.data.copies.insert_copies`) the
-  copy curriculum is applied to the tokens first, so the masks see the copies; the map then needs a random
-  generator (`MapDataset.random_map`).
+  `switch`, float32 `[n + 1]` from `recall_masks` on the document's tokens, 0 at the EOS. With `copies` (keyword
+  arguments of `fsjax.data.copies.insert_copies`) the copy curriculum is applied to the tokens first, so the masks
+  see the copies; the map then needs a random generator (`MapDataset.random_map`).
   """
 
   def __init__(self, tokenizer_path, masks=None, copies=None):
