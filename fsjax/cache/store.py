@@ -49,7 +49,7 @@ def write(store: KVStore, k, v, pos, valid):
   rows = jnp.arange(pos.shape[0])[:, None]
   return KVStore(k=store.k.at[rows, slot].set(k.astype(store.k.dtype), mode="drop"),
                  v=store.v.at[rows, slot].set(v.astype(store.v.dtype), mode="drop"),
-                 pos=store.pos.at[rows, slot].set(pos, mode="drop"))
+                 pos=store.pos.at[rows, slot].set(pos.astype(store.pos.dtype), mode="drop"))
 
 
 def visible(q_pos, k_pos, window=None):
