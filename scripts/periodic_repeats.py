@@ -1,13 +1,13 @@
 """Can a config's model learn to copy? Trains it on rows of random ids that repeat with one period (half the row)
 and prints the loss and the greedy accuracy on the repeat (issue #9's diagnosis, docs/results.md run 4).
 
-    python scripts/periodic_repeats.py [--config configs/repro/repro_tfpp.yaml] [--set model.attention.impl=reference]
-        [--ids 512] [--steps 600] [--lr 1.5e-3]
+    python scripts/periodic_repeats.py [--config configs/repro/repro_tfpp.yaml] [--ids 512] [--batch-size 16]
+        [--set train.steps=600 --set train.warmup_steps=50 --set model.attention.impl=reference ...]
 
 One period means a head attending exactly one period back solves the task, so success here shows that the
 model, its attention path and the optimizer can learn an attention pattern that copies, not that the model has
-content-based induction (train with `data.source: random` for that). AdamW (β 0.9/0.95, weight decay 0.1, clip
-1.0), linear warmup then cosine to a tenth of `--lr`; fresh rows every step from a fixed seed.
+content-based induction (train with `data.source: random` for that). The optimizer and schedule are the config's
+(`fsjax.train.optim.make_optimizer`); fresh rows every step from a fixed seed.
 """
 
 import argparse
@@ -20,6 +20,7 @@ import optax
 
 from fsjax.config import load_config
 from fsjax.model import Transformer
+from fsjax.train.optim import make_optimizer
 
 
 def main():
@@ -27,23 +28,16 @@ def main():
   parser.add_argument("--config", default="configs/repro/repro_tfpp.yaml")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
   parser.add_argument("--ids", type=int, default=512, help="rows draw ids from [0, ids)")
-  parser.add_argument("--steps", type=int, default=600)
   parser.add_argument("--batch-size", type=int, default=16)
-  parser.add_argument("--lr", type=float, default=1.5e-3)
-  parser.add_argument("--warmup", type=int, default=50)
   parser.add_argument("--every", type=int, default=50, help="print every this many steps")
   args = parser.parse_args()
   config = load_config(args.config, args.set)
   if not 0 < args.ids <= config.model.vocab_size:
     raise SystemExit(f"--ids must be in [1, vocab_size={config.model.vocab_size}], got {args.ids}")
-  if not 0 <= args.warmup < args.steps:
-    raise SystemExit(f"--warmup must be in [0, --steps={args.steps}), got {args.warmup}")
   model = Transformer(config.model)
   period = config.data.seq_len // 2
   params = jax.jit(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 64), jnp.int32))["params"])()
-  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.steps, args.lr / 10)
-  optimizer = optax.chain(optax.clip_by_global_norm(1.0),
-                          optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
+  optimizer = make_optimizer(config.train)
   opt_state = optimizer.init(params)
 
   def loss_fn(params, tokens):
@@ -59,7 +53,7 @@ def main():
 
   rng = np.random.default_rng(0)
   start = time.time()
-  for i in range(args.steps + 1):
+  for i in range(config.train.steps + 1):
     ids = rng.integers(0, args.ids, (args.batch_size, period))
     tokens = jnp.asarray(np.concatenate([ids, ids, ids[:, :1]], axis=1), jnp.int32)
     params, opt_state, loss, accuracy = step(params, opt_state, tokens)
