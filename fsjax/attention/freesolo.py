@@ -93,14 +93,14 @@ class FreeSoloAttention(nn.Module):
     return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
 
   def _select_streaming(self, cache, q, positions, valid, lam, sigma, tau):
-    """FS-B through the forest cache: the forests advance to the block of each row's first query; a single-token
-    step beam-searches them, a longer chunk (queries in several blocks) leaves selection to the archive's
-    prefill formulation (None) and advances the forests past its last token."""
-    target = forest_lib.eligible_target(positions, valid, cache.admitted, cell=self.cell, block=self.block)
-    cache = forest_lib.advance(cache, target, tau, cell=self.cell, block=self.block)
+    """FS-B through the forest cache. A longer chunk (queries in several blocks) leaves selection to the
+    archive's prefill formulation (None) and advances the forests past its last token; a single-token step
+    advances them to its own block and beam-searches them."""
     if q.shape[1] > 1:
       target = forest_lib.eligible_after(positions, valid, cache.admitted, cell=self.cell, block=self.block)
       return forest_lib.advance(cache, target, tau, cell=self.cell, block=self.block), None
+    target = forest_lib.eligible_target(positions, valid, cache.admitted, cell=self.cell, block=self.block)
+    cache = forest_lib.advance(cache, target, tau, cell=self.cell, block=self.block)
     kernels = use_kernels(self.impl, cell=self.cell, head_dim=self.head_dim) and self.beam & (self.beam - 1) == 0
     return cache, forest_lib.select(cache, q, positions, lam=lam, sigma=sigma, cell=self.cell, top_k=self.top_k,
                                     beam=self.beam, bound_c=self.bound_c, kernels=kernels)
