@@ -102,6 +102,42 @@ def test_capped_decode_through_the_kernels_equals_the_reference(rng):
   assert_close(np.concatenate(outputs, axis=1), expected[:, 40:], jnp.float32, scale=5)
 
 
+def _random_zha_cache(rng, batch, capacity, heads, dim, refs, chunk, levels, dtype):
+  """A ZHA cache of random tangents per level (routing reads nothing else) in which every odd node repeats the
+  node before it, so scores tie exactly and the lower-index rule decides."""
+  cache = zha_cache.empty_zha(batch, capacity, heads, dim, refs=refs, chunk=chunk, levels=levels, dtype=dtype)
+
+  def tied(x):
+    x[:, 1::2] = x[:, 0:x.shape[1] - 1:2]
+    return jnp.asarray(x, dtype)
+
+  keys = tuple(tied(rng.standard_normal(k.shape) * rng.uniform(0.5, 2.0, k.shape[:-1] + (1,))) for k in cache.keys)
+  bias = tuple(tied(rng.standard_normal(b.shape)) for b in cache.bias)
+  return cache.replace(keys=keys, bias=bias)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("refs,dim,chunk,levels,top_p,max_nodes", [
+    (4, 64, 4, 2, (0.9, 0.8), 3),  # the cap binds
+    (1, 96, 8, 2, (0.95, 0.95), 64),  # top-p binds
+    (2, 32, 2, 3, (1.0, 0.5, 0.9), 5),  # p = 1 keeps every candidate up to the cap
+])
+def test_capped_routing_through_the_kernel_equals_the_jnp_descent(rng, dtype, refs, dim, chunk, levels, top_p,
+                                                                  max_nodes):
+  """`route_gathered` with the scoring kernel keeps the same leaves as without it, in half precision too (both
+  score in float32), with exact ties, at positions with none, some and many complete top-level nodes."""
+  batch, heads, capacity = 3, 2, 300
+  cache = _random_zha_cache(rng, batch, capacity, heads, dim, refs, chunk, levels, dtype)
+  for position in ([3, chunk**levels + 5, capacity - 1], [capacity - 2, 40, 150]):
+    position = jnp.asarray(position, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((batch, heads, dim)) * 2, dtype)
+    routing = dict(chunk=chunk, top_p=top_p, max_nodes=max_nodes)
+    leaves = [np.where(np.asarray(keep), np.asarray(kept), tree_routing.NO_NODE) for kept, keep, _ in
+              (zha_cache.route_gathered(cache, q, position, kernels=kernels, **routing) for kernels in (True, False))]
+    np.testing.assert_array_equal(np.sort(leaves[0], -1), np.sort(leaves[1], -1))
+    assert np.any(leaves[1] >= 0)
+
+
 @pytest.mark.parametrize("interpret", kernel_modes())
 @pytest.mark.parametrize("beam,dim,seq,queries", [(4, 16, 640, 5), (16, 64, 2048, 16), (2, 24, 128, 1)])
 def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):

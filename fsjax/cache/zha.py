@@ -164,9 +164,11 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
     if kernels:
       return tree_routing.score_candidates(q, cache.keys[level - 1], cache.bias[level - 1],
                                            jnp.where(valid, index, tree_routing.NO_NODE))
-    keys = _gather_nodes(cache.keys[level - 1], index).astype(q.dtype)  # [batch, heads, K, R, d]
-    bias = _gather_nodes(cache.bias[level - 1], index).astype(q.dtype)
-    return jnp.max(jnp.einsum("bhd,bhkrd->bhkr", q, keys, precision=PRECISION) / math.sqrt(dim) + bias, -1)
+    dtype = jnp.promote_types(q.dtype, jnp.float32)  # as the kernel: half-precision scores tie and reorder nodes
+    keys = _gather_nodes(cache.keys[level - 1], index).astype(dtype)  # [batch, heads, K, R, d]
+    bias = _gather_nodes(cache.bias[level - 1], index).astype(dtype)
+    return jnp.max(jnp.einsum("bhd,bhkrd->bhkr", q.astype(dtype), keys, precision=PRECISION) / math.sqrt(dim)
+                   + bias, -1)
 
   top = cache.keys[-1].shape[1]
   index = jnp.broadcast_to(jnp.arange(top), (batch, heads, top))
