@@ -1,5 +1,7 @@
 """Training-system units: schedules, decay mask, weighted loss, skipped non-finite steps, sharding rules."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,13 +27,16 @@ def test_wsd_schedule_is_flat_then_decays_linearly_over_the_last_fifth():
                              [0.5, 1.0, 1.0, 1.0, 0.505, 0.01, 0.01], atol=1e-6)
 
 
-def test_no_weight_decay_on_norms_gains_and_alpha():
-  params = init_variables(model_preset("tiny"), jax.random.PRNGKey(0))["params"]
-  mask = decay_mask(params)
-  attention = mask["layer_0"]["attention"]
-  assert attention["q_proj"]["kernel"] and mask["embed"]["embedding"]
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_no_weight_decay_on_norms_gains_and_alpha(scan_layers):
+  """Scanned layers stack every parameter on a layer axis (norm scales become 2-D): the mask must not change."""
+  config = dataclasses.replace(model_preset("tiny"), scan_layers=scan_layers)
+  mask = decay_mask(init_variables(config, jax.random.PRNGKey(0))["params"])
+  layer = mask["layers"]["layer"] if scan_layers else mask["layer_0"]
+  attention = layer["attention"]
+  assert attention["q_proj"]["kernel"] and layer["mlp"]["down"]["kernel"] and mask["embed"]["embedding"]
   assert not attention["alpha"] and not attention["lr_gain"]
-  assert not mask["layer_0"]["attention_norm"]["scale"] and not mask["final_norm"]["scale"]
+  assert not layer["attention_norm"]["scale"] and not layer["mlp_norm"]["scale"] and not mask["final_norm"]["scale"]
 
 
 def test_recall_weighted_loss_matches_eq_13(rng):

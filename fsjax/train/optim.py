@@ -27,9 +27,14 @@ def learning_rate_schedule(train: TrainConfig):
       boundaries=[warmup, warmup + stable])
 
 
+DECAYED = ("kernel", "embedding")
+
+
 def decay_mask(params):
-  """Weight decay on matrices only: no decay on norm scales, readout gains, α or biases (all 1-D)."""
-  return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+  """Weight decay on projection kernels and the embedding only: not on norm scales, readout gains, α or ZHA's
+  reference queries. Decided by name, not rank: with `scan_layers` every parameter gains a leading layer axis, and
+  a rule of `ndim >= 2` decayed the stacked norm scales, gains and α."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) in DECAYED, params)
 
 
 def trainable_labels(params):
