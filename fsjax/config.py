@@ -191,9 +191,12 @@ class DataConfig:
     copy_span: [min, max] tokens per copy.
     copy_distance: [min, max] tokens from a copy's source to its insertion point.
     source: "text" (the documents of train_path) or "random": rows of uniformly random ids into which the copy
-      curriculum splices its copies (`fsjax.data.random_rows`, a copying warm-up; needs copy_rate > 0).
+      curriculum splices its copies, or which tile one random sequence (`fsjax.data.random_rows`, a copying
+      warm-up; needs copy_rate > 0 or random_period, not both).
     random_ids: the ids random rows draw from, `[min, max)`; the default is the packaged tokenizer's
       vocabulary without its three special tokens.
+    random_period: [min, max] length of the random sequence a tiled random row repeats (drawn per row); null =
+      rows with copies instead.
   """
   train_path: str | None = None
   eval_path: str | None = None
@@ -207,6 +210,7 @@ class DataConfig:
   copy_distance: tuple[int, ...] = (160, 960)
   source: str = "text"
   random_ids: tuple[int, ...] = (3, 32000)
+  random_period: tuple[int, ...] | None = None
 
   def __post_init__(self):
     _positive(self, "data.", "seq_len", "recall_distance", "recall_switch_window")
@@ -214,13 +218,20 @@ class DataConfig:
     if self.source == "random":
       if len(self.random_ids) != 2 or not 0 <= self.random_ids[0] < self.random_ids[1]:
         raise ConfigError(f"data.random_ids must be [min, max) with 0 <= min < max, got {list(self.random_ids)}")
-      if not self.copy_rate:
-        raise ConfigError("data.source random needs data.copy_rate > 0: its copies are all there is to learn")
-      if self.copy_distance[0] >= self.seq_len:
+      if bool(self.copy_rate) == (self.random_period is not None):
+        raise ConfigError("data.source random needs exactly one of data.copy_rate > 0 and data.random_period: "
+                          "its copies or its repeats are all there is to learn")
+      if self.random_period is not None and (len(self.random_period) != 2
+                                             or not 1 <= self.random_period[0] <= self.random_period[1] < self.seq_len):
+        raise ConfigError(f"data.random_period must be [min, max] with 1 <= min <= max < data.seq_len={self.seq_len} "
+                          f"(a row repeats its sequence at least once), got {list(self.random_period)}")
+      if self.copy_rate and self.copy_distance[0] >= self.seq_len:
         raise ConfigError(f"data.copy_distance min must be < data.seq_len={self.seq_len} with data.source random "
                           f"(a row holds no copy otherwise), got {self.copy_distance[0]}")
       if self.recall_masks:
         raise ConfigError("data.recall_masks must be false with data.source random")
+    elif self.random_period is not None:
+      raise ConfigError("data.random_period needs data.source random")
     try:
       validate_copies(rate=self.copy_rate, span=self.copy_span, distance=self.copy_distance, prefix="data.")
     except ValueError as e:

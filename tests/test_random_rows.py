@@ -1,13 +1,15 @@
-"""Random-id rows with spliced copies (fsjax.data.random_rows) and their config rules."""
+"""Random-id rows with spliced copies or one tiled sequence (fsjax.data.random_rows) and their config rules."""
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
 
-from fsjax.config import Config, ConfigError, DataConfig, model_preset
+from fsjax.config import Config, ConfigError, DataConfig, load_config, model_preset
 from fsjax.data.copies import insert_copies
 from fsjax.data.random_rows import make_random_iterator, random_row
+from fsjax.train.loop import _train_iterator
 
 COPIES = dict(rate=0.02, span=(8, 16), distance=(20, 60))
 
@@ -22,6 +24,27 @@ def test_a_row_is_random_ids_with_the_curriculums_copies():
   grams = [tuple(row[i:i + 8]) for i in range(len(row) - 7)]
   assert len(set(grams)) < len(grams)
   assert not np.array_equal(row, random_row(8, seed=3, length=300, vocab=(3, 5000), copies=COPIES))
+
+
+def test_a_tiled_row_repeats_one_random_sequence_of_a_per_row_length():
+  periods = set()
+  for index in range(20):
+    row = random_row(index, seed=1, length=200, vocab=(3, 5000), period=(5, 40))
+    assert row.shape == (200,) and row.dtype == np.int32 and row.min() >= 3 and row.max() < 5000
+    period = next(n for n in range(1, 201) if np.array_equal(row[n:], row[:-n]))  # the smallest shift that fits
+    assert 5 <= period <= 40
+    periods.add(period)
+  assert len(periods) > 5  # the period is drawn per row, so no single offset solves every row
+
+
+def test_a_tiled_config_trains_from_random_rows():
+  """`--set data.random_period=[..]` parses and reaches the iterator the training loop builds."""
+  config = load_config(pathlib.Path(__file__).parents[1] / "configs" / "tiny_tfpp.yaml",
+                       ["data.seq_len=64", "data.source=random", "data.random_ids=[3,512]", "data.random_period=[4,12]",
+                        "train.batch_size=2", "eval.niah_samples=0"])
+  tokens = next(_train_iterator(config))["tokens"]
+  assert tokens.shape == (2, 65)
+  assert all(any(np.array_equal(r[n:], r[:-n]) for n in range(4, 13)) for r in tokens)
 
 
 def test_iterator_resumes_from_its_json_state_and_shards_rows():
@@ -43,7 +66,11 @@ def test_iterator_resumes_from_its_json_state_and_shards_rows():
 @pytest.mark.parametrize("fields,message", [
     (dict(source="noise"), "data.source must be one of"),
     (dict(source="random", copy_rate=0.01, random_ids=(5, 5)), "data.random_ids must be"),
-    (dict(source="random"), "data.source random needs data.copy_rate > 0"),
+    (dict(source="random"), "data.source random needs exactly one of data.copy_rate > 0 and data.random_period"),
+    (dict(source="random", copy_rate=0.01, random_period=(8, 16)), "needs exactly one of"),
+    (dict(source="random", seq_len=64, random_period=(8, 64)), r"data.random_period must be \[min, max\] with 1 <= min"),
+    (dict(source="random", seq_len=64, random_period=(9, 8)), "data.random_period must be"),
+    (dict(random_period=(8, 16)), "data.random_period needs data.source random"),
     (dict(source="random", copy_rate=0.01, recall_masks=True), "data.recall_masks must be false"),
     (dict(source="random", copy_rate=0.01, seq_len=128), "data.copy_distance min must be < data.seq_len=128"),
 ])

@@ -8,6 +8,11 @@ that copying and needle retrieval rest on. Random distances rule out the shortcu
 over to text: docs/results.md, run 4). Natural text with spliced copies lets a model lower its loss by local
 statistics first, for far longer than our runs lasted (runs 2-3).
 
+Tiled rows (`period`) are the dense variant: one random sequence of a per-row random length, repeated, so after
+its first period every token is a copy. The period differs from row to row, so no fixed offset solves them; a
+model has to find the current token's previous occurrence. They are meant as the first stage of a curriculum
+(tiled rows, then sparse copies or text): docs/results.md, run 5, says what they did on CPU.
+
 The rows are generic: no text, no template, no evaluation content. Row `i` is a pure function of `(seed, i)`, so
 the iterator's state is one index and a resumed run sees the same rows.
 
@@ -26,15 +31,20 @@ from fsjax.data.pipeline import TrainIterator
 _ROWS = 2**62  # grain needs a length; no run reads this many rows
 
 
-def random_row(index, *, seed, length, vocab, copies):
+def random_row(index, *, seed, length, vocab, copies=None, period=None):
   """Row `index`: `length` ids drawn uniformly from `[vocab[0], vocab[1])`, with copies spliced in by
-  `insert_copies(**copies)` and the result cut back to `length`. int32 `[length]`."""
+  `insert_copies(**copies)` (None = no copies) and the result cut back to `length`; or, with `period` `(min, max)`,
+  one random sequence of a length drawn from `[min, max]`, repeated until the row is full. int32 `[length]`."""
   rng = np.random.default_rng([seed, index])
+  if period is not None:
+    base = rng.integers(vocab[0], vocab[1], rng.integers(period[0], period[1] + 1), dtype=np.int32)
+    return np.tile(base, -(-length // base.shape[0]))[:length]
   ids = rng.integers(vocab[0], vocab[1], length, dtype=np.int32)
-  return insert_copies(ids, rng, **copies)[:length]
+  return ids if copies is None else insert_copies(ids, rng, **copies)[:length]
 
 
-def make_random_iterator(*, seq_len, batch_size, seed, vocab, copies, shard_index=0, shard_count=1):
+def make_random_iterator(*, seq_len, batch_size, seed, vocab, copies=None, period=None, shard_index=0,
+                         shard_count=1):
   """Infinite `TrainIterator` of `{"tokens": int32 [batch_size, seq_len + 1]}` random-id batches with copies.
 
   Process `shard_index` of `shard_count` reads rows `shard_index, shard_index + shard_count, ...`.
@@ -42,5 +52,6 @@ def make_random_iterator(*, seq_len, batch_size, seed, vocab, copies, shard_inde
   if not 0 <= shard_index < shard_count:
     raise ValueError(f"shard_index must be in [0, {shard_count}), got {shard_index}")
   rows = grain.MapDataset.range(_ROWS)[shard_index::shard_count].map(
-      lambda i: {"tokens": random_row(i, seed=seed, length=seq_len + 1, vocab=vocab, copies=copies)})
+      lambda i: {"tokens": random_row(i, seed=seed, length=seq_len + 1, vocab=vocab, copies=copies,
+                                      period=period)})
   return TrainIterator(iter(rows.to_iter_dataset().batch(batch_size)))

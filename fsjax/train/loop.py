@@ -48,7 +48,8 @@ def _train_iterator(config: Config):
     from fsjax.data.random_rows import make_random_iterator
     return make_random_iterator(seq_len=config.data.seq_len, batch_size=_local_rows(config.train.batch_size),
                                 seed=config.train.seed, vocab=config.data.random_ids, copies=config.data.copies,
-                                shard_index=jax.process_index(), shard_count=jax.process_count())
+                                period=config.data.random_period, shard_index=jax.process_index(),
+                                shard_count=jax.process_count())
   return make_train_iterator(path=config.data.train_path or default_corpus_path("train"),
                              tokenizer_path=config.data.tokenizer, seq_len=config.data.seq_len,
                              batch_size=_local_rows(config.train.batch_size), seed=config.train.seed,
