@@ -45,7 +45,7 @@ def random_row(index, *, seed, length, vocab, copies=None, period=None):
 
 def make_random_iterator(*, seq_len, batch_size, seed, vocab, copies=None, period=None, shard_index=0,
                          shard_count=1):
-  """Infinite `TrainIterator` of `{"tokens": int32 [batch_size, seq_len + 1]}` random-id batches with copies.
+  """Infinite `TrainIterator` of `{"tokens": int32 [batch_size, seq_len + 1]}` random-id batches (`random_row`).
 
   Process `shard_index` of `shard_count` reads rows `shard_index, shard_index + shard_count, ...`.
   """
