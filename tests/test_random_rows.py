@@ -68,7 +68,7 @@ def test_iterator_resumes_from_its_json_state_and_shards_rows():
     (dict(source="random", copy_rate=0.01, random_ids=(5, 5)), "data.random_ids must be"),
     (dict(source="random"), "data.source random needs exactly one of data.copy_rate > 0 and data.random_period"),
     (dict(source="random", copy_rate=0.01, random_period=(8, 16)), "needs exactly one of"),
-    (dict(source="random", seq_len=64, random_period=(8, 64)), r"data.random_period must be \[min, max\] with 1 <= min"),
+    (dict(source="random", seq_len=64, random_period=(8, 64)), r"random_period must be \[min, max\] with 1 <= min"),
     (dict(source="random", seq_len=64, random_period=(9, 8)), "data.random_period must be"),
     (dict(random_period=(8, 16)), "data.random_period needs data.source random"),
     (dict(source="random", copy_rate=0.01, recall_masks=True), "data.recall_masks must be false"),
