@@ -14,7 +14,9 @@ the amortized cost of the largest chunk is top-level ms ÷ that count. The same 
 formulation would rebuild every chunk tree at every block; its time is printed beside it
 (`fsb_select_from_summaries` for one query, the archive path's cost per block boundary and per token), and the
 beam search of one decode query over forest 0 in XLA and in the Pallas kernel (on a GPU). Target (FS-B issue):
-time per block flat in M (±20% from 16k to 128k).
+time per block flat in M (±20% from 16k to 128k). The block loop is timed as one synced call per 256 blocks; the
+single builds, the rebuild and the beam search as calls queued back to back (`timing.queued_ms`), since a synced
+call of a sub-millisecond program carries the host round trip (~0.1 ms on the H200).
 """
 
 import argparse
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 from fsjax.cache import archive as archive_lib
 from fsjax.cache import forest as forest_cache
 from fsjax.ops import forest as ops_forest
-from timing import median_ms
+from timing import median_ms, queued_ms
 
 
 def filled_cache(capacity, heads, dim, cell, key):
@@ -73,8 +75,8 @@ def main():
       return jax.lax.fori_loop(0, args.blocks, lambda n, c: advance(c, start_cells + (n + 1) * per_block), cache)
 
     update_ms = median_ms(blocks, cache, repeats=5) / args.blocks
-    build_ms = [median_ms(jax.jit(lambda f, a, k=k: forest_cache.level_trees(
-        f, a, k, cell=args.cell, looped=k >= args.looped_from)), cache.forests, cache.archive, repeats=5)
+    build_ms = [queued_ms(jax.jit(lambda f, a, k=k: forest_cache.level_trees(
+        f, a, k, cell=args.cell, looped=k >= args.looped_from)), cache.forests, cache.archive, calls=20)
                 for k in (2, forest_cache.num_levels(start_cells) - 1)]
     archive = cache.archive
     q = jax.random.normal(jax.random.PRNGKey(1), (1, 1, args.heads, args.head_dim), jnp.float32)
@@ -82,11 +84,11 @@ def main():
         q, jnp.full((1, 1), length - 1), a.tokens.k.astype(q.dtype), a.mean_keys.astype(q.dtype),
         a.max_norms.astype(q.dtype), tau=tau, lam=jnp.ones(args.heads), sigma=jnp.full(args.heads, 4.0),
         cell=args.cell, block=args.block))
-    rebuild_ms = median_ms(rebuild, archive, q, repeats=5)
+    rebuild_ms = queued_ms(rebuild, archive, q, calls=20)
     routing = dict(lam=jnp.ones(args.heads), sigma=jnp.full(args.heads, 4.0), beam=16, bound_c=8.0)
     pos = jnp.full((1, 1), length - 1)
     search = lambda kernels: jax.jit(lambda f, q: forest_cache.search(f, q, pos, kernels=kernels, **routing))
-    beam_ms = [median_ms(search(k), cache.forest(0), q, repeats=20) if k in (False, kernels) else None
+    beam_ms = [queued_ms(search(k), cache.forest(0), q, calls=100) if k in (False, kernels) else None
                for k in (False, True)]
     first = first or update_ms
     shown = lambda ms: "–" if ms is None else f"{ms:.3f}"
