@@ -14,7 +14,7 @@ the amortized cost of the largest chunk is top-level ms ÷ that count. The same 
 formulation would rebuild every chunk tree at every block; its time is printed beside it
 (`fsb_select_from_summaries` for one query, the archive path's cost per block boundary and per token), and the
 beam search of one decode query over forest 0 in XLA and in the Pallas kernel (on a GPU). Target (FS-B issue):
-time per block flat in M (±20% from 16k to 128k). The block loop is timed as one synced call per 256 blocks; the
+time per block flat in M (±20% from 16k to 128k). The block loop is timed as one synced call per `--blocks`; the
 single builds, the rebuild and the beam search as calls queued back to back (`timing.queued_ms`), since a synced
 call of a sub-millisecond program carries the host round trip (~0.1 ms on the H200).
 """
