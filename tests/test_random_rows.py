@@ -35,6 +35,8 @@ def test_a_tiled_row_repeats_one_random_sequence_of_a_per_row_length():
     assert 5 <= period <= 40
     periods.add(period)
   assert len(periods) > 5  # the period is drawn per row, so no single offset solves every row
+  with pytest.raises(ValueError, match="copies or period, not both"):
+    random_row(0, seed=1, length=200, vocab=(3, 5000), copies=COPIES, period=(5, 40))
 
 
 def test_a_tiled_config_trains_from_random_rows():

@@ -35,10 +35,12 @@ def random_row(index, *, seed, length, vocab, copies=None, period=None):
   """Row `index`: `length` ids drawn uniformly from `[vocab[0], vocab[1])`, with copies spliced in by
   `insert_copies(**copies)` (None = no copies) and the result cut back to `length`; or, with `period` `(min, max)`,
   one random sequence of a length drawn from `[min, max]`, repeated until the row is full. int32 `[length]`."""
+  if period is not None and copies is not None:
+    raise ValueError("random_row takes copies or period, not both (a row is one kind of task)")
   rng = np.random.default_rng([seed, index])
   if period is not None:
     base = rng.integers(vocab[0], vocab[1], rng.integers(period[0], period[1] + 1), dtype=np.int32)
-    return np.tile(base, -(-length // base.shape[0]))[:length]
+    return np.resize(base, length)  # repeats base cyclically
   ids = rng.integers(vocab[0], vocab[1], length, dtype=np.int32)
   return ids if copies is None else insert_copies(ids, rng, **copies)[:length]
 
