@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from fsjax.attention import DenseAttention, FreeSoloAttention, ZHAAttention
 from fsjax.attention.freesolo import ROUTING
+from fsjax.cache import layer_of, write_back
 from fsjax.config import FREESOLO_KINDS, ModelConfig
 
 EMBED_INIT_STD = 0.02  # keeps tied-embedding logits O(1) at init (LLaMA's choice)
@@ -64,20 +65,27 @@ class DecoderLayer(nn.Module):
 
 
 class ScannedLayer(nn.Module):
-  """A DecoderLayer as the body of `nn.scan`: `(x, cache | None)` → `(x, new cache | None)`."""
+  """A DecoderLayer as the body of `nn.scan` over layer indices: carry `(x, stacked cache | None)`.
+
+  The whole stacked cache is carried, and the layer reads and writes its own layer in place
+  (`fsjax.cache.layer_of`): scanning the cache as per-layer slices would copy every layer's cache out and
+  back at each step.
+  """
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, cache, positions, valid):
+  def __call__(self, carry, index, positions, valid):
+    x, cache = carry
     layer = (nn.remat(DecoderLayer) if self.config.remat else DecoderLayer)(self.config, name="layer")
     if cache is None:
-      return layer(x), None
-    return layer(x, cache, positions, valid)
+      return (layer(x), None), None
+    x, view = layer(x, layer_of(cache, index), positions, valid)
+    return (x, write_back(cache, view, index)), None
 
 
 def _scanned_layers(config: ModelConfig):
-  """All layers as one scanned module: parameters, routing buffers and sown intermediates stacked on axis 0,
-  the cache scanned per layer, positions and valid broadcast."""
+  """All layers as one scanned module over the layer index: parameters, routing buffers and sown intermediates
+  stacked on axis 0; x and the stacked cache carried; positions and valid broadcast."""
   return nn.scan(ScannedLayer, variable_axes={"params": 0, ROUTING: 0, "intermediates": 0},
                  split_rngs={"params": True}, in_axes=(0, nn.broadcast, nn.broadcast),
                  length=config.num_layers)(config, name="layers")
@@ -100,7 +108,8 @@ class Transformer(nn.Module):
     x = embed(tokens)
     new_cache = {}
     if c.scan_layers:
-      x, new_cache["layers"] = _scanned_layers(c)(x, None if cache is None else cache["layers"], positions, valid)
+      (x, new_cache["layers"]), _ = _scanned_layers(c)((x, None if cache is None else cache["layers"]),
+                                                       jnp.arange(c.num_layers), positions, valid)
     else:
       layer = nn.remat(DecoderLayer) if c.remat else DecoderLayer
       for i in range(c.num_layers):

@@ -41,7 +41,8 @@ def test_cudnn_gradients_match_the_reference(rng, window):
 
 
 def test_tfpp_cache_on_cudnn_matches_the_reference_cache_path(rng):
-  """Chunked prefill and one-token steps through cuDNN over the bf16 dense cache, against impl="reference"."""
+  """Chunked prefill through cuDNN and a one-token step through `store.attend_one`, over the bf16 dense cache,
+  against impl="reference" (the jnp chunk path for both)."""
   config = dataclasses.replace(model_preset("tiny", kind="tfpp"), dtype="bfloat16", param_dtype="bfloat16")
   variables = init_variables(config, jax.random.PRNGKey(0), 64)
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 100)))

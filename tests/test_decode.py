@@ -51,10 +51,10 @@ def _teacher_forced(model, variables, tokens, prompt_len, chunk):
 
 
 @pytest.mark.parametrize("kind,scan_layers", [*((kind, False) for kind in KINDS), ("fsl", True), ("fs", True),
-                                              ("fsb", True)])
+                                              ("fsb", True), ("tfpp", True), ("swa", True), ("zha", True)])
 def test_prefill_and_decode_equal_the_full_forward(rng, kind, scan_layers):
-  """Also through a `scan_layers` model, whose cache is one stacked pytree scanned with the layers. FS-B decodes
-  through the streaming forest cache."""
+  """Also through a `scan_layers` model, whose stacked cache the layer scan carries and each layer updates in
+  place (`fsjax.cache.layered`). FS-B decodes through the streaming forest cache."""
   config, model, variables = _setup(kind, scan_layers)
   tokens = _distinct_tokens(rng, config.vocab_size, 2, SEQ)
   full = np.asarray(jax.jit(model.apply)(variables, tokens))
@@ -70,8 +70,9 @@ def _with_impl(config, impl):
     "tests/test_kernel_tree_routing.py checks it against the reference"))])
 def test_prefill_and_decode_through_the_kernels_equal_the_reference_forward(rng, kind):
   """The FS archive path with impl="pallas" (interpreted on CPU): selection from cached summaries at each row's
-  positions and the readout over the archived keys, against the reference full forward; FS-B through the
-  streaming forest cache and the beam-search kernel."""
+  positions and the readout over the archived keys (a kernel for prefill chunks, XLA's gather for one-token
+  steps), against the reference full forward; FS-B through the streaming forest cache and the beam-search
+  kernel."""
   config, _, variables = _setup(kind, cell=16)
   tokens = _distinct_tokens(rng, config.vocab_size, 2, 110)
   full = np.asarray(jax.jit(_with_impl(config, "reference").apply)(variables, tokens))

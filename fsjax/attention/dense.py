@@ -8,6 +8,7 @@ from fsjax import ops
 from fsjax.attention.projections import project_heads, project_out
 from fsjax.cache import moba as moba_cache
 from fsjax.cache import store as kv
+from fsjax.cache.layered import read
 from fsjax.ops.common import compute_dtype
 from fsjax.ops.cudnn import causal_rope_attention_cudnn, cudnn_usable
 from fsjax.ops.rope import apply_rope
@@ -33,8 +34,9 @@ class DenseAttention(nn.Module):
   `impl`: "reference" always runs `fsjax.ops`; otherwise TF++ and SWA use cuDNN on GPU in bf16/fp16.
 
   With a `cache` (a `KVStore`: dense for TF++/MoBA, a ring of window + 1 for SWA), `x` is a chunk at
-  `positions` `[batch, C]` with `valid` `[batch, C]`, and the call returns `(y, new_cache)`; TF++ with a
-  half-precision cache on GPU attends it through cuDNN.
+  `positions` `[batch, C]` with `valid` `[batch, C]`, and the call returns `(y, new_cache)`. TF++ with a
+  half-precision cache on GPU attends a chunk through cuDNN; a one-token TF++ step (unless `impl="reference"`)
+  attends through `store.attend_one`, which reads the cache in place.
   """
   num_heads: int
   head_dim: int
@@ -65,7 +67,7 @@ class DenseAttention(nn.Module):
     return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
 
   def _extend(self, q, k, v, cache, positions, valid):
-    if (self.kind == "tfpp" and self.impl != "reference" and cudnn_usable(q.dtype)
+    if (self.kind == "tfpp" and q.shape[1] > 1 and self.impl != "reference" and cudnn_usable(q.dtype)
         and cudnn_usable(cache.k.dtype)):
       return self._extend_cudnn(q, k, v, cache, positions, valid)
     dtype = compute_dtype(q.dtype)
@@ -76,17 +78,20 @@ class DenseAttention(nn.Module):
       keys = kv.concat(cache, k_rot, v, positions, valid)
       return kv.attend(q_rot, positions, *keys, window=self.window), kv.write(cache, k_rot, v, positions, valid)
     cache = kv.write(cache, k_rot, v, positions, valid)
+    keys = (read(cache.k), read(cache.v), read(cache.pos))
+    if self.kind == "tfpp" and q.shape[1] == 1 and self.impl != "reference":
+      return kv.attend_one(q_rot, positions, *keys), cache
     extra = None
     if self.kind == "moba":
       extra = moba_cache.block_mask(q_rot, positions, cache, moba_block=self.moba_block,
                                     moba_top_k=self.moba_top_k)
-    return kv.attend(q_rot, positions, cache.k, cache.v, cache.pos, extra_mask=extra), cache
+    return kv.attend(q_rot, positions, *keys, extra_mask=extra), cache
 
   def _extend_cudnn(self, q, k, v, cache, positions, valid):
     """TF++ prefill/decode on cuDNN's fused kernel: the chunk attends the half-precision dense cache through a
     position mask (the chunk is written first), so a 2048-token chunk at 256k never materializes its logits."""
     q_rot = apply_rope(q, positions, self.rope_theta).astype(cache.k.dtype)
     cache = kv.write(cache, apply_rope(k, positions, self.rope_theta), v, positions, valid)
-    mask = kv.visible(positions, cache.pos)[:, None]  # [batch, 1, C, N]
-    o = jax.nn.dot_product_attention(q_rot, cache.k, cache.v, mask=mask, implementation="cudnn")
+    mask = kv.visible(positions, read(cache.pos))[:, None]  # [batch, 1, C, N]
+    o = jax.nn.dot_product_attention(q_rot, read(cache.k), read(cache.v), mask=mask, implementation="cudnn")
     return o, cache

@@ -12,9 +12,20 @@ import jax.numpy as jnp
 from fsjax.cache.archive import Archive, empty_archive
 from fsjax.cache.bounded import BoundedCache, empty_bounded
 from fsjax.cache.forest import ForestCache, empty_forest_cache
+from fsjax.cache.layered import layer_view, write_back
 from fsjax.cache.store import KVStore, empty_store
 from fsjax.cache.zha import ZHACache, empty_zha
 from fsjax.config import ModelConfig
+
+
+# The caches whose arrays grow with the sequence: a scanned model's layer reads and writes them in place.
+IN_PLACE = (KVStore, Archive)
+
+
+def layer_of(stacked, layer):
+  """Layer `layer` (int32 scalar) of a scanned model's stacked cache: KV stores and archives as views into the
+  stack (`fsjax.cache.layered`), every other array sliced out."""
+  return layer_view(stacked, layer, IN_PLACE)
 
 
 def cache_capacity(config: ModelConfig, max_len):
@@ -55,4 +66,5 @@ def init_cache(config: ModelConfig, batch, max_len, dtype=jnp.float32, bounded=T
   return {f"layer_{i}": make() for i in range(config.num_layers)}
 
 
-__all__ = ["Archive", "BoundedCache", "ForestCache", "KVStore", "ZHACache", "cache_capacity", "init_cache"]
+__all__ = ["Archive", "BoundedCache", "ForestCache", "KVStore", "ZHACache", "cache_capacity", "init_cache",
+           "layer_of", "write_back"]

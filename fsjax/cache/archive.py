@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.cache import store as kv
+from fsjax.cache.layered import read, scatter
 from fsjax.ops import cells, forest
 from fsjax.ops.freesolo import rms_norm, sparse_readout, use_kernels
 from fsjax.ops.rope import apply_rope
@@ -19,7 +20,8 @@ from fsjax.ops.rope import apply_rope
 @flax.struct.dataclass
 class Archive:
   """tokens: a KVStore of unrotated keys with capacity = max length (slot = position);
-  mean_keys `[batch, M, heads, d]` and max_norms `[batch, M, heads]` of cells (Eq. 5), M = capacity / s."""
+  mean_keys `[batch, M, heads, d]` and max_norms `[batch, M, heads]` of cells (Eq. 5), M = capacity / s. In a
+  scanned model's decode step each array is a `layered.LayerSlice`: read them with `layered.read`."""
   tokens: kv.KVStore
   mean_keys: jax.Array
   max_norms: jax.Array
@@ -46,13 +48,13 @@ def extend(archive: Archive, k, v, pos, valid, cell):
   num_cells = archive.max_norms.shape[1]
   touched = jnp.minimum(first_cell[:, None] + jnp.arange(chunk // cell + 2), num_cells - 1)  # [batch, n]
   slots = touched[:, :, None] * cell + jnp.arange(cell)  # [batch, n, s]
-  keys = jnp.take_along_axis(tokens.k, slots.reshape(batch, -1)[:, :, None, None], axis=1)
+  keys = jnp.take_along_axis(read(tokens.k), slots.reshape(batch, -1)[:, :, None, None], axis=1)
   keys = keys.reshape(batch, touched.shape[1], cell, *keys.shape[2:])  # [batch, n, s, heads, d]
   rows = jnp.arange(batch)[:, None]
   return Archive(tokens=tokens,
-                 mean_keys=archive.mean_keys.at[rows, touched].set(jnp.mean(keys, axis=2)),
-                 max_norms=archive.max_norms.at[rows, touched].set(
-                     jnp.max(jnp.linalg.norm(keys, axis=-1), axis=2)))
+                 mean_keys=scatter(archive.mean_keys, (rows, touched), jnp.mean(keys, axis=2)),
+                 max_norms=scatter(archive.max_norms, (rows, touched),
+                                   jnp.max(jnp.linalg.norm(keys, axis=-1), axis=2)))
 
 
 def local_branch(archive: Archive, q, pos, *, window, rope_theta):
@@ -63,7 +65,7 @@ def local_branch(archive: Archive, q, pos, *, window, rope_theta):
   span = min(window + q.shape[1], tokens.capacity)
   start = jnp.clip(jnp.min(pos, axis=1) - window, 0, tokens.capacity - span)  # slot = position
   window_of = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, span, axis=0))
-  k, v, k_pos = (window_of(x, start) for x in (tokens.k, tokens.v, tokens.pos))
+  k, v, k_pos = (window_of(read(x), start) for x in (tokens.k, tokens.v, tokens.pos))
   k_rot = apply_rope(k, jnp.maximum(k_pos, 0), rope_theta)
   return kv.attend(apply_rope(q, pos, rope_theta), pos, k_rot, v, k_pos, window=window)
 
@@ -73,38 +75,42 @@ def select_from_archive(archive: Archive, q, pos, *, variant, lam, sigma, cell, 
   """Top-K cells (Eq. 6-8; FS-B Eq. 10-12) for queries at `pos`: `[batch, C, heads, K]`, -1 for none. No
   gradient."""
   if variant == "fsb":
-    return forest.fsb_select_from_summaries(q, pos, archive.tokens.k.astype(q.dtype),
-                                            archive.mean_keys.astype(q.dtype), archive.max_norms.astype(q.dtype),
+    return forest.fsb_select_from_summaries(q, pos, read(archive.tokens.k).astype(q.dtype),
+                                            read(archive.mean_keys).astype(q.dtype),
+                                            read(archive.max_norms).astype(q.dtype),
                                             tau=tau, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
                                             beam=beam, bound_c=bound_c)
   routing = dict(variant=variant, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
                  retain_top=retain_top, retain_recent=retain_recent)
+  mean_keys, max_norms = read(archive.mean_keys), read(archive.max_norms)
   if kernels:
     from pallas_kernels import cell_scoring  # lazy: the kernels import ops
-    return cell_scoring.select_from_summaries(q, pos, archive.mean_keys, archive.max_norms, **routing)
-  num_cells = archive.max_norms.shape[1]
+    return cell_scoring.select_from_summaries(q, pos, mean_keys, max_norms, **routing)
+  num_cells = max_norms.shape[1]
   q = jax.lax.stop_gradient(q)
   centers = (jnp.arange(num_cells) + 0.5) * cell
-  available = cells.available_cells(archive.max_norms, q.shape[1], variant=variant, cell=cell, block=block,
+  available = cells.available_cells(max_norms, q.shape[1], variant=variant, cell=cell, block=block,
                                     retain_top=retain_top, retain_recent=retain_recent, positions=pos)
-  scores = cells.cell_scores(q, archive.mean_keys, archive.max_norms, centers, lam=lam, sigma=sigma,
-                             positions=pos)
+  scores = cells.cell_scores(q, mean_keys, max_norms, centers, lam=lam, sigma=sigma, positions=pos)
   return cells.top_k_cells(scores, available, top_k)
 
 
 def long_range_branch(archive: Archive, q, pos, *, lr_gain, impl="reference", selected=None, **routing):
   """Eq. 9 for queries at `pos`: `(o_lr [batch, C, heads, d], selected cells [batch, C, heads, K])`.
 
-  `impl` as in `ops.freesolo_long_range`: with kernels, selection and readout run in Pallas. `selected`: cells
-  already chosen `[batch, C, heads, K]` (by the FS-B forest cache), else chosen here.
+  `impl` as in `ops.freesolo_long_range`: with kernels, selection and readout run in Pallas, except a one-token
+  step's readout: its K cells are gathered by XLA from the archive in place, where the kernel would be handed a
+  copy of a scanned model's layer (`fsjax.cache.layered`). `selected`: cells already chosen
+  `[batch, C, heads, K]` (by the FS-B forest cache), else chosen here.
   """
   kernels = use_kernels(impl, cell=routing["cell"], head_dim=q.shape[-1])
   cell_idx = selected
   if cell_idx is None:
     cell_idx = select_from_archive(archive, q, pos, kernels=kernels and routing["variant"] != "fsb", **routing)
-  if kernels:
+  keys, values = read(archive.tokens.k), read(archive.tokens.v)
+  if kernels and q.shape[1] > 1:
     from pallas_kernels import sparse_readout as readout_kernel
-    u = readout_kernel.sparse_readout(q, archive.tokens.k, archive.tokens.v, cell_idx, cell=routing["cell"])
+    u = readout_kernel.sparse_readout(q, keys, values, cell_idx, cell=routing["cell"])
   else:
-    u = sparse_readout(q, archive.tokens.k, archive.tokens.v, cell_idx, cell=routing["cell"])
+    u = sparse_readout(q, keys, values, cell_idx, cell=routing["cell"])
   return rms_norm(u.astype(q.dtype), lr_gain), cell_idx

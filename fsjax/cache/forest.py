@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsjax.cache import archive as archive_lib
+from fsjax.cache.layered import read
 from fsjax.ops import forest as ops_forest
 
 NO_NODE = ops_forest.NO_NODE
@@ -176,8 +177,8 @@ def level_trees(forest: Forest, archive, k, *, cell, looped):
   rows = jnp.arange(ids.shape[0])[:, None, None]
   heads = (jnp.arange(ids.shape[1]) % archive.max_norms.shape[2])[None, :, None]
   dtype = forest.nodes["mu"].dtype
-  means = archive.mean_keys[rows, safe, heads].astype(dtype)  # [batch, heads, size, d]
-  norms = archive.max_norms[rows, safe, heads].astype(dtype)
+  means = read(archive.mean_keys)[rows, safe, heads].astype(dtype)  # [batch, heads, size, d]
+  norms = read(archive.max_norms)[rows, safe, heads].astype(dtype)
   centers = ((safe + 0.5) * cell).astype(dtype)
 
   def build(m, n, c, i):
@@ -259,7 +260,8 @@ def advance(cache: ForestCache, target, tau, *, cell, block, looped_from=LOOPED_
     forests, lo = state
     cells = lo[:, None] + jnp.arange(per_block, dtype=jnp.int32)  # [batch, n]
     fresh = cells < target[:, None]
-    norms = jnp.take_along_axis(archive.max_norms, jnp.minimum(cells, archive.max_norms.shape[1] - 1)[:, :, None],
+    last_cell = archive.max_norms.shape[1] - 1
+    norms = jnp.take_along_axis(read(archive.max_norms), jnp.minimum(cells, last_cell)[:, :, None],
                                 axis=1)  # [batch, n, heads]
     every = jnp.broadcast_to(fresh[:, :, None], norms.shape)
     accept = jnp.concatenate([every, every & (norms >= tau)], axis=2)  # [batch, n, 2·heads]
@@ -315,5 +317,5 @@ def select(cache: ForestCache, q, pos, *, lam, sigma, cell, top_k, beam, bound_c
       batch, count, heads, 2 * beam)
   archive = cache.archive
   # The keys stay in the archive's dtype: the rerank converts only the ≤ 2·beam cells it gathers.
-  return ops_forest.rerank_candidates(q, pos, archive.tokens.k, archive.max_norms.astype(q.dtype), candidates,
-                                      lam=lam, sigma=sigma, cell=cell, top_k=top_k)
+  return ops_forest.rerank_candidates(q, pos, read(archive.tokens.k), read(archive.max_norms).astype(q.dtype),
+                                      candidates, lam=lam, sigma=sigma, cell=cell, top_k=top_k)

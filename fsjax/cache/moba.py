@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 
+from fsjax.cache.layered import read
 from fsjax.cache.store import KVStore
 from fsjax.ops.common import PRECISION
 
@@ -15,7 +16,7 @@ def block_mask(q_rot, q_pos, store: KVStore, *, moba_block, moba_top_k):
   """
   batch, capacity, heads, head_dim = store.k.shape
   num_blocks = capacity // moba_block
-  mean_keys = store.k.reshape(batch, num_blocks, moba_block, heads, head_dim).mean(axis=2)
+  mean_keys = read(store.k).reshape(batch, num_blocks, moba_block, heads, head_dim).mean(axis=2)
   gate = jnp.einsum("bqhd,bnhd->bhqn", q_rot, mean_keys, precision=PRECISION)
   own = q_pos // moba_block  # [batch, C]
   blocks = jnp.arange(num_blocks)

@@ -12,13 +12,15 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from fsjax.cache.layered import read, scatter
 from fsjax.ops.common import PRECISION
 from fsjax.ops.softmax import masked_softmax
 
 
 @flax.struct.dataclass
 class KVStore:
-  """k, v: `[batch, capacity, heads, head_dim]`; pos: `[batch, capacity]` int32, -1 where empty."""
+  """k, v: `[batch, capacity, heads, head_dim]`; pos: `[batch, capacity]` int32, -1 where empty. In a scanned
+  model's decode step each field is a `layered.LayerSlice`: read them with `layered.read`."""
   k: jax.Array
   v: jax.Array
   pos: jax.Array
@@ -47,9 +49,9 @@ def write(store: KVStore, k, v, pos, valid):
   keep = valid & (pos > last - store.capacity)
   slot = jnp.where(keep, pos % store.capacity, store.capacity)  # out of range: dropped
   rows = jnp.arange(pos.shape[0])[:, None]
-  return KVStore(k=store.k.at[rows, slot].set(k.astype(store.k.dtype), mode="drop"),
-                 v=store.v.at[rows, slot].set(v.astype(store.v.dtype), mode="drop"),
-                 pos=store.pos.at[rows, slot].set(pos.astype(store.pos.dtype), mode="drop"))
+  return KVStore(k=scatter(store.k, (rows, slot), k.astype(store.k.dtype), mode="drop"),
+                 v=scatter(store.v, (rows, slot), v.astype(store.v.dtype), mode="drop"),
+                 pos=scatter(store.pos, (rows, slot), pos.astype(store.pos.dtype), mode="drop"))
 
 
 def visible(q_pos, k_pos, window=None):
@@ -78,8 +80,25 @@ def attend(q, q_pos, k, v, k_pos, window=None, extra_mask=None):
   return jnp.einsum("bhqk,bkhd->bqhd", masked_softmax(logits, mask), v, precision=PRECISION)
 
 
+def attend_one(q, q_pos, k, v, k_pos, window=None):
+  """`attend` for one query per row, as elementwise products and sums that XLA fuses with reading the keys and
+  values once, in their storage dtype. A matrix product would be handed a copy of a scanned model's layer
+  (`fsjax.cache.layered`), converted to float32 at the reference's precision.
+
+  Args: as `attend`, with q `[batch, 1, heads, d]` and q_pos `[batch, 1]`.
+
+  Returns:
+    `[batch, 1, heads, d]` in q's dtype promoted to at least float32.
+  """
+  dtype = jnp.promote_types(q.dtype, jnp.float32)
+  mask = visible(q_pos, k_pos, window)[:, 0, :, None]  # [batch, N, 1]
+  logits = jnp.sum(q.astype(dtype) * k, axis=-1, dtype=dtype) / math.sqrt(q.shape[-1])  # [batch, N, heads]
+  probs = masked_softmax(logits, mask, axis=1)
+  return jnp.sum(probs[..., None] * v, axis=1, keepdims=True, dtype=dtype)
+
+
 def concat(store: KVStore, k, v, pos, valid):
   """The store's tokens followed by a chunk's, as (k, v, pos) for `attend`; invalid chunk tokens get pos -1."""
-  return (jnp.concatenate([store.k, k.astype(store.k.dtype)], axis=1),
-          jnp.concatenate([store.v, v.astype(store.v.dtype)], axis=1),
-          jnp.concatenate([store.pos, jnp.where(valid, pos, -1)], axis=1))
+  return (jnp.concatenate([read(store.k), k.astype(store.k.dtype)], axis=1),
+          jnp.concatenate([read(store.v), v.astype(store.v.dtype)], axis=1),
+          jnp.concatenate([read(store.pos), jnp.where(valid, pos, -1)], axis=1))

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.cache import store as kv
+from fsjax.cache.layered import read
 from fsjax.cache.store import KVStore, empty_store
 from fsjax.ops import zha
 from fsjax.ops.common import PRECISION
@@ -75,7 +76,7 @@ def extend(cache: ZHACache, k_rot, v, positions, valid, ref_queries, *, chunk, r
     index, done = _completed_nodes(positions, valid, chunk, level, count)
     child = index[..., None] * chunk + jnp.arange(chunk)  # [batch, S, C]
     if level == 1:
-      children = store.k[rows, 1 + child].astype(k_rot.dtype)  # slot = position
+      children = read(store.k)[rows, 1 + child].astype(k_rot.dtype)  # slot = position
       child_bias = None
     else:
       children = keys[level - 2][rows, child].astype(k_rot.dtype)
@@ -99,10 +100,9 @@ def attend(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_nodes=None):
   scores = [zha.node_scores(q_rot, keys.astype(q_rot.dtype), bias.astype(q_rot.dtype))
             for keys, bias in zip(cache.keys, cache.bias)]
   leaves = zha.route(scores, positions, chunk=chunk, top_p=top_p, max_nodes=max_nodes)
-  mask = zha.key_mask(leaves, positions, cache.store.pos, chunk)
-  store = cache.store
-  out = kv.attend(q_rot, positions, store.k.astype(q_rot.dtype), store.v.astype(q_rot.dtype), store.pos,
-                  extra_mask=mask)
+  k, v, k_pos = (read(x) for x in (cache.store.k, cache.store.v, cache.store.pos))
+  mask = zha.key_mask(leaves, positions, k_pos, chunk)
+  out = kv.attend(q_rot, positions, k.astype(q_rot.dtype), v.astype(q_rot.dtype), k_pos, extra_mask=mask)
   fraction = jnp.sum(mask, axis=-1) / (positions[:, None] + 1)
   return out, jnp.moveaxis(fraction, 1, 2)
 
@@ -202,9 +202,9 @@ def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_node
   q, position = q_rot[:, 0], positions[:, 0]
   kept, keep, fraction = route_gathered(cache, q, position, chunk=chunk, top_p=top_p, max_nodes=max_nodes,
                                         kernels=kernels)
-  store = cache.store
+  keys, values = read(cache.store.k), read(cache.store.v)
   if kernels:
-    out = tree_routing.leaf_attention(q, store.k, store.v, jnp.where(keep, kept, tree_routing.NO_NODE), position,
+    out = tree_routing.leaf_attention(q, keys, values, jnp.where(keep, kept, tree_routing.NO_NODE), position,
                                       chunk=chunk)
     return out[:, None].astype(q.dtype), fraction[:, None]
   batch, heads, dim = q.shape
@@ -215,8 +215,8 @@ def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_node
                              jnp.broadcast_to(current, (batch, heads, chunk))], axis=-1)
   key_valid = jnp.concatenate([jnp.ones((batch, heads, 1), bool), jnp.repeat(keep, chunk, axis=-1),
                                jnp.broadcast_to(current <= i, (batch, heads, chunk))], axis=-1)
-  k = _gather_nodes(store.k, key_pos).astype(q.dtype)  # slot = position: [batch, heads, K, d]
-  v = _gather_nodes(store.v, key_pos).astype(q.dtype)
+  k = _gather_nodes(keys, key_pos).astype(q.dtype)  # slot = position: [batch, heads, K, d]
+  v = _gather_nodes(values, key_pos).astype(q.dtype)
   logits = jnp.einsum("bhd,bhkd->bhk", q, k, precision=PRECISION) / math.sqrt(dim)
   probs = masked_softmax(logits, key_valid)
   return jnp.einsum("bhk,bhkd->bhd", probs, v, precision=PRECISION)[:, None], fraction[:, None]
