@@ -99,13 +99,12 @@ def selected_cells(intermediates, config):
   return jnp.stack(per_layer, axis=2)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "eos_id", "temperature", "top_p",
-                                             "return_cells"), donate_argnames=("cache",))
 def decode_loop(model, variables, cache, first_token, position, rng, *, max_new_tokens, eos_id, temperature,
                 top_p, return_cells=False):
   """Generates on device with `lax.while_loop` until every row emitted EOS or `max_new_tokens` tokens.
 
   Args:
+    cache: the prefilled cache; donated: the loop updates it in place, so it cannot be used afterwards.
     first_token: `[batch]` the token sampled from the prompt's last logits; position: `[batch]` its position.
     return_cells: also return, for FreeSolo models, the cells each layer and head selected when consuming
       generated token j: `cells[:, j]` `[batch, layers, heads, K]` (-1 = none; the last token is never consumed).
@@ -114,6 +113,17 @@ def decode_loop(model, variables, cache, first_token, position, rng, *, max_new_
     `[batch, max_new_tokens]` int32 tokens (first_token first; after EOS a row holds EOS), and the cells when
     `return_cells`.
   """
+  out, cells, _ = _decode_loop(model, variables, cache, first_token, position, rng, max_new_tokens=max_new_tokens,
+                               eos_id=eos_id, temperature=temperature, top_p=top_p, return_cells=return_cells)
+  return (out, cells) if return_cells else out
+
+
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "eos_id", "temperature", "top_p",
+                                             "return_cells"), donate_argnames=("cache",))
+def _decode_loop(model, variables, cache, first_token, position, rng, *, max_new_tokens, eos_id, temperature,
+                 top_p, return_cells):
+  """`decode_loop`, returning `(tokens, cells, final cache)`. Returning the cache lets XLA give the donated input
+  buffers to the loop: otherwise it copies the whole cache into the loop's state, doubling its memory."""
   batch = first_token.shape[0]
   config = model.config
   out = jnp.full((batch, max_new_tokens), eos_id, jnp.int32).at[:, 0].set(first_token)
@@ -136,7 +146,7 @@ def decode_loop(model, variables, cache, first_token, position, rng, *, max_new_
                  done=s.done | (token == eos_id), step=s.step + 1, rng=rng, cells=cells)
 
   final = jax.lax.while_loop(cond, body, state)
-  return (final.out, final.cells) if return_cells else final.out
+  return final.out, final.cells, final.cache
 
 
 def generate(model, variables, tokens, lengths, *, max_new_tokens, eos_id, temperature=0.0, top_p=1.0, seed=0,

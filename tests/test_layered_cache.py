@@ -9,7 +9,7 @@ from fsjax.cache import layer_of, write_back
 from fsjax.cache import store as kv
 from fsjax.cache.layered import LayerSlice, read, scatter
 from fsjax.cache.store import KVStore
-from tests.helpers import assert_close
+from helpers import assert_close
 
 LAYERS, BATCH, CAPACITY, HEADS, DIM = 3, 2, 12, 2, 4
 
