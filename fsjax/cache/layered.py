@@ -9,7 +9,9 @@ the stack. The other cache fields are sliced out and written back whole (`layer_
 
 Cache code reads viewed fields with `read` and writes them with `scatter`; with an unstacked cache both act on
 the plain array, so the same code serves unrolled layers. A Pallas kernel or cuDNN given `read(x)` receives a
-copy of the layer's array: decode steps (one token) take the XLA paths instead.
+copy of the layer's array, so one-token TF++ attention and FS readout take XLA paths. Still copied per token:
+FS's cell summaries for its scoring kernel (1/s of the keys), ZHA's keys for its leaf-attention kernel, and the
+fields that are sliced (FS-B's forests, ZHA's tangents).
 """
 
 import flax.struct
