@@ -5,9 +5,11 @@
 
 Batch 1, random weights, bf16 parameters and caches. Each (kind, length) runs in its own subprocess. Prefill goes
 through `fsjax.decode.prefill` (2048-token chunks); decode through the on-device `decode_loop`. The roofline
-is the bytes a decode step must read (parameters + attention state) divided by the device's measured copy
-bandwidth. Prints one table with ratios to TF++ at the same length, and the device kernels (fusions and
-library calls) one compiled decode step launches: at batch 1 a step is short enough for launches to matter.
+is the parameter and attention-state bytes divided by the device's measured copy bandwidth: the bound for TF++,
+SWA and FS-L, which read their whole state each step; FS and FS-B need only parts of theirs (summaries or forest
+nodes, the window, the selected cells), so they can beat it. Prints one table with ratios to TF++ at the same
+length, and the device kernels (fusions and library calls) one compiled decode step launches: at batch 1 a step
+is short enough for launches to matter.
 `--layers unrolled` decodes with one layer body per layer instead of `nn.scan` over stacked layers and caches.
 FS-B prefills with the prefill formulation and decodes through the streaming forest cache, τ calibrated on the
 first 4096 tokens; its per-block forest update is timed alone by `forest_update.py`. `--profile` traces one more
