@@ -44,6 +44,7 @@ def _losses(workdir):
     (["--config", MICRO, "--set", "train.steps=abc"], "train.steps must be of type int"),
     (["--config", MICRO, "--set", "data.train_path=/no/such/corpus.jsonl"], "data.train_path: path does not exist"),
     (["--config", MICRO, "--set", "train.init_from=/no/such/run"], "train.init_from: path does not exist"),
+    (["--config", MICRO, "--set", "model.vocab_size=512"], "model.vocab_size (512) must hold every id"),
 ])
 def test_cli_errors_are_one_clear_line(capsys, tmp_path, args, message):
   assert train_cli.main(args + ["--workdir", str(tmp_path / "w")]) == 2

@@ -32,6 +32,15 @@ def check_paths(config: Config):
       raise ConfigError(f"{field}: path does not exist: {path}")
 
 
+def check_vocabulary(config: Config):
+  """Raises ConfigError when the tokenizer has ids the model's embedding does not hold. Held-out evaluation always
+  reads text, and an out-of-range id would embed as NaN (`jnp.take` fills) instead of failing."""
+  size = load_tokenizer(config.data.tokenizer).get_vocab_size()
+  if size > config.model.vocab_size:
+    raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) must hold every id of the tokenizer "
+                      f"(data.tokenizer: {size} ids); held-out evaluation reads text even with data.source random")
+
+
 def _check_divisible(config: Config, mesh):
   for field, size in (("train.batch_size", config.train.batch_size), ("eval.batch_size", config.eval.batch_size)):
     if size % mesh.size:
@@ -112,6 +121,7 @@ def niah_scores(config: Config, model, variables):
 def train(config: Config, workdir):
   """Trains (or resumes) in `workdir` up to `config.train.steps`; returns the final evaluation dict."""
   check_paths(config)
+  check_vocabulary(config)
   sharding.initialize_distributed()
   mesh = sharding.make_mesh(config.mesh)
   _check_divisible(config, mesh)
