@@ -197,6 +197,9 @@ class DataConfig:
       vocabulary without its three special tokens.
     random_period: [min, max] length of the random sequence a tiled random row repeats (drawn per row); null =
       rows with copies instead.
+    tiled_rows: with source "text", this many rows of every training batch are tiled random rows
+      (random_period, random_ids) instead of text: keeps a copying skill formed by a tiled warm-up exercised
+      while the model learns text (a CPU pilot lost it within 120 text steps without them; docs/results.md).
   """
   train_path: str | None = None
   eval_path: str | None = None
@@ -211,27 +214,37 @@ class DataConfig:
   source: str = "text"
   random_ids: tuple[int, ...] = (3, 32000)
   random_period: tuple[int, ...] | None = None
+  tiled_rows: int = 0
 
   def __post_init__(self):
     _positive(self, "data.", "seq_len", "recall_distance", "recall_switch_window")
     _one_of(self, "data.", "source", ("text", "random"))
-    if self.source == "random":
+    if self.tiled_rows < 0:
+      raise ConfigError(f"data.tiled_rows must be >= 0, got {self.tiled_rows}")
+    if self.source == "random" or self.tiled_rows:
       if len(self.random_ids) != 2 or not 0 <= self.random_ids[0] < self.random_ids[1]:
         raise ConfigError(f"data.random_ids must be [min, max) with 0 <= min < max, got {list(self.random_ids)}")
-      if bool(self.copy_rate) == (self.random_period is not None):
-        raise ConfigError("data.source random needs exactly one of data.copy_rate > 0 and data.random_period: "
-                          "its copies or its repeats are all there is to learn")
       if self.random_period is not None and (len(self.random_period) != 2
                                              or not 1 <= self.random_period[0] <= self.random_period[1] < self.seq_len):
         raise ConfigError(f"data.random_period must be [min, max] with 1 <= min <= max < data.seq_len={self.seq_len} "
                           f"(a row repeats its sequence at least once), got {list(self.random_period)}")
+      if self.recall_masks:
+        raise ConfigError("data.recall_masks must be false with random rows (data.source random or "
+                          "data.tiled_rows > 0): they have no masks")
+    if self.tiled_rows:
+      if self.source != "text":
+        raise ConfigError("data.tiled_rows mixes tiled rows into text batches: it needs data.source text")
+      if self.random_period is None:
+        raise ConfigError("data.tiled_rows needs data.random_period (the tiled rows' period range)")
+    elif self.source == "random":
+      if bool(self.copy_rate) == (self.random_period is not None):
+        raise ConfigError("data.source random needs exactly one of data.copy_rate > 0 and data.random_period: "
+                          "its copies or its repeats are all there is to learn")
       if self.copy_rate and self.copy_distance[0] >= self.seq_len:
         raise ConfigError(f"data.copy_distance min must be < data.seq_len={self.seq_len} with data.source random "
                           f"(a row holds no copy otherwise), got {self.copy_distance[0]}")
-      if self.recall_masks:
-        raise ConfigError("data.recall_masks must be false with data.source random")
     elif self.random_period is not None:
-      raise ConfigError("data.random_period needs data.source random")
+      raise ConfigError("data.random_period needs data.source random or data.tiled_rows > 0")
     try:
       validate_copies(rate=self.copy_rate, span=self.copy_span, distance=self.copy_distance, prefix="data.")
     except ValueError as e:
@@ -404,9 +417,12 @@ class Config:
   log: LogConfig = dataclasses.field(default_factory=LogConfig)
 
   def __post_init__(self):
-    if self.data.source == "random" and self.data.random_ids[1] > self.model.vocab_size:
+    if (self.data.source == "random" or self.data.tiled_rows) and self.data.random_ids[1] > self.model.vocab_size:
       raise ConfigError(f"data.random_ids must lie below model.vocab_size={self.model.vocab_size}, got "
                         f"{list(self.data.random_ids)}")
+    if self.data.tiled_rows >= self.train.batch_size:
+      raise ConfigError(f"data.tiled_rows ({self.data.tiled_rows}) must be below train.batch_size "
+                        f"({self.train.batch_size}): the rest of each batch is text")
     if self.train.objective == "zha_kl" and self.model.attention.kind != "zha":
       raise ConfigError(f"train.objective zha_kl needs model.attention.kind zha, got "
                         f"{self.model.attention.kind!r}")

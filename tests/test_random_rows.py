@@ -1,4 +1,5 @@
-"""Random-id rows with spliced copies or one tiled sequence (fsjax.data.random_rows) and their config rules."""
+"""Random-id rows with spliced copies or one tiled sequence (fsjax.data.random_rows), tiled rows mixed into text
+batches (data.tiled_rows, fsjax.data.mixture), and their config rules."""
 
 import json
 import pathlib
@@ -6,7 +7,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from fsjax.config import Config, ConfigError, DataConfig, load_config, model_preset
+from fsjax.config import Config, ConfigError, DataConfig, TrainConfig, load_config, model_preset
 from fsjax.data.copies import insert_copies
 from fsjax.data.random_rows import make_random_iterator, random_row
 from fsjax.train.loop import _train_iterator
@@ -49,6 +50,33 @@ def test_a_tiled_config_trains_from_random_rows():
   assert all(any(np.array_equal(r[n:], r[:-n]) for n in range(4, 13)) for r in tokens)
 
 
+def _is_tiled(row, periods):
+  return any(np.array_equal(row[n:], row[:-n]) for n in periods)
+
+
+def test_tiled_rows_end_every_text_batch_and_resume_from_the_json_state():
+  """`data.tiled_rows`: the last rows of each batch are tiled random rows, the others text (the text iterator's
+  rows for the smaller batch); a restored state continues both streams."""
+  config = load_config(pathlib.Path(__file__).parents[1] / "configs" / "tiny_tfpp.yaml",
+                       ["data.seq_len=64", "data.tiled_rows=2", "data.random_ids=[3,512]", "data.random_period=[4,12]",
+                        "train.batch_size=5", "eval.niah_samples=0"])
+  iterator = _train_iterator(config)
+  first = next(iterator)["tokens"]
+  assert first.shape == (5, 65) and first.dtype == np.int32
+  assert all(_is_tiled(row, range(4, 13)) for row in first[3:])
+  assert not any(_is_tiled(row, range(4, 13)) for row in first[:3])
+  text_only = load_config(pathlib.Path(__file__).parents[1] / "configs" / "tiny_tfpp.yaml",
+                          ["data.seq_len=64", "train.batch_size=3", "eval.niah_samples=0"])
+  np.testing.assert_array_equal(first[:3], next(_train_iterator(text_only))["tokens"])
+
+  state = json.loads(json.dumps(iterator.get_state()))
+  expected = [next(iterator)["tokens"] for _ in range(2)]
+  resumed = _train_iterator(config)
+  resumed.set_state(state)
+  for batch in expected:
+    np.testing.assert_array_equal(next(resumed)["tokens"], batch)
+
+
 def test_iterator_resumes_from_its_json_state_and_shards_rows():
   make = lambda **kw: make_random_iterator(seq_len=64, batch_size=3, seed=0, vocab=(3, 500), copies=COPIES, **kw)
   iterator = make()
@@ -72,13 +100,27 @@ def test_iterator_resumes_from_its_json_state_and_shards_rows():
     (dict(source="random", copy_rate=0.01, random_period=(8, 16)), "needs exactly one of"),
     (dict(source="random", seq_len=64, random_period=(8, 64)), r"random_period must be \[min, max\] with 1 <= min"),
     (dict(source="random", seq_len=64, random_period=(9, 8)), "data.random_period must be"),
-    (dict(random_period=(8, 16)), "data.random_period needs data.source random"),
+    (dict(random_period=(8, 16)), "data.random_period needs data.source random or data.tiled_rows > 0"),
+    (dict(tiled_rows=2), "data.tiled_rows needs data.random_period"),
+    (dict(tiled_rows=2, source="random", random_period=(8, 16)), "data.tiled_rows .* needs data.source text"),
+    (dict(tiled_rows=2, random_period=(8, 16), recall_masks=True), "data.recall_masks must be false"),
+    (dict(tiled_rows=-1), "data.tiled_rows must be >= 0"),
     (dict(source="random", copy_rate=0.01, recall_masks=True), "data.recall_masks must be false"),
     (dict(source="random", copy_rate=0.01, seq_len=128), "data.copy_distance min must be < data.seq_len=128"),
 ])
 def test_random_source_rules(fields, message):
   with pytest.raises(ConfigError, match=message):
     DataConfig(**fields)
+
+
+def test_tiled_rows_leave_text_in_every_batch_and_fit_the_vocabulary():
+  data = dict(seq_len=64, tiled_rows=4, random_period=(8, 16), random_ids=(3, 512))
+  with pytest.raises(ConfigError, match=r"data.tiled_rows \(4\) must be below train.batch_size \(4\)"):
+    Config(model=model_preset("tiny"), data=DataConfig(**data), train=TrainConfig(batch_size=4))
+  with pytest.raises(ConfigError, match="data.random_ids must lie below model.vocab_size=512"):
+    Config(model=model_preset("tiny"), data=DataConfig(**dict(data, random_ids=(3, 600))),
+           train=TrainConfig(batch_size=8))
+  Config(model=model_preset("tiny"), data=DataConfig(**data), train=TrainConfig(batch_size=8))
 
 
 def test_random_ids_must_fit_the_vocabulary():

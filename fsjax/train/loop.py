@@ -52,18 +52,25 @@ def _local_rows(global_rows):
 
 
 def _train_iterator(config: Config):
+  from fsjax.data.mixture import RowMixture
   from fsjax.data.pipeline import default_corpus_path, make_train_iterator
-  if config.data.source == "random":
-    from fsjax.data.random_rows import make_random_iterator
-    return make_random_iterator(seq_len=config.data.seq_len, batch_size=_local_rows(config.train.batch_size),
-                                seed=config.train.seed, vocab=config.data.random_ids, copies=config.data.copies,
-                                period=config.data.random_period, shard_index=jax.process_index(),
-                                shard_count=jax.process_count())
-  return make_train_iterator(path=config.data.train_path or default_corpus_path("train"),
-                             tokenizer_path=config.data.tokenizer, seq_len=config.data.seq_len,
-                             batch_size=_local_rows(config.train.batch_size), seed=config.train.seed,
-                             shard_index=jax.process_index(), shard_count=jax.process_count(),
-                             recall_masks=config.data.recall, copies=config.data.copies)
+  from fsjax.data.random_rows import make_random_iterator
+  data, shards = config.data, dict(shard_index=jax.process_index(), shard_count=jax.process_count())
+  if data.source == "random":
+    return make_random_iterator(seq_len=data.seq_len, batch_size=_local_rows(config.train.batch_size),
+                                seed=config.train.seed, vocab=data.random_ids, copies=data.copies,
+                                period=data.random_period, **shards)
+  text = make_train_iterator(path=data.train_path or default_corpus_path("train"), tokenizer_path=data.tokenizer,
+                             seq_len=data.seq_len, batch_size=_local_rows(config.train.batch_size - data.tiled_rows),
+                             seed=config.train.seed, recall_masks=data.recall, copies=data.copies, **shards)
+  if not data.tiled_rows:
+    return text
+  if data.tiled_rows % jax.process_count():
+    raise ConfigError(f"data.tiled_rows ({data.tiled_rows}) must be a multiple of the process count "
+                      f"({jax.process_count()})")
+  tiled = make_random_iterator(seq_len=data.seq_len, batch_size=_local_rows(data.tiled_rows), seed=config.train.seed,
+                               vocab=data.random_ids, period=data.random_period, **shards)
+  return RowMixture(text, tiled)
 
 
 def _eval_batches(config: Config):
