@@ -60,14 +60,14 @@ def _train_iterator(config: Config):
     return make_random_iterator(seq_len=data.seq_len, batch_size=_local_rows(config.train.batch_size),
                                 seed=config.train.seed, vocab=data.random_ids, copies=data.copies,
                                 period=data.random_period, **shards)
+  if data.tiled_rows % jax.process_count():
+    raise ConfigError(f"data.tiled_rows ({data.tiled_rows}) must be a multiple of the process count "
+                      f"({jax.process_count()})")
   text = make_train_iterator(path=data.train_path or default_corpus_path("train"), tokenizer_path=data.tokenizer,
                              seq_len=data.seq_len, batch_size=_local_rows(config.train.batch_size - data.tiled_rows),
                              seed=config.train.seed, recall_masks=data.recall, copies=data.copies, **shards)
   if not data.tiled_rows:
     return text
-  if data.tiled_rows % jax.process_count():
-    raise ConfigError(f"data.tiled_rows ({data.tiled_rows}) must be a multiple of the process count "
-                      f"({jax.process_count()})")
   tiled = make_random_iterator(seq_len=data.seq_len, batch_size=_local_rows(data.tiled_rows), seed=config.train.seed,
                                vocab=data.random_ids, period=data.random_period, **shards)
   return RowMixture(text, tiled)
