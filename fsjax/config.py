@@ -198,8 +198,8 @@ class DataConfig:
     random_period: [min, max] length of the random sequence a tiled random row repeats (drawn per row); null =
       rows with copies instead.
     tiled_rows: with source "text", this many rows of every training batch are tiled random rows
-      (random_period, random_ids) instead of text: keeps a copying skill formed by a tiled warm-up exercised
-      while the model learns text (a CPU pilot lost it within 120 text steps without them; docs/results.md).
+      (random_period, random_ids) instead of text, so the copying a tiled warm-up formed stays in use while the
+      model learns text (a CPU pilot lost it within 120 text steps without them; docs/results.md).
   """
   train_path: str | None = None
   eval_path: str | None = None
