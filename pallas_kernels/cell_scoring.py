@@ -1,12 +1,17 @@
 """Fused FreeSolo cell scoring and top-K (FS Eq. 6-8): the selection of `fsjax.ops.select_cells`, without ever
 writing the `[T, #cells]` score matrix.
 
-One program scores a tile of queries of one (batch, head) against the cells in chunks, and keeps a running
+One program scores a tile of queries of one (batch, head) against a range of cells in chunks, and keeps a running
 top-K per query in registers: the chunk's scores that beat a query's current K-th best are extracted one at a
 time (max, lowest index among equals; as many passes as the tile's most-improved query needs, at most K) and
 inserted into the running list with strict comparisons, so among equal scores the lower cell index wins, as in
 `lax.top_k`. Cells are visited in increasing index; a tile stops at the last cell any of its queries may see.
 The erf prior is evaluated only for chunks close enough to the tile for it not to have saturated.
+
+A decode step has one query per (batch, head): one program per head would walk every cell alone (110 µs per
+layer at 4,096 cells on an H200). So the cells are split into ranges, one program each, when the query tiles alone
+cannot fill the GPU; each range writes its own top-K with the scores, and `lax.top_k` merges the ranges. The
+merge keeps the kernel's ties: candidates are laid out by range, then rank, so equal scores stay in cell order.
 
 Cost per (batch, head): `T · m · (2d + ~40)` flops for `m` eligible cells per query (the dot product in float32,
 the erf prior and the selection network), `T·d` + `M·d` bytes read and `T·K` int32 written.
@@ -25,13 +30,20 @@ from fsjax.ops import cells as cells_ref
 from pallas_kernels.common import NO_CELL, check_compilable, default_interpret, erf, pad_axis, pad_head_dim
 
 
+# About two programs per SM of an H200 (132 SMs). One decode query per head at 4,096 cells: 110 µs per layer
+# unsplit, 32 µs at 16 ranges, no better at 32-64 (sweep in docs/results/h200_cell_splits/).
+FILL_PROGRAMS = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Queries per program and cells scored per loop step (both powers of two, >= 16 when compiled)."""
+  """Queries per program and cells scored per loop step (both powers of two, >= 16 when compiled); `splits`:
+  cell ranges per (query tile, batch, head), None to split only as far as needed to fill the GPU."""
   queries: int = 64
   cells: int = 64
   num_warps: int = 4
   num_stages: int = 2
+  splits: int | None = None
 
   @classmethod
   def get_default(cls):
@@ -63,10 +75,11 @@ def _extract_into(carry, *, first, lane):
   return top_values, top_indices, jnp.where(lane[None, :] == arg[:, None], -jnp.inf, scores)
 
 
-def _cell_topk_kernel(q_ref, pos_ref, mean_ref, amp_ref, death_ref, inv_sigma_ref, idx_ref, *, cell, block,
-                      top_k, retain_recent, chunk, pruned, scale, precision):
+def _cell_topk_kernel(q_ref, pos_ref, mean_ref, amp_ref, death_ref, inv_sigma_ref, idx_ref, value_ref, *, cell,
+                      block, top_k, retain_recent, chunk, steps_per_split, pruned, scale, precision):
   """q_ref `[Bq, d]`, pos_ref `[Bq]`, mean_ref `[M', d]`, amp_ref / death_ref `[M']` (λ_h a_c and Eq. 8 death
-  blocks), inv_sigma_ref `[H']` (1/(2σ_h)) → idx_ref `[Bq, K']`."""
+  blocks), inv_sigma_ref `[H']` (1/(2σ_h)) → idx_ref, value_ref `[Bq, K']`: the top-K of this program's cell
+  range (chunks `split · steps_per_split` onwards) and their scores."""
   q = q_ref[...].astype(jnp.float32)
   pos = pos_ref[...]
   query_block = pos // block
@@ -107,13 +120,24 @@ def _cell_topk_kernel(q_ref, pos_ref, mean_ref, amp_ref, death_ref, inv_sigma_re
 
   init = (tuple(jnp.full(pos.shape, -jnp.inf, jnp.float32) for _ in range(top_k)),
           tuple(jnp.full(pos.shape, NO_CELL, jnp.int32) for _ in range(top_k)))
-  num_steps = (jnp.max(num_eligible) + chunk - 1) // chunk
-  _, top_indices = jax.lax.fori_loop(0, num_steps, body, init)
+  first_step = pl.program_id(3) * steps_per_split
+  num_steps = jnp.minimum((jnp.max(num_eligible) + chunk - 1) // chunk, first_step + steps_per_split)
+  top_values, top_indices = jax.lax.fori_loop(first_step, num_steps, body, init)
   slot = jnp.arange(idx_ref.shape[-1])[None, :]
   out = jnp.full(idx_ref.shape, NO_CELL, jnp.int32)
-  for p, index in enumerate(top_indices):
+  out_values = jnp.full(value_ref.shape, -jnp.inf, jnp.float32)
+  for p, (value, index) in enumerate(zip(top_values, top_indices)):
     out = jnp.where(slot == p, index[:, None], out)
+    out_values = jnp.where(slot == p, value[:, None], out_values)
   idx_ref[...] = out
+  value_ref[...] = out_values
+
+
+def _num_splits(sizes, *, programs, num_chunks):
+  """Cell ranges per program of the query grid: `sizes.splits`, or enough for `FILL_PROGRAMS` programs in all;
+  never more ranges than chunks."""
+  wanted = sizes.splits if sizes.splits is not None else pl.cdiv(FILL_PROGRAMS, programs)
+  return max(1, min(wanted, num_chunks))
 
 
 @functools.partial(jax.jit, static_argnames=("variant", "cell", "block", "top_k", "retain_top", "retain_recent",
@@ -155,6 +179,7 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, variant="fs", l
   padded_seq = pl.cdiv(seq, tile) * tile
   padded_cells = pl.cdiv(num_cells, chunk) * chunk
   padded_k = pl.next_power_of_2(top_k)
+  splits = _num_splits(sizes, programs=padded_seq // tile * batch * heads, num_chunks=padded_cells // chunk)
   q = pad_axis(pad_head_dim(q), 1, padded_seq)
   positions = pad_axis(positions.astype(jnp.int32), 1, padded_seq)
   mean_keys = pad_axis(pad_head_dim(mean_keys), 1, padded_cells)
@@ -164,30 +189,38 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, variant="fs", l
   dim = q.shape[-1]
 
   kernel = functools.partial(_cell_topk_kernel, cell=cell, block=block, top_k=top_k,
-                             retain_recent=retain_recent, chunk=chunk, pruned=variant == "fsl",
+                             retain_recent=retain_recent, chunk=chunk,
+                             steps_per_split=pl.cdiv(padded_cells // chunk, splits), pruned=variant == "fsl",
                              scale=1.0 / math.sqrt(head_dim),
                              # Tensor cores in three TF32 passes keep float32 accuracy; the CPU interpreter has
                              # no such algorithm and multiplies in full float32.
                              precision=(jax.lax.Precision.HIGHEST if interpret
                                         else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3))
-  idx = pl.pallas_call(
+  out_spec = pl.BlockSpec((None, tile, None, None, padded_k), lambda i, b, h, s: (b, i, h, s, 0))
+  out_shape = (batch, padded_seq, heads, splits, padded_k)
+  idx, values = pl.pallas_call(
       kernel,
-      grid=(padded_seq // tile, batch, heads),
+      grid=(padded_seq // tile, batch, heads, splits),
       in_specs=[
-          pl.BlockSpec((None, tile, None, dim), lambda i, b, h: (b, i, h, 0)),
-          pl.BlockSpec((None, tile), lambda i, b, h: (b, i)),
-          pl.BlockSpec((None, padded_cells, None, dim), lambda i, b, h: (b, 0, h, 0)),
-          pl.BlockSpec((None, padded_cells, None), lambda i, b, h: (b, 0, h)),
-          pl.BlockSpec((None, padded_cells, None), lambda i, b, h: (b, 0, h)),
-          pl.BlockSpec(inv_two_sigma.shape, lambda i, b, h: (0,)),
+          pl.BlockSpec((None, tile, None, dim), lambda i, b, h, s: (b, i, h, 0)),
+          pl.BlockSpec((None, tile), lambda i, b, h, s: (b, i)),
+          pl.BlockSpec((None, padded_cells, None, dim), lambda i, b, h, s: (b, 0, h, 0)),
+          pl.BlockSpec((None, padded_cells, None), lambda i, b, h, s: (b, 0, h)),
+          pl.BlockSpec((None, padded_cells, None), lambda i, b, h, s: (b, 0, h)),
+          pl.BlockSpec(inv_two_sigma.shape, lambda i, b, h, s: (0,)),
       ],
-      out_specs=pl.BlockSpec((None, tile, None, padded_k), lambda i, b, h: (b, i, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((batch, padded_seq, heads, padded_k), jnp.int32),
+      out_specs=[out_spec, out_spec],
+      out_shape=[jax.ShapeDtypeStruct(out_shape, jnp.int32), jax.ShapeDtypeStruct(out_shape, jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
       interpret=interpret,
       name="freesolo_cell_topk",
   )(q, positions, mean_keys, amplitude, death, inv_two_sigma)
-  return idx[:, :seq, :, :top_k]
+  idx, values = idx[:, :seq, :, :, :top_k], values[:, :seq, :, :, :top_k]
+  if splits == 1:
+    return idx[..., 0, :]
+  # Ranges in cell order, each best first: lax.top_k's lower-position-first ties are the kernel's lower cell.
+  _, best = jax.lax.top_k(values.reshape(*values.shape[:3], -1), top_k)
+  return jnp.take_along_axis(idx.reshape(*idx.shape[:3], -1), best, axis=-1)
 
 
 def select_cells(q, k, *, variant="fs", lam=1.0, sigma=4.0, cell=32, block=128, top_k=4, retain_top=64,

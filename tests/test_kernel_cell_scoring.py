@@ -1,5 +1,7 @@
 """pallas_kernels.cell_scoring against the reference selection (fsjax.ops.select_cells, Eq. 5-8)."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -48,19 +50,22 @@ def test_select_cells_matches_reference(rng, interpret, dtype, variant, batch, s
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
-@pytest.mark.parametrize("variant", ["fs", "fsl"])
-def test_select_from_summaries_at_decode_positions(rng, interpret, variant):
+@pytest.mark.parametrize("variant,splits", [("fs", 1), ("fsl", 1), ("fs", 3), ("fsl", 3)])
+def test_select_from_summaries_at_decode_positions(rng, interpret, variant, splits):
   """Rows at different positions (a decode batch): eligibility, the prior and FS-L pools follow each query's
-  own position; summaries of cells no query may see yet hold garbage that must never be read."""
-  batch, heads, dim, cell, block, top_k, num_cells = 2, 2, 32, 16, 32, 4, 24
+  own position; summaries of cells no query may see yet hold garbage that must never be read. With cell ranges
+  split over programs (3 ranges of 2 chunks over 5 chunks: the last range is short, some are past a row's
+  eligible cells), the merged top-K is the same."""
+  batch, heads, dim, cell, block, top_k, num_cells = 2, 2, 32, 16, 32, 4, 80
   q = jnp.asarray(rng.standard_normal((batch, 5, heads, dim)), jnp.float32)
   mean_keys = jnp.asarray(rng.standard_normal((batch, num_cells, heads, dim)), jnp.float32)
   max_norms = jnp.asarray(rng.uniform(0.5, 3.0, (batch, num_cells, heads)), jnp.float32)
-  positions = jnp.array([[31, 32, 100, 200, 383], [64, 65, 66, 300, 301]], jnp.int32)
+  positions = jnp.array([[31, 32, 100, 700, 1279], [64, 65, 66, 900, 1201]], jnp.int32)
   lam, sigma = rng.uniform(0.3, 2.0, heads).astype(np.float32), rng.uniform(1.0, 8.0, heads).astype(np.float32)
   routing = dict(variant=variant, cell=cell, block=block, retain_top=3, retain_recent=1)
   got = cell_scoring.select_from_summaries(q, positions, mean_keys, max_norms, lam=lam, sigma=sigma, top_k=top_k,
-                                           block_sizes=SIZES, interpret=interpret, **routing)
+                                           block_sizes=dataclasses.replace(SIZES, splits=splits),
+                                           interpret=interpret, **routing)
   centers = (jnp.arange(num_cells) + 0.5) * cell
   scores = cells.cell_scores(q, mean_keys, max_norms, centers, lam=jnp.asarray(lam), sigma=jnp.asarray(sigma),
                              positions=positions)
@@ -78,3 +83,18 @@ def test_equal_scores_go_to_the_lower_cell_index(rng, interpret):
                                   interpret=interpret)
   np.testing.assert_array_equal(got, ops.select_cells(q, k, lam=0.0, cell=cell, block=32, top_k=4))
   np.testing.assert_array_equal(got[0, -1, 0], [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+def test_equal_scores_across_cell_ranges_go_to_the_lower_cell_index(rng, interpret):
+  """One query, cells split into four ranges of 16: five copies of the best cell lie in different ranges, and
+  the merge must keep the four lowest indices, in order."""
+  dim, cell, num_cells = 16, 16, 64
+  mean_keys = rng.standard_normal((1, num_cells, 1, dim)).astype(np.float32) * 0.1
+  q = rng.standard_normal((1, 1, 1, dim)).astype(np.float32)
+  mean_keys[0, [50, 17, 33, 60, 2], 0] = 10.0 * q[0, 0, 0]
+  got = cell_scoring.select_from_summaries(
+      jnp.asarray(q), jnp.array([[num_cells * cell]], jnp.int32), jnp.asarray(mean_keys),
+      jnp.ones((1, num_cells, 1), jnp.float32), lam=0.0, cell=cell, block=32, top_k=4,
+      block_sizes=dataclasses.replace(SIZES, splits=4), interpret=interpret)
+  np.testing.assert_array_equal(got[0, 0, 0], [2, 17, 33, 50])
