@@ -169,6 +169,19 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, splits=4, interpret=None
   return jnp.sum(weights * out, axis=2)[..., :dim]
 
 
+def _count_ahead(rank_x, first_x, rank_y, first_y):
+  """`[BQ, n]`: for each entry y, how many entries x order before it by (rank desc, first asc)."""
+  rx, fx = rank_x[:, :, None], first_x[:, :, None]
+  ry, fy = rank_y[:, None, :], first_y[:, None, :]
+  return jnp.sum(((rx > ry) | ((rx == ry) & (fx < fy))).astype(jnp.int32), axis=1)
+
+
+def _place(node, rank, slot_of, beam):
+  """`[BQ, beam]`: slot s holds the live entry whose `slot_of` is s, NO_NODE where none does."""
+  hit = (slot_of[:, None, :] == jnp.arange(beam)[None, :, None]) & (rank[:, None, :] > -jnp.inf)
+  return jnp.max(jnp.where(hit, node[:, None, :], NO_NODE), axis=2)
+
+
 def _beam_kernel(q_ref, pos_ref, root_ref, lam_ref, sigma_ref, mu_ref, rho_ref, amax_ref, pmin_ref, first_ref,
                  leaf_ref, child0_ref, child1_ref, out_ref, *, beam, steps, bound_c, scale):
   """FS-B Eq. 11 for a tile of queries over one (batch, head)'s node table. q_ref `[BQ, d]`, pos_ref / root_ref
@@ -176,8 +189,8 @@ def _beam_kernel(q_ref, pos_ref, root_ref, lam_ref, sigma_ref, mu_ref, rho_ref, 
 
   A beam step expands each slot into two pool entries (a kept leaf and nothing, or the two children of an inner
   node), scores them by U (gathered rows of μ, no tensor cores: a query's 2W rows are its own), and refills the
-  W slots by W extractions of the maximum (rank, then the lower first cell): the order `lax.sort` gives the
-  reference."""
+  W slots in the order `lax.sort` gives the reference (rank, then the lower first cell), each entry's slot
+  counted from all pairs at once: `[BQ, 2W, 2W]` comparisons instead of W dependent extractions."""
   q = q_ref[...].astype(jnp.float32)
   pos = pos_ref[...].astype(jnp.float32)
   q_norm = jnp.sqrt(jnp.sum(q * q, axis=1))
@@ -204,19 +217,12 @@ def _beam_kernel(q_ref, pos_ref, root_ref, lam_ref, sigma_ref, mu_ref, rho_ref, 
     first_a = jnp.where(node_a >= 0, first_ref[jnp.maximum(node_a, 0)], never)
     first_b = jnp.where(node_b >= 0, first_ref[jnp.maximum(node_b, 0)], never)
 
-    def extract(t, carry):
-      rank_a, rank_b, chosen = carry
-      best = jnp.maximum(jnp.max(rank_a, axis=1), jnp.max(rank_b, axis=1))[:, None]
-      lowest = jnp.minimum(jnp.min(jnp.where(rank_a == best, first_a, never), axis=1),
-                           jnp.min(jnp.where(rank_b == best, first_b, never), axis=1))[:, None]
-      live = best > -jnp.inf
-      pick_a = (rank_a == best) & (first_a == lowest) & live
-      pick_b = (rank_b == best) & (first_b == lowest) & live
-      node = jnp.sum(jnp.where(pick_a, node_a, 0), axis=1) + jnp.sum(jnp.where(pick_b, node_b, 0), axis=1)
-      chosen = jnp.where(slots == t, jnp.where(live, node[:, None], NO_NODE), chosen)
-      return jnp.where(pick_a, -jnp.inf, rank_a), jnp.where(pick_b, -jnp.inf, rank_b), chosen
-
-    return jax.lax.fori_loop(0, beam, extract, (rank_a, rank_b, jnp.full(current.shape, NO_NODE)))[2]
+    # Each live entry's slot is the number of entries ahead of it by (rank desc, first asc): distinct nodes
+    # cover disjoint cells, so their first cells differ and the order is strict. Dead entries (−inf, never)
+    # are ahead of nothing and fill no slot.
+    ahead_of_a = _count_ahead(rank_a, first_a, rank_a, first_a) + _count_ahead(rank_b, first_b, rank_a, first_a)
+    ahead_of_b = _count_ahead(rank_a, first_a, rank_b, first_b) + _count_ahead(rank_b, first_b, rank_b, first_b)
+    return jnp.maximum(_place(node_a, rank_a, ahead_of_a, beam), _place(node_b, rank_b, ahead_of_b, beam))
 
   start = jnp.where(slots == 0, root_ref[...][:, None], NO_NODE)
   current = jax.lax.fori_loop(0, steps, step, start)
