@@ -182,10 +182,11 @@ def _place(node, rank, slot_of, beam):
   return jnp.max(jnp.where(hit, node[:, None, :], NO_NODE), axis=2)
 
 
-def _beam_kernel(q_ref, pos_ref, root_ref, lam_ref, sigma_ref, mu_ref, rho_ref, amax_ref, pmin_ref, first_ref,
-                 leaf_ref, child0_ref, child1_ref, out_ref, *, beam, steps, bound_c, scale):
+def _beam_kernel(q_ref, pos_ref, root_ref, lam_ref, sigma_ref, layer_ref, mu_ref, rho_ref, amax_ref, pmin_ref,
+                 first_ref, leaf_ref, child0_ref, child1_ref, out_ref, *, beam, steps, bound_c, scale):
   """FS-B Eq. 11 for a tile of queries over one (batch, head)'s node table. q_ref `[BQ, d]`, pos_ref / root_ref
-  `[BQ]`, lam_ref / sigma_ref `[1]`, node refs `[N(, d)]` → out_ref `[BQ, W]` the final beam's leaf cells.
+  `[BQ]`, lam_ref / sigma_ref / layer_ref `[1]`, node refs `[L, N(, d)]` of which layer `layer_ref[0]` is read →
+  out_ref `[BQ, W]` the final beam's leaf cells.
 
   A beam step expands each slot into two pool entries (a kept leaf and nothing, or the two children of an inner
   node), scores them by U (gathered rows of μ, no tensor cores: a query's 2W rows are its own), and refills the
@@ -194,28 +195,29 @@ def _beam_kernel(q_ref, pos_ref, root_ref, lam_ref, sigma_ref, mu_ref, rho_ref, 
   q = q_ref[...].astype(jnp.float32)
   pos = pos_ref[...].astype(jnp.float32)
   q_norm = jnp.sqrt(jnp.sum(q * q, axis=1))
-  lam, sigma = lam_ref[0], sigma_ref[0]
+  lam, sigma, layer = lam_ref[0], sigma_ref[0], layer_ref[0]
+  field = lambda ref, node: ref[layer, node]  # one indexer: Triton lowers no chain of `ref.at` views
   slots = jnp.arange(beam)[None, :]
   never = jnp.iinfo(jnp.int32).max
 
   def rank(node):  # U of pool entries `[BQ, W]`; −inf where NO_NODE
     safe = jnp.maximum(node, 0)
-    mu = mu_ref[safe, :].astype(jnp.float32)  # [BQ, W, d]
-    content = (jnp.sum(mu * q[:, None, :], axis=2) + bound_c * q_norm[:, None] * rho_ref[safe]) * scale
-    prior = amax_ref[safe] * lam * erf((pos[:, None] - pmin_ref[safe]) / (2.0 * sigma))
+    mu = mu_ref[layer, safe, :].astype(jnp.float32)  # [BQ, W, d]
+    content = (jnp.sum(mu * q[:, None, :], axis=2) + bound_c * q_norm[:, None] * field(rho_ref, safe)) * scale
+    prior = field(amax_ref, safe) * lam * erf((pos[:, None] - field(pmin_ref, safe)) / (2.0 * sigma))
     return jnp.where(node >= 0, content + prior, -jnp.inf)
 
   def step(_, current):
     safe = jnp.maximum(current, 0)
     valid = current >= 0
-    kept = valid & (leaf_ref[safe] >= 0)
+    kept = valid & (field(leaf_ref, safe) >= 0)
     inner = valid & ~kept
-    node_a = jnp.where(kept, current, jnp.where(inner, child0_ref[safe], NO_NODE))
-    node_b = jnp.where(inner, child1_ref[safe], NO_NODE)
+    node_a = jnp.where(kept, current, jnp.where(inner, field(child0_ref, safe), NO_NODE))
+    node_b = jnp.where(inner, field(child1_ref, safe), NO_NODE)
     rank_a = jnp.where(kept, jnp.inf, rank(node_a))  # leaves keep their slots
     rank_b = rank(node_b)
-    first_a = jnp.where(node_a >= 0, first_ref[jnp.maximum(node_a, 0)], never)
-    first_b = jnp.where(node_b >= 0, first_ref[jnp.maximum(node_b, 0)], never)
+    first_a = jnp.where(node_a >= 0, field(first_ref, jnp.maximum(node_a, 0)), never)
+    first_b = jnp.where(node_b >= 0, field(first_ref, jnp.maximum(node_b, 0)), never)
 
     # Each live entry's slot is the number of entries ahead of it by (rank desc, first asc): distinct nodes
     # cover disjoint cells, so their first cells differ and the order is strict. Dead entries (−inf, never)
@@ -226,11 +228,12 @@ def _beam_kernel(q_ref, pos_ref, root_ref, lam_ref, sigma_ref, mu_ref, rho_ref, 
 
   start = jnp.where(slots == 0, root_ref[...][:, None], NO_NODE)
   current = jax.lax.fori_loop(0, steps, step, start)
-  out_ref[...] = jnp.where(current >= 0, leaf_ref[jnp.maximum(current, 0)], NO_NODE)
+  out_ref[...] = jnp.where(current >= 0, field(leaf_ref, jnp.maximum(current, 0)), NO_NODE)
 
 
 @functools.partial(jax.jit, static_argnames=("beam", "steps", "bound_c", "block_q", "interpret"))
-def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c, block_q=8, interpret=None):
+def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c, layer=None, block_q=8,
+                interpret=None):
   """FS-B beam search (FS Eq. 11) of every query over its (batch, head)'s forest node table.
 
   Args:
@@ -239,6 +242,8 @@ def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c,
     nodes: node table of `[batch, heads, N(, d)]` arrays, as `fsjax.cache.forest.Forest.nodes`: mu, rho, amax,
       pmin, first, leaf, child0, child1.
     lam, sigma: `[heads]`; beam: W (a power of two when compiled); steps: beam steps (≥ the forest height).
+    layer: None, or an int32 scalar when `nodes` are a scanned model's stacks `[layers, batch, heads, N(, d)]`:
+      the kernel reads that layer's rows where they lie, where slicing the layer out would copy the whole table.
 
   Returns:
     `[batch, T, heads, beam]` int32 cells of the final beam's leaves, NO_NODE in unused slots; the same as
@@ -252,8 +257,10 @@ def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c,
   q = pad_axis(pad_head_dim(q.astype(jnp.float32)), 1, padded)
   positions = pad_axis(positions.astype(jnp.int32), 1, padded)
   roots = pad_axis(roots.astype(jnp.int32), 1, padded, NO_NODE)
-  num_nodes, width = nodes["mu"].shape[2], q.shape[-1]
-  table_spec = pl.BlockSpec((None, None, num_nodes), lambda b, h, t: (b, h, 0))
+  if layer is None:
+    nodes, layer = {name: x[None] for name, x in nodes.items()}, 0
+  layers, num_nodes, width = nodes["mu"].shape[0], nodes["mu"].shape[3], q.shape[-1]
+  table_spec = pl.BlockSpec((layers, None, None, num_nodes), lambda b, h, t: (0, b, h, 0))
   order = ("rho", "amax", "pmin", "first", "leaf", "child0", "child1")
   out = pl.pallas_call(
       functools.partial(_beam_kernel, beam=beam, steps=steps, bound_c=bound_c, scale=1.0 / math.sqrt(dim)),
@@ -263,7 +270,8 @@ def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c,
                 pl.BlockSpec((None, block_q, None), lambda b, h, t: (b, t, h)),
                 pl.BlockSpec((1,), lambda b, h, t: (h,)),
                 pl.BlockSpec((1,), lambda b, h, t: (h,)),
-                pl.BlockSpec((None, None, num_nodes, width), lambda b, h, t: (b, h, 0, 0)),
+                pl.BlockSpec((1,), lambda b, h, t: (0,)),
+                pl.BlockSpec((layers, None, None, num_nodes, width), lambda b, h, t: (0, b, h, 0, 0)),
                 *([table_spec] * len(order))],
       out_specs=pl.BlockSpec((None, block_q, None, beam), lambda b, h, t: (b, t, h, 0)),
       out_shape=jax.ShapeDtypeStruct((batch, padded, heads, beam), jnp.int32),
@@ -271,6 +279,6 @@ def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c,
       interpret=interpret,
       name="fsb_beam_search",
   )(q, positions, roots, lam.astype(jnp.float32), sigma.astype(jnp.float32),
-    pad_head_dim(nodes["mu"].astype(jnp.float32)), *(nodes[name].astype(
+    jnp.asarray(layer, jnp.int32).reshape(1), pad_head_dim(nodes["mu"].astype(jnp.float32)), *(nodes[name].astype(
         jnp.float32 if name in ("rho", "amax", "pmin") else jnp.int32) for name in order))
   return out[:, :count]

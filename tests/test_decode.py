@@ -66,15 +66,19 @@ def _with_impl(config, impl):
   return Transformer(dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl)))
 
 
-@pytest.mark.parametrize("kind", ["fs", pytest.param("fsb", marks=pytest.mark.skipif(
-    jax.default_backend() != "gpu", reason="interpreted, the FS-B beam kernel per decode step is too slow for CI; "
-    "tests/test_kernel_tree_routing.py checks it against the reference"))])
-def test_prefill_and_decode_through_the_kernels_equal_the_reference_forward(rng, kind):
+_GPU_ONLY = pytest.mark.skipif(jax.default_backend() != "gpu", reason="interpreted, the FS-B beam kernel per decode "
+                               "step is too slow for CI; tests/test_kernel_tree_routing.py checks it against the "
+                               "reference")
+
+
+@pytest.mark.parametrize("kind,scan_layers", [("fs", False), pytest.param("fsb", False, marks=_GPU_ONLY),
+                                              pytest.param("fsb", True, marks=_GPU_ONLY)])
+def test_prefill_and_decode_through_the_kernels_equal_the_reference_forward(rng, kind, scan_layers):
   """The FS archive path with impl="pallas" (interpreted on CPU): selection from cached summaries at each row's
   positions and the readout over the archived keys (a kernel for prefill chunks, XLA's gather for one-token
   steps), against the reference full forward; FS-B through the streaming forest cache and the beam-search
-  kernel."""
-  config, _, variables = _setup(kind, cell=16)
+  kernel, which in a scanned model reads its layer of the stacked node tables."""
+  config, _, variables = _setup(kind, scan_layers, cell=16)
   tokens = _distinct_tokens(rng, config.vocab_size, 2, 110)
   full = np.asarray(jax.jit(_with_impl(config, "reference").apply)(variables, tokens))
   assert_close(_teacher_forced(_with_impl(config, "pallas"), variables, tokens, PROMPT, chunk=32), full,

@@ -143,7 +143,8 @@ def test_capped_routing_through_the_kernel_equals_the_jnp_descent(rng, dtype, re
 def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
   """Both forests of a streaming cache (row 1 one block behind row 0; row 1's forest τ may be empty), queries of
   the current block with keys of many scales so U spreads: the kernel's final beams equal the reference's, slot
-  for slot (leaves reached early keep rank +inf, so their order is the first-cell tie rule's)."""
+  for slot (leaves reached early keep rank +inf, so their order is the first-cell tie rule's), also when it
+  reads one layer of stacked tables."""
   batch, heads, cell, block = 2, 3, 16, 64
   cache = forest_cache.empty_forest_cache(batch, seq, heads, dim, cell)
   k = jnp.asarray(rng.standard_normal((batch, seq, heads, dim)) * rng.uniform(0.2, 3.0, (batch, seq, heads, 1)),
@@ -159,11 +160,18 @@ def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
   positions = jnp.asarray(target[:, None] * cell + rng.integers(0, block, (batch, queries)), jnp.int32)
   lam, sigma = jnp.asarray(rng.uniform(0.3, 2.0, heads)), jnp.asarray(rng.uniform(1.0, 8.0, heads))
   steps = forest_cache.num_levels_of(cache.forests)
+  roots_of = lambda forest: jnp.broadcast_to(forest.root[:, None, :], (batch, queries, heads))
   for which in (0, 1):
     forest = cache.forest(which)
     expected = forest_cache.search(forest, q, positions, lam=lam, sigma=sigma, beam=beam, bound_c=8.0)
-    roots = jnp.broadcast_to(forest.root[:, None, :], (batch, queries, heads))
-    actual = tree_routing.beam_search(q, positions, roots, forest.nodes, lam, sigma, beam=beam, steps=steps,
+    actual = tree_routing.beam_search(q, positions, roots_of(forest), forest.nodes, lam, sigma, beam=beam, steps=steps,
                                       bound_c=8.0, interpret=interpret)
     np.testing.assert_array_equal(actual, expected)  # slot order too: (U desc, first cell asc), leaves first
     assert np.any(np.asarray(expected) >= 0)
+  # A scanned model's stacked tables: layer 1 holds forest 0, layer 0 the other forest, which beams differently.
+  stacked = {name: jnp.stack([cache.forest(1).nodes[name], cache.forest(0).nodes[name]])
+             for name in cache.forests.nodes}
+  np.testing.assert_array_equal(
+      tree_routing.beam_search(q, positions, roots_of(cache.forest(0)), stacked, lam, sigma, beam=beam, steps=steps,
+                               bound_c=8.0, layer=jnp.int32(1), interpret=interpret),
+      forest_cache.search(cache.forest(0), q, positions, lam=lam, sigma=sigma, beam=beam, bound_c=8.0))

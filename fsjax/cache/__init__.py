@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from fsjax.cache.archive import Archive, empty_archive
 from fsjax.cache.bounded import BoundedCache, empty_bounded
-from fsjax.cache.forest import ForestCache, empty_forest_cache
+from fsjax.cache.forest import Forest, ForestCache, empty_forest_cache
 from fsjax.cache.layered import layer_view, write_back
 from fsjax.cache.store import KVStore, empty_store
 from fsjax.cache.zha import ZHACache, empty_zha
@@ -19,12 +19,12 @@ from fsjax.config import ModelConfig
 
 
 # The caches whose arrays grow with the sequence: a scanned model's layer reads and writes them in place.
-IN_PLACE = (KVStore, Archive)
+IN_PLACE = (KVStore, Archive, Forest)
 
 
 def layer_of(stacked, layer):
-  """Layer `layer` (int32 scalar) of a scanned model's stacked cache: KV stores and archives as views into the
-  stack (`fsjax.cache.layered`), every other array sliced out."""
+  """Layer `layer` (int32 scalar) of a scanned model's stacked cache: KV stores, archives and FS-B forests as
+  views into the stack (`fsjax.cache.layered`), every other array sliced out."""
   return layer_view(stacked, layer, IN_PLACE)
 
 

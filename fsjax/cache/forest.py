@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsjax.cache import archive as archive_lib
-from fsjax.cache.layered import read
+from fsjax.cache.layered import LayerSlice, read, scatter
 from fsjax.ops import forest as ops_forest
 
 NO_NODE = ops_forest.NO_NODE
@@ -171,8 +171,8 @@ def level_trees(forest: Forest, archive, k, *, cell, looped):
   archive's head h mod heads): dict of `[batch, heads, 2^(k+1) − 1(, d)]` node fields, in heap order, in the
   node table's dtypes. `looped`: leaf order by `looped_leaf_order`."""
   size = 2**k
-  start = (forest.count >> (k + 1)) << (k + 1)
-  ids = jax.vmap(jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size)))(forest.arrivals, start)
+  start = (read(forest.count) >> (k + 1)) << (k + 1)
+  ids = jax.vmap(jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size)))(read(forest.arrivals), start)
   safe = jnp.maximum(ids, 0)  # [batch, heads, size]
   rows = jnp.arange(ids.shape[0])[:, None, None]
   heads = (jnp.arange(ids.shape[1]) % archive.max_norms.shape[2])[None, :, None]
@@ -200,10 +200,11 @@ def _rejoin(forest: Forest):
     joins, root = ops_forest.join_chains(table, roots, count[None], first_join)
     return {name: value[0] for name, value in joins.items()}, root[0]
 
-  joins, root = jax.vmap(jax.vmap(one))(nodes, forest.count)
-  nodes = {name: value.at[:, :, first_join:].set(joins[name].astype(value.dtype)) if name in joins else value
+  joins, root = jax.vmap(jax.vmap(one))({name: read(x) for name, x in nodes.items()}, read(forest.count))
+  nodes = {name: scatter(value, (slice(None), slice(None), slice(first_join, None)),
+                         joins[name].astype(value.dtype)) if name in joins else value
            for name, value in nodes.items()}
-  return forest.replace(nodes=nodes, root=root.astype(forest.root.dtype))
+  return forest.replace(nodes=nodes, root=scatter(forest.root, (Ellipsis,), root.astype(forest.root.dtype)))
 
 
 def num_levels_of(forest: Forest):
@@ -222,20 +223,21 @@ def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FR
   """
   levels = num_levels_of(forest)
   accept = jnp.moveaxis(accept, 1, 2)  # [batch, heads, n]
-  slot = jnp.where(accept, forest.count[..., None] + jnp.cumsum(accept, axis=-1, dtype=jnp.int32) - 1,
+  count = read(forest.count)
+  slot = jnp.where(accept, count[..., None] + jnp.cumsum(accept, axis=-1, dtype=jnp.int32) - 1,
                    forest.arrivals.shape[-1])
   rows = jnp.arange(cells.shape[0])[:, None, None]
   heads = jnp.arange(accept.shape[1])[None, :, None]
-  arrivals = forest.arrivals.at[rows, heads, slot].set(jnp.broadcast_to(cells[:, None], slot.shape), mode="drop")
-  new_count = forest.count + jnp.sum(accept, axis=-1, dtype=jnp.int32)
-  changed = changed_levels(forest.count, new_count, levels)
-  forest = forest.replace(arrivals=arrivals, count=new_count)
+  arrivals = scatter(forest.arrivals, (rows, heads, slot), jnp.broadcast_to(cells[:, None], slot.shape), mode="drop")
+  new_count = count + jnp.sum(accept, axis=-1, dtype=jnp.int32)
+  changed = changed_levels(count, new_count, levels)
+  forest = forest.replace(arrivals=arrivals, count=scatter(forest.count, (Ellipsis,), new_count))
   nodes = dict(forest.nodes)
   for k in range(levels):
     # One conditional per level, on level-k-sized operands, and the slice written back outside it: a conditional
     # (or a switch over levels) that returned the whole node table would copy the table, O(M), at every build.
-    where = level_slice(k)
-    old = {name: nodes[name][:, :, where] for name in ops_forest.TREE_FIELDS}
+    where = (slice(None), slice(None), level_slice(k))
+    old = {name: read(nodes[name])[where] for name in ops_forest.TREE_FIELDS}
 
     def rebuilt(old, forest=forest, k=k):
       mask = changed[..., k]
@@ -244,7 +246,7 @@ def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FR
               for name, v in old.items()}
 
     new = jax.lax.cond(jnp.any(changed[..., k]), rebuilt, lambda old: old, old)
-    nodes.update({name: nodes[name].at[:, :, where].set(value) for name, value in new.items()})
+    nodes.update({name: scatter(nodes[name], where, value) for name, value in new.items()})
   forest = forest.replace(nodes=nodes)
   return _rejoin(forest)
 
@@ -290,18 +292,24 @@ def search(forest: Forest, q, pos, *, lam, sigma, beam, bound_c, kernels=False):
   """Beam search (Eq. 11) of queries `[batch, C, heads, d]` at `pos` `[batch, C]`, all in the block the forest
   was advanced to: `[batch, C, heads, beam]` cells (NO_NODE pad). `kernels`: the Pallas `tree_routing` kernel."""
   steps = num_levels_of(forest)
+  root = read(forest.root)
   if kernels:
     from pallas_kernels import tree_routing  # lazy: the kernels import ops
-    roots = jnp.broadcast_to(forest.root[:, None, :], q.shape[:3])
-    return tree_routing.beam_search(q, pos, roots, forest.nodes, lam, sigma, beam=beam, steps=steps,
-                                    bound_c=bound_c)
+    roots = jnp.broadcast_to(root[:, None, :], q.shape[:3])
+    if isinstance(forest.root, LayerSlice):  # the kernel indexes the stacked table: no copy of the layer's
+      nodes, layer = {name: x.stack for name, x in forest.nodes.items()}, forest.root.layer
+    else:
+      nodes, layer = forest.nodes, None
+    return tree_routing.beam_search(q, pos, roots, nodes, lam, sigma, beam=beam, steps=steps, bound_c=bound_c,
+                                    layer=layer)
 
   def one(q, pos, nodes, root, lam, sigma):
     return ops_forest.beam_search(q, pos, nodes, jnp.full(q.shape[:1], root), beam=beam, bound_c=bound_c, lam=lam,
                                   sigma=sigma, steps=steps)
 
   per_head = jax.vmap(one, in_axes=(1, None, 0, 0, 0, 0), out_axes=1)
-  return jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None))(q, pos, forest.nodes, forest.root, lam, sigma)
+  nodes = {name: read(x) for name, x in forest.nodes.items()}
+  return jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None))(q, pos, nodes, root, lam, sigma)
 
 
 def select(cache: ForestCache, q, pos, *, lam, sigma, cell, top_k, beam, bound_c, kernels=False):
