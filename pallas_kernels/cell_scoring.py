@@ -31,7 +31,7 @@ from pallas_kernels.common import NO_CELL, check_compilable, default_interpret, 
 
 
 # About two programs per SM of an H200 (132 SMs). One decode query per head at 4,096 cells: 110 µs per layer
-# unsplit, 32 µs at 16 ranges, no better at 32-64 (sweep in docs/results/h200_cell_splits/).
+# unsplit, 32 µs at 16 ranges, no better at 32-64 (sweep in docs/results/h200_decode_splits/).
 FILL_PROGRAMS = 256
 
 
