@@ -51,11 +51,15 @@ def _teacher_forced(model, variables, tokens, prompt_len, chunk):
   return np.asarray(jnp.concatenate(steps, axis=1))
 
 
-@pytest.mark.parametrize("kind,scan_layers", [*((kind, False) for kind in KINDS), ("fsl", True), ("fs", True),
-                                              ("fsb", True), ("tfpp", True), ("swa", True), ("zha", True)])
+@pytest.mark.parametrize("kind,scan_layers", [*((kind, False) for kind in KINDS if kind != "fsb"), ("fsl", True),
+                                              ("fs", True), ("fsb", True), ("tfpp", True), ("swa", True),
+                                              ("zha", True)])
 def test_prefill_and_decode_equal_the_full_forward(rng, kind, scan_layers):
   """Also through a `scan_layers` model, whose stacked cache the layer scan carries and each layer updates in
-  place (`fsjax.cache.layered`). FS-B decodes through the streaming forest cache."""
+  place (`fsjax.cache.layered`). FS-B decodes through the streaming forest cache, scanned only: its compile is
+  the suite's slowest (about a minute per case on CPU), and the scanned case runs every cache function the
+  unrolled one does, through the layer views as well. Unrolled FS-B decode is checked against one row at a time
+  below, and against the full forward through the kernels on a GPU."""
   config, model, variables = _setup(kind, scan_layers)
   tokens = _distinct_tokens(rng, config.vocab_size, 2, SEQ)
   full = np.asarray(jax.jit(model.apply)(variables, tokens))
