@@ -192,14 +192,16 @@ class DataConfig:
     copy_distance: [min, max] tokens from a copy's source to its insertion point.
     source: "text" (the documents of train_path) or "random": rows of uniformly random ids into which the copy
       curriculum splices its copies, or which tile one random sequence (`fsjax.data.random_rows`, a copying
-      warm-up; needs copy_rate > 0 or random_period, not both).
+      warm-up; needs copy_rate > 0 or random_period, not both, unless tiled_rows mixes the two).
     random_ids: the ids random rows draw from, `[min, max)`; the default is the packaged tokenizer's
       vocabulary without its three special tokens.
     random_period: [min, max] length of the random sequence a tiled random row repeats (drawn per row); null =
       rows with copies instead.
-    tiled_rows: with source "text", this many rows of every training batch are tiled random rows
-      (random_period, random_ids) instead of text, so the copying a tiled warm-up formed stays in use while the
-      model learns text (a CPU pilot lost it within 120 text steps without them; docs/results.md).
+    tiled_rows: this many rows of every training batch are tiled random rows (random_period, random_ids); the
+      others are text (source "text"), so the copying a tiled warm-up formed stays in use while the model learns
+      text (a CPU pilot lost it within 120 text steps without them; docs/results.md), or random rows with the
+      copy curriculum's copies (source "random", copy_rate > 0): tiled rows start copying, the copies ask for it
+      at the curriculum's distances. Those tiled rows draw from seed + 1, so they are not the copy rows' ids.
   """
   train_path: str | None = None
   eval_path: str | None = None
@@ -232,19 +234,20 @@ class DataConfig:
         raise ConfigError("data.recall_masks must be false with random rows (data.source random or "
                           "data.tiled_rows > 0): they have no masks")
     if self.tiled_rows:
-      if self.source != "text":
-        raise ConfigError("data.tiled_rows mixes tiled rows into text batches: it needs data.source text")
       if self.random_period is None:
         raise ConfigError("data.tiled_rows needs data.random_period (the tiled rows' period range)")
+      if self.source == "random" and not self.copy_rate:
+        raise ConfigError("data.tiled_rows with data.source random needs data.copy_rate > 0 (the other rows are "
+                          "random rows with copies; for tiled rows only, leave tiled_rows at 0)")
     elif self.source == "random":
       if bool(self.copy_rate) == (self.random_period is not None):
         raise ConfigError("data.source random needs exactly one of data.copy_rate > 0 and data.random_period: "
                           "its copies or its repeats are all there is to learn")
-      if self.copy_rate and self.copy_distance[0] >= self.seq_len:
-        raise ConfigError(f"data.copy_distance min must be < data.seq_len={self.seq_len} with data.source random "
-                          f"(a row holds no copy otherwise), got {self.copy_distance[0]}")
     elif self.random_period is not None:
       raise ConfigError("data.random_period needs data.source random or data.tiled_rows > 0")
+    if self.source == "random" and self.copy_rate and self.copy_distance[0] >= self.seq_len:
+      raise ConfigError(f"data.copy_distance min must be < data.seq_len={self.seq_len} with data.source random "
+                        f"(a row holds no copy otherwise), got {self.copy_distance[0]}")
     try:
       validate_copies(rate=self.copy_rate, span=self.copy_span, distance=self.copy_distance, prefix="data.")
     except ValueError as e:

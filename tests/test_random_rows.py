@@ -77,6 +77,33 @@ def test_tiled_rows_end_every_text_batch_and_resume_from_the_json_state():
     np.testing.assert_array_equal(next(resumed)["tokens"], batch)
 
 
+def test_tiled_rows_beside_random_copy_rows():
+  """`data.source random` with copies and `data.tiled_rows`: the first rows are the copy rows of a copies-only run
+  with the smaller batch, the last ones tiled rows drawn from seed + 1 (from the same seed they would repeat the
+  copy rows' first ids), and a restored state continues both."""
+  overrides = ["data.seq_len=64", "data.source=random", "data.random_ids=[3,512]", "data.copy_rate=0.02",
+               "data.copy_span=[4,8]", "data.copy_distance=[8,40]", "eval.niah_samples=0"]
+  tiny = pathlib.Path(__file__).parents[1] / "configs" / "tiny_tfpp.yaml"
+  config = load_config(tiny, [*overrides, "data.tiled_rows=2", "data.random_period=[4,12]", "train.batch_size=5"])
+  iterator = _train_iterator(config)
+  first = next(iterator)["tokens"]
+  assert first.shape == (5, 65) and first.dtype == np.int32
+  assert all(_is_tiled(row, range(4, 13)) for row in first[3:])
+  assert not any(_is_tiled(row, range(4, 13)) for row in first[:3])
+  copies_only = load_config(tiny, [*overrides, "train.batch_size=3"])
+  np.testing.assert_array_equal(first[:3], next(_train_iterator(copies_only))["tokens"])
+  for index, row in zip((0, 1), first[3:]):
+    np.testing.assert_array_equal(row, random_row(index, seed=config.train.seed + 1, length=65, vocab=(3, 512),
+                                                  period=(4, 12)))
+
+  state = json.loads(json.dumps(iterator.get_state()))
+  expected = [next(iterator)["tokens"] for _ in range(2)]
+  resumed = _train_iterator(config)
+  resumed.set_state(state)
+  for batch in expected:
+    np.testing.assert_array_equal(next(resumed)["tokens"], batch)
+
+
 def test_iterator_resumes_from_its_json_state_and_shards_rows():
   make = lambda **kw: make_random_iterator(seq_len=64, batch_size=3, seed=0, vocab=(3, 500), copies=COPIES, **kw)
   iterator = make()
@@ -102,7 +129,8 @@ def test_iterator_resumes_from_its_json_state_and_shards_rows():
     (dict(source="random", seq_len=64, random_period=(9, 8)), "data.random_period must be"),
     (dict(random_period=(8, 16)), "data.random_period needs data.source random or data.tiled_rows > 0"),
     (dict(tiled_rows=2), "data.tiled_rows needs data.random_period"),
-    (dict(tiled_rows=2, source="random", random_period=(8, 16)), "data.tiled_rows .* needs data.source text"),
+    (dict(tiled_rows=2, source="random", random_period=(8, 16)), "data.tiled_rows with data.source random needs "
+     "data.copy_rate > 0"),
     (dict(tiled_rows=2, random_period=(8, 16), recall_masks=True), "data.recall_masks must be false"),
     (dict(tiled_rows=-1), "data.tiled_rows must be >= 0"),
     (dict(source="random", copy_rate=0.01, recall_masks=True), "data.recall_masks must be false"),

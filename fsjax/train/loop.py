@@ -56,21 +56,25 @@ def _train_iterator(config: Config):
   from fsjax.data.pipeline import default_corpus_path, make_train_iterator
   from fsjax.data.random_rows import make_random_iterator
   data, shards = config.data, dict(shard_index=jax.process_index(), shard_count=jax.process_count())
-  if data.source == "random":
-    return make_random_iterator(seq_len=data.seq_len, batch_size=_local_rows(config.train.batch_size),
-                                seed=config.train.seed, vocab=data.random_ids, copies=data.copies,
-                                period=data.random_period, **shards)
   if data.tiled_rows % jax.process_count():
     raise ConfigError(f"data.tiled_rows ({data.tiled_rows}) must be a multiple of the process count "
                       f"({jax.process_count()})")
-  text = make_train_iterator(path=data.train_path or default_corpus_path("train"), tokenizer_path=data.tokenizer,
-                             seq_len=data.seq_len, batch_size=_local_rows(config.train.batch_size - data.tiled_rows),
-                             seed=config.train.seed, recall_masks=data.recall, copies=data.copies, **shards)
+  rows = _local_rows(config.train.batch_size - data.tiled_rows)
+  if data.source == "random":
+    main = make_random_iterator(seq_len=data.seq_len, batch_size=rows, seed=config.train.seed, vocab=data.random_ids,
+                                copies=data.copies, period=None if data.tiled_rows else data.random_period,
+                                **shards)
+  else:
+    main = make_train_iterator(path=data.train_path or default_corpus_path("train"), tokenizer_path=data.tokenizer,
+                               seq_len=data.seq_len, batch_size=rows, seed=config.train.seed,
+                               recall_masks=data.recall, copies=data.copies, **shards)
   if not data.tiled_rows:
-    return text
-  tiled = make_random_iterator(seq_len=data.seq_len, batch_size=_local_rows(data.tiled_rows), seed=config.train.seed,
+    return main
+  # Beside random copy rows, tiled rows from the same seed would replay those rows' ids (DataConfig.tiled_rows).
+  tiled_seed = config.train.seed + 1 if data.source == "random" else config.train.seed
+  tiled = make_random_iterator(seq_len=data.seq_len, batch_size=_local_rows(data.tiled_rows), seed=tiled_seed,
                                vocab=data.random_ids, period=data.random_period, **shards)
-  return RowMixture(text, tiled)
+  return RowMixture(main, tiled)
 
 
 def _eval_batches(config: Config):
