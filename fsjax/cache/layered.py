@@ -3,9 +3,10 @@
 A scanned model (`ModelConfig.scan_layers`) keeps its cache stacked `[layers, ...]` and carries it through the
 scan over layers. Slicing a layer's cache out and writing it back whole would cost passes over the whole cache
 per step (XLA does not fold `stack.at[i].set(layer.at[j].set(u))` into `stack.at[i, j].set(u)`). So the arrays
-that grow with the sequence (the KV store's, the FS archive's and FS-B's forests) reach a layer as `LayerSlice`s: `read` indexes
-the layer, which XLA fuses into the fusion that consumes it, and `scatter` writes a chunk's slots straight into
-the stack. The other cache fields are sliced out and written back whole (`layer_view`, `write_back`).
+that grow with the sequence (the KV store's, the FS archive's and FS-B's forests) reach a layer as `LayerSlice`s:
+`read` indexes the layer, which XLA fuses into the fusion that consumes it, and `scatter` writes a chunk's slots
+straight into the stack. The other cache fields are sliced out and written back whole (`layer_view`,
+`write_back`).
 
 Cache code reads viewed fields with `read` and writes them with `scatter`; with an unstacked cache both act on
 the plain array, so the same code serves unrolled layers. A Pallas kernel or cuDNN given `read(x)` receives a
