@@ -13,12 +13,14 @@ is short enough for launches to matter.
 `--layers unrolled` decodes with one layer body per layer instead of `nn.scan` over stacked layers and caches.
 FS-B prefills with the prefill formulation and decodes through the streaming forest cache, τ calibrated on the
 first 4096 tokens; its per-block forest update is timed alone by `forest_update.py`. `--profile` traces one more
-decode loop per case and prints the device kernels that take the most time per token.
+decode loop per case and prints the device kernels that take the most time per token. A case prints its phases
+on stderr (prefill compile, prefill, decode-loop compile), so one cut by `--case-timeout` says how far it got.
 """
 
 import dataclasses
 import json
 import re
+import sys
 import time
 
 from cases import case_parser, run_cases
@@ -49,13 +51,19 @@ def top_kernels(trace_dir, tokens, count=12):
   return [(name, us / 1e3 / tokens, launches[name] / tokens) for name, us in time_us.most_common(count)]
 
 
+def progress(message):
+  """A case's progress on stderr: what a case cut by --case-timeout had finished (`cases.run_cases`)."""
+  print(message, file=sys.stderr, flush=True)
+
+
 def run_case(kind, length, decode_tokens, preset, chunk, layers, profile=False):
   import jax
   import jax.numpy as jnp
 
   from fsjax.cache import init_cache
   from fsjax.config import model_preset
-  from fsjax.decode import decode_loop, prefill
+  from fsjax import decode
+  from fsjax.decode import prefill
   from fsjax.model import Transformer, init_variables
   from timing import copy_bandwidth
 
@@ -72,32 +80,39 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, profile=False):
   fresh = lambda: init_cache(config, 1, max_len, dtype=jnp.bfloat16)
   state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(fresh()))
   lengths = jnp.array([length])
+  clock = time.perf_counter()
   _, cache = prefill(model, variables, tokens[:, :chunk], jnp.array([chunk]), fresh(), chunk,
                      all_logits=False)  # compile
+  progress(f"{kind} at {length:,}: prefill chunk compiled and run in {time.perf_counter() - clock:.0f} s")
   start = time.perf_counter()
   logits, cache = prefill(model, variables, tokens, lengths, fresh(), chunk, all_logits=False)
   logits.block_until_ready()
   prefill_s = time.perf_counter() - start
-  loop = lambda c: decode_loop(model, variables, c, tokens[:, -1], lengths, jax.random.PRNGKey(2),
-                               max_new_tokens=decode_tokens, eos_id=-1, temperature=0.0, top_p=1.0)
-  warm = jax.tree_util.tree_map(jnp.copy, cache)  # decode_loop donates its cache: compile and warm up on a copy
-  compiled = jax.jit(loop).lower(warm).compile().as_text()
-  loop(warm).block_until_ready()  # compile
+  progress(f"{kind} at {length:,}: prefill {prefill_s:.0f} s")
+  # One compile of the jitted loop `decode_loop` runs, reused for every call below: jitting a wrapper around
+  # `decode_loop` for its HLO text would compile the same program a second time (minutes for FS-B).
+  clock = time.perf_counter()
+  loop = decode._decode_loop.lower(model, variables, cache, tokens[:, -1], lengths, jax.random.PRNGKey(2),
+                                   max_new_tokens=decode_tokens, eos_id=-1, temperature=0.0, top_p=1.0,
+                                   return_cells=False).compile()
+  run = lambda c: loop(variables, c, tokens[:, -1], lengths, jax.random.PRNGKey(2))[0]
+  run(jax.tree_util.tree_map(jnp.copy, cache)).block_until_ready()  # the loop donates its cache: warm up on a copy
+  progress(f"{kind} at {length:,}: decode loop compiled and warmed up in {time.perf_counter() - clock:.0f} s")
   traced = jax.tree_util.tree_map(jnp.copy, cache) if profile else None
   start = time.perf_counter()
-  loop(cache).block_until_ready()
+  run(cache).block_until_ready()
   decode_s = (time.perf_counter() - start) / (decode_tokens - 1)
   kernels = []
   if profile:
     import tempfile
     with tempfile.TemporaryDirectory() as trace_dir:
       with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        loop(traced).block_until_ready()
+        run(traced).block_until_ready()
       kernels = top_kernels(trace_dir, decode_tokens - 1)
   param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(variables))
   return dict(kind=kind, length=length, prefill_tok_s=length / prefill_s, decode_tok_s=1 / decode_s,
               state_mib=state_bytes / 2**20, roofline_tok_s=copy_bandwidth() / (param_bytes + state_bytes),
-              kernels=kernels_per_step(compiled), layers=layers, device=jax.devices()[0].device_kind,
+              kernels=kernels_per_step(loop.as_text()), layers=layers, device=jax.devices()[0].device_kind,
               top_kernels=kernels)
 
 
