@@ -3,6 +3,7 @@ tree geometries and routing thresholds.
 
     python benchmarks/zha_decode.py [--lengths 16384,65536,262144,1048576] [--geometries R1-C8-L2,R16-C16-L3,R16-C4-L6]
         [--top-p 0.8,0.9,0.95] [--max-nodes 64] [--heads 16] [--head-dim 64] [--sharpness 4] [--calls 200]
+        [--in-loop 24]
 
 The capped decode step `fsjax.cache.zha.attend_gathered` (Pallas `tree_routing` kernels on a GPU) against
 dense attention of the same query over the whole bf16 cache (cuDNN where it accepts the shape, else XLA), in
@@ -15,6 +16,11 @@ is built from the cache's keys with random reference queries; keys are standard 
 means over calls queued back to back with one sync at the end (`timing.queued_ms`): a decode loop never waits for
 the host, and a synced median adds a host round trip of about 0.1 ms to every call (cuDNN dense decode at 64k:
 0.21 ms synced, 0.074 ms queued, on an H200).
+
+`--in-loop N` times every program as N dependent calls inside one jitted `lax.fori_loop` (each call's query
+nudged by the previous output, so nothing is hoisted), per call: the way a scanned model runs its layers' attention
+in one executable, where XLA may launch a loop body's kernels as one CUDA graph. ZHA's routing is a chain of small
+kernels, so launch overhead, which isolated calls pay in full, is most of what this can change.
 
 The paper's roofline model predicts ZHA overtakes dense decode near 48k tokens (ZHA Sec. V, R1-C8 at p=0.75);
 the last lines print the measured crossover per geometry and threshold.
@@ -60,6 +66,19 @@ def build_cache(length, heads, dim, refs, chunk, levels, key):
                             bias=tuple(t[1].astype(jnp.float32) for t in tree))
 
 
+def in_loop(fn, calls, query_arg):
+  """`fn(*args)` run `calls` times in one `lax.fori_loop`, the query `args[query_arg]` nudged each time by 1e-30
+  times the mean of the previous result: a real dependence that changes no value, so XLA cannot hoist the calls
+  out of the loop."""
+  def looped(*args):
+    def body(_, q):
+      out = fn(*args[:query_arg], q, *args[query_arg + 1:])
+      out = out[0] if isinstance(out, tuple) else out
+      return q + (1e-30 * jnp.mean(out.astype(jnp.float32))).astype(q.dtype)
+    return jax.lax.fori_loop(0, calls, body, args[query_arg])
+  return looped
+
+
 def compile_all(jobs):
   """AOT-compiles `(fn, args)` jobs: traced in order, then compiled on a thread pool (XLA's compiler, Triton's
   included, releases the GIL), since compilation, not the timed runs, is most of this benchmark's wall time.
@@ -95,11 +114,17 @@ def main():
   parser.add_argument("--head-dim", type=int, default=64)
   parser.add_argument("--sharpness", type=float, default=4.0)
   parser.add_argument("--calls", type=int, default=200, help="calls queued per timing")
+  parser.add_argument("--in-loop", type=int, default=0,
+                      help="time N dependent calls inside one jitted loop, per call (0: isolated calls)")
   args = parser.parse_args()
+  def wrap(fn, query_arg=1):  # query_arg: where the query is among the job's arguments
+    return in_loop(fn, args.in_loop, query_arg) if args.in_loop else fn
+  per_call = max(args.in_loop, 1)
 
   kernels = jax.default_backend() == "gpu"
   print(f"{jax.devices()[0].device_kind}, {args.heads} heads x {args.head_dim}, bf16 cache, "
-        f"max_nodes {args.max_nodes}, kernels {'compiled' if kernels else 'off (jnp path)'}")
+        f"max_nodes {args.max_nodes}, kernels {'compiled' if kernels else 'off (jnp path)'}, "
+        + (f"{args.in_loop} calls per jitted loop, times per call" if args.in_loop else "isolated calls"))
   print("Rows in measuring order (length by length; every geometry at a length before the next length); the same "
         "rows sorted by geometry follow the crossover lines.")
   header = ("| geometry | p | length | dense ms | ZHA ms | vs dense | routing ms | routing share | keys attended | "
@@ -117,35 +142,36 @@ def main():
         position = jnp.array([[length - 1]], jnp.int32)
         inputs = (cache, q, position)
         dense_inputs = (q.astype(jnp.bfloat16), cache.store.k, cache.store.v)
-        jobs = [(dense_decode, dense_inputs)]
+        jobs = [(wrap(dense_decode, query_arg=0), dense_inputs)]
         for p in args.top_p:
           routing = dict(chunk=chunk, top_p=zha.level_top_p(p, levels), max_nodes=args.max_nodes, kernels=kernels)
           uncapped = dict(chunk=chunk, top_p=zha.level_top_p(p, levels))
-          jobs += [(lambda c, q, pos, r=routing: zha_cache.attend_gathered(c, q, pos, **r), inputs),
-                   (lambda c, q, pos, r=routing: zha_cache.route_gathered(c, q[:, 0], pos[:, 0], **r), inputs),
-                   (lambda c, q, pos, u=uncapped: zha_cache.attend(c, q, pos, **u)[1], inputs)]
+          jobs += [(wrap(lambda c, q, pos, r=routing: zha_cache.attend_gathered(c, q, pos, **r)), inputs),
+                   (wrap(lambda c, q, pos, r=routing: zha_cache.route_gathered(c, q[:, 0], pos[:, 0], **r)), inputs),
+                   (lambda c, q, pos, u=uncapped: zha_cache.attend(c, q, pos, **u)[1], inputs),
+                   (lambda c, q, pos, r=routing: zha_cache.attend_gathered(c, q, pos, **r)[1], inputs)]
         dense, *compiled = compile_all(jobs)
         dense_kind = "cudnn" if kernels else "xla"
         if isinstance(dense, Exception):  # cuDNN refused the shape only at compile time: XLA's is the baseline
           dense_kind = "xla"
-          dense, = compile_all([(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
-                                 dense_inputs)])
+          dense, = compile_all([(wrap(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
+                                      query_arg=0), dense_inputs)])
         dense_kinds[length] = dense_kind
         if isinstance(dense, Exception):
           print(f"| {name} | - | {length:,} | dense failed: {type(dense).__name__}: {str(dense)[:300]} |", flush=True)
           del cache
           continue
-        dense_ms = queued_ms(dense, *dense_inputs, calls=args.calls)
+        dense_ms = queued_ms(dense, *dense_inputs, calls=args.calls) / per_call
         for i, p in enumerate(args.top_p):
-          step, route, uncapped = compiled[3 * i:3 * i + 3]
-          failed = next((f for f in (step, route, uncapped) if isinstance(f, Exception)), None)
+          step, route, uncapped, attended = compiled[4 * i:4 * i + 4]
+          failed = next((f for f in (step, route, uncapped, attended) if isinstance(f, Exception)), None)
           if failed is not None:
             print(f"| {name} | {p} | {length:,} | {dense_ms:.3f} | failed: {type(failed).__name__}: "
                   f"{str(failed)[:1500]} |", flush=True)
             continue
-          zha_ms = queued_ms(step, *inputs, calls=args.calls)
-          route_ms = queued_ms(route, *inputs, calls=args.calls)
-          fraction = float(jnp.mean(step(*inputs)[1]))
+          zha_ms = queued_ms(step, *inputs, calls=args.calls) / per_call
+          route_ms = queued_ms(route, *inputs, calls=args.calls) / per_call
+          fraction = float(jnp.mean(attended(*inputs)))
           uncapped_fraction = float(jnp.mean(uncapped(*inputs)))
           row = dict(geometry=name, p=p, length=length, ratio=zha_ms / dense_ms,
                      text=f"| {name} | {p} | {length:,} | {dense_ms:.3f} | {zha_ms:.3f} | {zha_ms / dense_ms:.2f}x | "
