@@ -1,5 +1,7 @@
 """The long-range copy-recall probe (fsjax.eval.copy_recall): its samples and its scoring."""
 
+import csv
+
 import jax
 import numpy as np
 import pytest
@@ -48,6 +50,8 @@ def test_scores_count_only_the_copy_tokens_after_the_cue(right):
     (["--lengths", "100"], "--lengths: 100 is below"),
     (["--lengths", "1024", "--span", "4", "--cue", "4"], "--span must be > --cue"),
     (["--lengths", "1024", "--samples", "0"], "--samples"),
+    (["--lengths", "1024", "--random-ids", "9,9"], "--random-ids must be MIN,MAX with 0 <= MIN < MAX"),
+    (["--lengths", "1024", "--random-ids", "3,99", "--data", "x.txt"], "--random-ids and --data"),
 ])
 def test_bad_arguments_get_one_clear_error(argv, message, capsys):
   assert copy_recall.main(["--checkpoint", "nowhere", *argv]) == 2
@@ -55,7 +59,6 @@ def test_bad_arguments_get_one_clear_error(argv, message, capsys):
 
 
 def test_cli_scores_each_length_and_writes_csv(micro_workdir, tmp_path, capsys):
-  import csv
   out = tmp_path / "copy.csv"
   assert copy_recall.main(["--checkpoint", str(micro_workdir), "--lengths", "160", "--samples", "3", "--span", "8",
                            "--cue", "2", "--out", str(out)]) == 0
@@ -63,3 +66,18 @@ def test_cli_scores_each_length_and_writes_csv(micro_workdir, tmp_path, capsys):
   assert row["length"] == "160" and int(row["distance"]) < 160 - 8
   assert float(row["recall"]) == pytest.approx(float(row["copy_accuracy"]) - float(row["control_accuracy"]))
   assert f"| {micro_workdir.name}@2 | 160 |" in capsys.readouterr().out
+
+
+def test_random_id_samples_and_their_vocabulary_check(micro_workdir, tmp_path, capsys):
+  """`--random-ids`: windows of a seeded uniform stream (so the control's accuracy is chance), ids checked
+  against the model's vocabulary before scoring."""
+  stream = copy_recall.random_stream((3, 40), 300, seed=0)
+  assert stream.shape == (1200,) and stream.min() >= 3 and stream.max() < 40
+  np.testing.assert_array_equal(stream, copy_recall.random_stream((3, 40), 300, seed=0))
+  out = tmp_path / "copy.csv"
+  args = ["--checkpoint", str(micro_workdir), "--lengths", "160", "--samples", "2", "--span", "8", "--cue", "2"]
+  assert copy_recall.main([*args, "--random-ids", "3,40", "--out", str(out)]) == 0
+  (row,) = list(csv.DictReader(out.open()))
+  assert row["length"] == "160"
+  assert copy_recall.main([*args, "--random-ids", "3,100000"]) == 2
+  assert "--random-ids must lie below the model's vocab_size=" in capsys.readouterr().err

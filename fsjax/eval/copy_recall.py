@@ -1,7 +1,8 @@
 """Long-range copy recall by distance: does a model copy a span it read far back? A generic retrieval probe.
 
     python -m fsjax.eval.copy_recall --checkpoint runs/repro_fs [more ...] --lengths 1024,4096,16384
-        [--samples 50] [--span 24] [--cue 4] [--batch-size 2] [--set KEY=VALUE ...] [--out copy_recall.csv]
+        [--samples 50] [--span 24] [--cue 4] [--batch-size 2] [--random-ids 3,2051] [--set KEY=VALUE ...]
+        [--out copy_recall.csv]
 
 RULER's NIAH needs a model that follows its question format; a small model can retrieve long before it can do
 that. This probe asks only for retrieval, in the form the copy curriculum (`fsjax.data.copies`) trains, on
@@ -12,6 +13,10 @@ reads the sequence; the copy's tokens after its first `cue` (which only tell whi
 scored: greedy accuracy (the argmax is the copied token) and mean loss. In the *control* twin of every sample
 the source span is replaced by other held-out text, so nothing earlier predicts the copy; its accuracy is what
 local context alone gives. `recall = accuracy(copy) - accuracy(control)` is the part owed to retrieval.
+
+`--random-ids MIN,MAX` draws the samples from uniformly random ids in `[MIN, MAX)` instead of text: the form of a
+random-row copying warm-up (`data.source: random`), at any distance. There the control's accuracy is chance, so
+recall is all retrieval.
 
 Prints a table (model x length: recall, copy and control accuracy); writes a CSV.
 """
@@ -40,6 +45,11 @@ def heldout_stream(path, tokenizer_path):
   encoded = tokenizer.encode_batch(list(read_documents(path)))
   eos = eos_id(tokenizer)
   return np.concatenate([np.append(np.asarray(e.ids, np.int32), np.int32(eos)) for e in encoded])
+
+
+def random_stream(ids, length, seed):
+  """Uniform random ids in `[ids[0], ids[1])`, int32 `[4 · length]`: a stream `make_samples` draws windows from."""
+  return np.random.default_rng([seed, length]).integers(ids[0], ids[1], 4 * length, dtype=np.int32)
 
 
 def make_samples(stream, length, count, span, seed):
@@ -104,6 +114,8 @@ def parse_args(argv):
   parser.add_argument("--batch-size", type=int, default=2)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--data", default=None, help="held-out jsonl/txt file or directory (default: packaged)")
+  parser.add_argument("--random-ids", default=None, type=lambda s: tuple(int(n) for n in s.split(",")),
+                      help="MIN,MAX: samples of random ids in [MIN, MAX) instead of held-out text")
   parser.add_argument("--out", default=None, help="CSV path, rewritten after every length (default: none)")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a model config field of every checkpoint, e.g. --set attention.kind=fsb")
@@ -119,6 +131,10 @@ def check_args(args):
   for length in args.lengths:
     if length < SOURCE_RANGE + 2 * args.span:
       raise ConfigError(f"--lengths: {length} is below {SOURCE_RANGE + 2 * args.span} (source range + 2 spans)")
+  if args.random_ids is not None and (len(args.random_ids) != 2 or not 0 <= args.random_ids[0] < args.random_ids[1]):
+    raise ConfigError(f"--random-ids must be MIN,MAX with 0 <= MIN < MAX, got {args.random_ids}")
+  if args.random_ids is not None and args.data is not None:
+    raise ConfigError("--random-ids and --data both name the samples' source: give one")
   for assignment in args.set:
     override_model(ModelConfig(), [assignment])
 
@@ -140,11 +156,16 @@ def main(argv=None):
     rows, streams = [], {}
     for path in args.checkpoint:
       name, config, model, variables = load_for_eval(path, args.set)
+      if args.random_ids is not None and args.random_ids[1] > config.model.vocab_size:
+        raise ConfigError(f"--random-ids must lie below the model's vocab_size={config.model.vocab_size}, got "
+                          f"{args.random_ids}")
       key = config.data.tokenizer
-      if key not in streams:
+      if args.random_ids is None and key not in streams:
         streams[key] = heldout_stream(args.data or default_corpus_path("valid"), key)
       for length in args.lengths:
-        copies, controls, sources = make_samples(streams[key], length, args.samples, args.span, args.seed)
+        stream = (streams[key] if args.random_ids is None else
+                  random_stream(args.random_ids, length, args.seed))
+        copies, controls, sources = make_samples(stream, length, args.samples, args.span, args.seed)
         # Copies and controls in one call: `score_copies` compiles once per call and length.
         hits, losses = score_copies(model, variables, np.concatenate([copies, controls]), args.span, args.cue,
                                     args.batch_size)
