@@ -19,12 +19,12 @@ from fsjax.config import ModelConfig
 
 
 # The caches whose arrays grow with the sequence: a scanned model's layer reads and writes them in place.
-IN_PLACE = (KVStore, Archive, Forest)
+IN_PLACE = (KVStore, Archive, Forest, ZHACache)
 
 
 def layer_of(stacked, layer):
-  """Layer `layer` (int32 scalar) of a scanned model's stacked cache: KV stores, archives and FS-B forests as
-  views into the stack (`fsjax.cache.layered`), every other array sliced out."""
+  """Layer `layer` (int32 scalar) of a scanned model's stacked cache: KV stores, archives, FS-B forests and ZHA
+  caches as views into the stack (`fsjax.cache.layered`), every other array sliced out."""
   return layer_view(stacked, layer, IN_PLACE)
 
 

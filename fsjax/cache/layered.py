@@ -3,17 +3,17 @@
 A scanned model (`ModelConfig.scan_layers`) keeps its cache stacked `[layers, ...]` and carries it through the
 scan over layers. Slicing a layer's cache out and writing it back whole would cost passes over the whole cache
 per step (XLA does not fold `stack.at[i].set(layer.at[j].set(u))` into `stack.at[i, j].set(u)`). So the arrays
-that grow with the sequence (the KV store's, the FS archive's and FS-B's forests) reach a layer as `LayerSlice`s:
-`read` indexes the layer, which XLA fuses into the fusion that consumes it, and `scatter` writes a chunk's slots
-straight into the stack. The other cache fields are sliced out and written back whole (`layer_view`,
-`write_back`).
+that grow with the sequence (the KV store's, the FS archive's, FS-B's forests, ZHA's tangents) reach a layer as
+`LayerSlice`s: `read` indexes the layer, which XLA fuses into the fusion that consumes it, and `scatter` writes a
+chunk's slots straight into the stack. The other cache fields are sliced out and written back whole
+(`layer_view`, `write_back`).
 
 Cache code reads viewed fields with `read` and writes them with `scatter`; with an unstacked cache both act on
 the plain array, so the same code serves unrolled layers. A Pallas kernel or cuDNN given `read(x)` receives a
 copy of the layer's array, so one-token TF++ attention and FS readout take XLA paths, and FS-B's beam-search
-kernel takes the stacked node tables and the layer index. Still copied per token: FS's cell summaries for its
-scoring kernel (1/s of the keys), ZHA's keys for its leaf-attention kernel, and the fields that are sliced (ZHA's
-tangents).
+kernel takes the stacked node tables and the layer index. Still copied per token, for the kernels that read
+them: FS's cell summaries (1/s of the keys), and ZHA's keys and each routed level's tangents. FS-L's bounded
+cache, which does not grow with the sequence, is sliced out and written back.
 """
 
 import flax.struct

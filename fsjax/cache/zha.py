@@ -1,6 +1,10 @@
 """The ZHA decode cache: a dense KV store (RoPE-rotated keys, slot = position) plus every tree level's node
 tangents, grown as chunks arrive (ZHA III-A: a level-ℓ node is added every C^ℓ tokens, from the keys or child
 tangents already in the cache). Routing and attention match `fsjax.ops.zha` exactly.
+
+In a scanned model every array here is a view into the stacked cache (`fsjax.cache.layered`): fields are read
+with `read` and written with `scatter`, so a decode step writes only the nodes it completes. The Pallas kernels
+are handed `read(x)`, a copy of the level or of the keys they read.
 """
 
 import math
@@ -10,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.cache import store as kv
-from fsjax.cache.layered import read
+from fsjax.cache.layered import read, scatter
 from fsjax.cache.store import KVStore, empty_store
 from fsjax.ops import zha
 from fsjax.ops.common import PRECISION
@@ -53,8 +57,8 @@ def _completed_nodes(positions, valid, chunk, level, count):
 def _write_level(keys, bias, index, done, new_keys, new_bias):
   rows = jnp.arange(index.shape[0])[:, None]
   target = jnp.where(done, index, keys.shape[1])  # out of range: dropped
-  return (keys.at[rows, target].set(new_keys.astype(keys.dtype), mode="drop"),
-          bias.at[rows, target].set(new_bias.astype(bias.dtype), mode="drop"))
+  return (scatter(keys, (rows, target), new_keys.astype(keys.dtype), mode="drop"),
+          scatter(bias, (rows, target), new_bias.astype(bias.dtype), mode="drop"))
 
 
 def extend(cache: ZHACache, k_rot, v, positions, valid, ref_queries, *, chunk, rope_theta):
@@ -79,8 +83,8 @@ def extend(cache: ZHACache, k_rot, v, positions, valid, ref_queries, *, chunk, r
       children = read(store.k)[rows, 1 + child].astype(k_rot.dtype)  # slot = position
       child_bias = None
     else:
-      children = keys[level - 2][rows, child].astype(k_rot.dtype)
-      child_bias = bias[level - 2][rows, child].astype(k_rot.dtype)
+      children = read(keys[level - 2])[rows, child].astype(k_rot.dtype)
+      child_bias = read(bias[level - 2])[rows, child].astype(k_rot.dtype)
     refs = zha.rotated_refs(ref_queries, zha.node_last_key(index, chunk, level), rope_theta, k_rot.dtype)
     keys[level - 1], bias[level - 1] = _write_level(keys[level - 1], bias[level - 1], index, done,
                                                     *zha.summarize(refs, children, child_bias))
@@ -97,7 +101,7 @@ def attend(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_nodes=None):
   Returns:
     outputs `[batch, n, heads, d]` and the fraction of visible keys each query read, `[batch, n, heads]`.
   """
-  scores = [zha.node_scores(q_rot, keys.astype(q_rot.dtype), bias.astype(q_rot.dtype))
+  scores = [zha.node_scores(q_rot, read(keys).astype(q_rot.dtype), read(bias).astype(q_rot.dtype))
             for keys, bias in zip(cache.keys, cache.bias)]
   leaves = zha.route(scores, positions, chunk=chunk, top_p=top_p, max_nodes=max_nodes)
   k, v, k_pos = (read(x) for x in (cache.store.k, cache.store.v, cache.store.pos))
@@ -161,12 +165,12 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
   levels = len(cache.keys)
 
   def scores_of(level, index, valid):
+    level_keys, level_bias = read(cache.keys[level - 1]), read(cache.bias[level - 1])
     if kernels:
-      return tree_routing.score_candidates(q, cache.keys[level - 1], cache.bias[level - 1],
-                                           jnp.where(valid, index, tree_routing.NO_NODE))
+      return tree_routing.score_candidates(q, level_keys, level_bias, jnp.where(valid, index, tree_routing.NO_NODE))
     dtype = jnp.promote_types(q.dtype, jnp.float32)  # as the kernel: half-precision scores tie and reorder nodes
-    keys = _gather_nodes(cache.keys[level - 1], index).astype(dtype)  # [batch, heads, K, R, d]
-    bias = _gather_nodes(cache.bias[level - 1], index).astype(dtype)
+    keys = _gather_nodes(level_keys, index).astype(dtype)  # [batch, heads, K, R, d]
+    bias = _gather_nodes(level_bias, index).astype(dtype)
     return jnp.max(jnp.einsum("bhd,bhkrd->bhkr", q.astype(dtype), keys, precision=PRECISION) / math.sqrt(dim)
                    + bias, -1)
 
