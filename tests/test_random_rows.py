@@ -54,47 +54,27 @@ def _is_tiled(row, periods):
   return any(np.array_equal(row[n:], row[:-n]) for n in periods)
 
 
-def test_tiled_rows_end_every_text_batch_and_resume_from_the_json_state():
-  """`data.tiled_rows`: the last rows of each batch are tiled random rows, the others text (the text iterator's
-  rows for the smaller batch); a restored state continues both streams."""
-  config = load_config(pathlib.Path(__file__).parents[1] / "configs" / "tiny_tfpp.yaml",
-                       ["data.seq_len=64", "data.tiled_rows=2", "data.random_ids=[3,512]", "data.random_period=[4,12]",
-                        "train.batch_size=5", "eval.niah_samples=0"])
-  iterator = _train_iterator(config)
-  first = next(iterator)["tokens"]
-  assert first.shape == (5, 65) and first.dtype == np.int32
-  assert all(_is_tiled(row, range(4, 13)) for row in first[3:])
-  assert not any(_is_tiled(row, range(4, 13)) for row in first[:3])
-  text_only = load_config(pathlib.Path(__file__).parents[1] / "configs" / "tiny_tfpp.yaml",
-                          ["data.seq_len=64", "train.batch_size=3", "eval.niah_samples=0"])
-  np.testing.assert_array_equal(first[:3], next(_train_iterator(text_only))["tokens"])
-
-  state = json.loads(json.dumps(iterator.get_state()))
-  expected = [next(iterator)["tokens"] for _ in range(2)]
-  resumed = _train_iterator(config)
-  resumed.set_state(state)
-  for batch in expected:
-    np.testing.assert_array_equal(next(resumed)["tokens"], batch)
-
-
-def test_tiled_rows_beside_random_copy_rows():
-  """`data.source random` with copies and `data.tiled_rows`: the first rows are the copy rows of a copies-only run
-  with the smaller batch, the last ones tiled rows drawn from seed + 1 (from the same seed they would repeat the
-  copy rows' first ids), and a restored state continues both."""
-  overrides = ["data.seq_len=64", "data.source=random", "data.random_ids=[3,512]", "data.copy_rate=0.02",
-               "data.copy_span=[4,8]", "data.copy_distance=[8,40]", "eval.niah_samples=0"]
+@pytest.mark.parametrize("main_rows", ["text", "random copies"])
+def test_tiled_rows_end_every_batch_and_resume_from_the_json_state(main_rows):
+  """`data.tiled_rows`: the last rows of each batch are tiled random rows, the others the rows the main source
+  gives a batch of that smaller size (text, or random rows with copies); beside random copy rows the tiled rows
+  draw from seed + 1 (from the same seed they would repeat the copy rows' first ids). A restored state continues
+  both streams."""
+  main = ["data.seq_len=64", "data.random_ids=[3,512]", "eval.niah_samples=0"]
+  if main_rows == "random copies":
+    main += ["data.source=random", "data.copy_rate=0.02", "data.copy_span=[4,8]", "data.copy_distance=[8,40]"]
   tiny = pathlib.Path(__file__).parents[1] / "configs" / "tiny_tfpp.yaml"
-  config = load_config(tiny, [*overrides, "data.tiled_rows=2", "data.random_period=[4,12]", "train.batch_size=5"])
+  config = load_config(tiny, [*main, "data.tiled_rows=2", "data.random_period=[4,12]", "train.batch_size=5"])
   iterator = _train_iterator(config)
   first = next(iterator)["tokens"]
   assert first.shape == (5, 65) and first.dtype == np.int32
   assert all(_is_tiled(row, range(4, 13)) for row in first[3:])
   assert not any(_is_tiled(row, range(4, 13)) for row in first[:3])
-  copies_only = load_config(tiny, [*overrides, "train.batch_size=3"])
-  np.testing.assert_array_equal(first[:3], next(_train_iterator(copies_only))["tokens"])
-  for index, row in zip((0, 1), first[3:]):
-    np.testing.assert_array_equal(row, random_row(index, seed=config.train.seed + 1, length=65, vocab=(3, 512),
-                                                  period=(4, 12)))
+  smaller = load_config(tiny, [*main, "train.batch_size=3"])
+  np.testing.assert_array_equal(first[:3], next(_train_iterator(smaller))["tokens"])
+  tiled_seed = config.train.seed + (1 if main_rows == "random copies" else 0)
+  for index, row in enumerate(first[3:]):
+    np.testing.assert_array_equal(row, random_row(index, seed=tiled_seed, length=65, vocab=(3, 512), period=(4, 12)))
 
   state = json.loads(json.dumps(iterator.get_state()))
   expected = [next(iterator)["tokens"] for _ in range(2)]
