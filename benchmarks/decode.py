@@ -60,9 +60,9 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, profile=False):
   import jax
   import jax.numpy as jnp
 
+  from fsjax import decode
   from fsjax.cache import init_cache
   from fsjax.config import model_preset
-  from fsjax import decode
   from fsjax.decode import prefill
   from fsjax.model import Transformer, init_variables
   from timing import copy_bandwidth

@@ -117,9 +117,12 @@ def main():
   parser.add_argument("--in-loop", type=int, default=0,
                       help="time N dependent calls inside one jitted loop, per call (0: isolated calls)")
   args = parser.parse_args()
+
   def wrap(fn, query_arg=1):  # query_arg: where the query is among the job's arguments
     return in_loop(fn, args.in_loop, query_arg) if args.in_loop else fn
+
   per_call = max(args.in_loop, 1)
+  jobs_per_p = 4 if args.in_loop else 3  # a looped step returns its query: the fraction needs its own program
 
   kernels = jax.default_backend() == "gpu"
   print(f"{jax.devices()[0].device_kind}, {args.heads} heads x {args.head_dim}, bf16 cache, "
@@ -148,8 +151,9 @@ def main():
           uncapped = dict(chunk=chunk, top_p=zha.level_top_p(p, levels))
           jobs += [(wrap(lambda c, q, pos, r=routing: zha_cache.attend_gathered(c, q, pos, **r)), inputs),
                    (wrap(lambda c, q, pos, r=routing: zha_cache.route_gathered(c, q[:, 0], pos[:, 0], **r)), inputs),
-                   (lambda c, q, pos, u=uncapped: zha_cache.attend(c, q, pos, **u)[1], inputs),
-                   (lambda c, q, pos, r=routing: zha_cache.attend_gathered(c, q, pos, **r)[1], inputs)]
+                   (lambda c, q, pos, u=uncapped: zha_cache.attend(c, q, pos, **u)[1], inputs)]
+          if args.in_loop:
+            jobs.append((lambda c, q, pos, r=routing: zha_cache.attend_gathered(c, q, pos, **r)[1], inputs))
         dense, *compiled = compile_all(jobs)
         dense_kind = "cudnn" if kernels else "xla"
         if isinstance(dense, Exception):  # cuDNN refused the shape only at compile time: XLA's is the baseline
@@ -163,15 +167,15 @@ def main():
           continue
         dense_ms = queued_ms(dense, *dense_inputs, calls=args.calls) / per_call
         for i, p in enumerate(args.top_p):
-          step, route, uncapped, attended = compiled[4 * i:4 * i + 4]
-          failed = next((f for f in (step, route, uncapped, attended) if isinstance(f, Exception)), None)
+          step, route, uncapped, *attended = compiled[jobs_per_p * i:jobs_per_p * (i + 1)]
+          failed = next((f for f in (step, route, uncapped, *attended) if isinstance(f, Exception)), None)
           if failed is not None:
             print(f"| {name} | {p} | {length:,} | {dense_ms:.3f} | failed: {type(failed).__name__}: "
                   f"{str(failed)[:1500]} |", flush=True)
             continue
           zha_ms = queued_ms(step, *inputs, calls=args.calls) / per_call
           route_ms = queued_ms(route, *inputs, calls=args.calls) / per_call
-          fraction = float(jnp.mean(attended(*inputs)))
+          fraction = float(jnp.mean(attended[0](*inputs) if attended else step(*inputs)[1]))
           uncapped_fraction = float(jnp.mean(uncapped(*inputs)))
           row = dict(geometry=name, p=p, length=length, ratio=zha_ms / dense_ms,
                      text=f"| {name} | {p} | {length:,} | {dense_ms:.3f} | {zha_ms:.3f} | {zha_ms / dense_ms:.2f}x | "
