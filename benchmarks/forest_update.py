@@ -1,7 +1,7 @@
 """FS-B forest update per block: the streaming forest cache's `advance` by one block, at growing cell counts.
 
     python benchmarks/forest_update.py [--lengths 16384,65536,131072,262144] [--blocks 256] [--heads 16]
-        [--head-dim 64] [--cell 32] [--block 128] [--looped-from 6]
+        [--head-dim 64] [--cell 32] [--block 128] [--looped-from 6] [--update-only]
 
 One layer, batch 1, `length` a power of two: an archive of `length + blocks·block` random bf16 keys; both forests
 (τ = the median cell norm, so forest τ admits about half) advanced to the cells eligible at `length` tokens, where
@@ -49,6 +49,8 @@ def main():
   parser.add_argument("--block", type=int, default=128)
   parser.add_argument("--looped-from", type=int, default=forest_cache.LOOPED_FROM,
                       help="first chunk level built by looped_leaf_order (above the top level: all unrolled)")
+  parser.add_argument("--update-only", action="store_true",
+                      help="time the block loop only (the other columns compile for minutes at 128k)")
   args = parser.parse_args()
   per_block = args.block // args.cell
   for length in args.lengths:
@@ -75,6 +77,10 @@ def main():
       return jax.lax.fori_loop(0, args.blocks, lambda n, c: advance(c, start_cells + (n + 1) * per_block), cache)
 
     update_ms = median_ms(blocks, cache, repeats=5) / args.blocks
+    first = first or update_ms
+    if args.update_only:
+      print(f"| {length:,} | {start_cells:,} | {update_ms:.3f} | {update_ms / first:.2f}x |{' – |' * 5}", flush=True)
+      continue
     build_ms = [queued_ms(jax.jit(lambda f, a, k=k: forest_cache.level_trees(
         f, a, k, cell=args.cell, looped=k >= args.looped_from)), cache.forests, cache.archive, calls=20)
                 for k in (2, forest_cache.num_levels(start_cells) - 1)]
@@ -90,7 +96,6 @@ def main():
     search = lambda kernels: jax.jit(lambda f, q: forest_cache.search(f, q, pos, kernels=kernels, **routing))
     beam_ms = [queued_ms(search(k), cache.forest(0), q, calls=100) if k in (False, kernels) else None
                for k in (False, True)]
-    first = first or update_ms
     shown = lambda ms: "–" if ms is None else f"{ms:.3f}"
     print(f"| {length:,} | {start_cells:,} | {update_ms:.3f} | {update_ms / first:.2f}x | {build_ms[0]:.3f} | "
           f"{build_ms[1]:.2f} | {rebuild_ms:.2f} | {shown(beam_ms[0])} | {shown(beam_ms[1])} |", flush=True)
