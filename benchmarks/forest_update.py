@@ -1,7 +1,7 @@
 """FS-B forest update per block: the streaming forest cache's `advance` by one block, at growing cell counts.
 
     python benchmarks/forest_update.py [--lengths 16384,65536,131072,262144] [--blocks 256] [--heads 16]
-        [--head-dim 64] [--cell 32] [--block 128] [--looped-from 6] [--update-only]
+        [--head-dim 64] [--cell 32] [--block 128] [--looped-from 6] [--update-only] [--hlo-dir DIR]
 
 One layer, batch 1, `length` a power of two: an archive of `length + blocks·block` random bf16 keys; both forests
 (τ = the median cell norm, so forest τ admits about half) advanced to the cells eligible at `length` tokens, where
@@ -20,6 +20,8 @@ call of a sub-millisecond program carries the host round trip (~0.1 ms on the H2
 """
 
 import argparse
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,17 @@ def filled_cache(capacity, heads, dim, cell, key):
   return cache.replace(archive=archive), tau
 
 
+def write_hlo(text, nodes, directory, name):
+  """Writes a compiled program's HLO text to `directory/name`; returns how many `copy` instructions in it produce
+  an array of a node-table field's shape (a copy of the whole table, where the update should write in place)."""
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, name), "w") as f:
+    f.write(text)
+  shapes = {",".join(str(n) for n in x.shape) for x in nodes.values()}
+  copies = re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", text)
+  return sum(shape in shapes for shape in copies)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--lengths", default="16384,65536,131072,262144", type=lambda s: [int(n) for n in s.split(",")])
@@ -49,6 +62,8 @@ def main():
   parser.add_argument("--block", type=int, default=128)
   parser.add_argument("--looped-from", type=int, default=forest_cache.LOOPED_FROM,
                       help="first chunk level built by looped_leaf_order (above the top level: all unrolled)")
+  parser.add_argument("--hlo-dir", help="write each length's compiled block loop (HLO text) here, and print its "
+                      "count of copies of node-table-shaped arrays")
   parser.add_argument("--update-only", action="store_true",
                       help="time the block loop only (the other columns compile for minutes at 128k)")
   args = parser.parse_args()
@@ -72,10 +87,14 @@ def main():
                                                      block=args.block, looped_from=args.looped_from)
     cache = jax.jit(advance, static_argnums=1)(cache, start_cells)
 
-    @jax.jit
-    def blocks(cache):
+    def loop(cache):
       return jax.lax.fori_loop(0, args.blocks, lambda n, c: advance(c, start_cells + (n + 1) * per_block), cache)
 
+    blocks = jax.jit(loop).lower(cache).compile()
+    if args.hlo_dir:
+      table_copies = write_hlo(blocks.as_text(), cache.forests.nodes, args.hlo_dir, f"blocks_{length}.txt")
+      print(f"<!-- {length:,}: {table_copies} copy instructions of node-table-shaped arrays in the compiled block "
+            f"loop (static count) -->", flush=True)
     update_ms = median_ms(blocks, cache, repeats=5) / args.blocks
     first = first or update_ms
     if args.update_only:
