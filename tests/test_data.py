@@ -59,8 +59,9 @@ def _words(tokenizer, rows):
 # Tokenizer.
 
 
-@pytest.mark.parametrize("text", ["Hello, world!", "  two  spaces\n\n\ttab", "naïve café — “quoted” 日本語 🙂",
-                                  "a literal </s> and <s> stay text", "line\r\nbreaks\r\n", " 3.14159 "])
+@pytest.mark.parametrize("text", ["Hello, world!", "  two  spaces\n\n\ttab",
+                                  "naïve café — “quoted” 日本語 🙂", "a literal </s> and <s> stay text",
+                                  "line\r\nbreaks\r\n", " 3.14159 "])
 def test_tokenizer_round_trips(tokenizer, text):
   ids = tokenizer.encode(text).ids
   assert tokenizer.decode(ids) == text

@@ -2,8 +2,8 @@
 
 A task record has `index`, `input`, `outputs` (expected strings), `length` and `answer_prefix`; the model's prompt
 is `input + answer_prefix` (files from RULER versions that keep the prefix inside `input` have no
-`answer_prefix`, which then reads as empty). In RULER's NIAH files `index` is not a sample number, so records keep file order
-and carry `index` through unchanged. A prediction record adds `pred` to the task record (RULER's field).
+`answer_prefix`, which then reads as empty). In RULER's NIAH files `index` is not a sample number, so records keep
+file order and carry `index` through unchanged. A prediction record adds `pred` to the task record (RULER's field).
 """
 
 import json

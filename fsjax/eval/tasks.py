@@ -1,9 +1,9 @@
 """All RULER tasks generated offline, each sample fitted to a target length under a given tokenizer.
 
 A task is a sampler `(size, seed, length, count_tokens) -> (input, answer_prefix, outputs)` that grows with `size`,
-with a smallest and a largest meaningful size (None: unbounded). Each sample has its own seed and is fitted on its own: the largest size whose prompt
-(`input + answer_prefix`) plus the generation cap fits the length (galloping from the previous sample's size,
-then bisection), so one more unit would not fit.
+with a smallest and a largest meaningful size (None: unbounded). Each sample has its own seed and is fitted on its
+own: the largest size whose prompt (`input + answer_prefix`) plus the generation cap fits the length (galloping
+from the previous sample's size, then bisection), so one more unit would not fit.
 """
 
 import functools
