@@ -17,6 +17,11 @@ beam search of one decode query over forest 0 in XLA and in the Pallas kernel (o
 time per block flat in M (±20% from 16k to 128k). The block loop is timed as one synced call per `--blocks`; the
 single builds, the rebuild and the beam search as calls queued back to back (`timing.queued_ms`), since a synced
 call of a sub-millisecond program carries the host round trip (~0.1 ms on the H200).
+
+Each length also prints, as an HTML comment, how many blocks of its window build each chunk level and the leaf
+cells those builds cover. Forest 0's counts cross the same carries at every length, but forest τ's (about M/2,
+each head its own) do not, and a build covers every forest head, whichever needed it: the windows' work differs
+between lengths by these counts, not by the update's cost per build alone.
 """
 
 import argparse
@@ -25,6 +30,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fsjax.cache import archive as archive_lib
 from fsjax.cache import forest as forest_cache
@@ -42,14 +48,30 @@ def filled_cache(capacity, heads, dim, cell, key):
 
 
 def write_hlo(text, nodes, directory, name):
-  """Writes a compiled program's HLO text to `directory/name`; returns how many `copy` instructions in it produce
-  an array of a node-table field's shape (a copy of the whole table, where the update should write in place)."""
+  """Writes a compiled program's HLO text to `directory/name`; returns how many `copy` instructions outside its
+  entry computation (so in loop bodies and conditional branches, run per block) produce an array of a node-table
+  field's shape: copies of a whole table, where the update should write in place. The entry computation's copies
+  of the (undonated) input run once per call."""
   os.makedirs(directory, exist_ok=True)
   with open(os.path.join(directory, name), "w") as f:
     f.write(text)
   shapes = {",".join(str(n) for n in x.shape) for x in nodes.values()}
-  copies = re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", text)
-  return sum(shape in shapes for shape in copies)
+  body = text.split("\nENTRY ")[0]  # XLA prints the entry computation last
+  return sum(shape in shapes for shape in re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", body))
+
+
+def window_builds(archive, tau, start_cells, blocks, per_block):
+  """The chunk-level builds inside the timed window, as `advance` runs them (one build of a level per block in
+  which any forest head needs it, batched over all heads): ({level: blocks building it}, leaf cells built). Forest
+  0 admits every cell, forest τ the cells whose max key norm is ≥ τ (Eq. 10)."""
+  norms = np.asarray(archive.max_norms[0], np.float32)  # [cells, heads]
+  cells = start_cells + per_block * np.arange(blocks + 1)  # cells admitted before each block, and after the last
+  above = np.concatenate([np.zeros((1, norms.shape[1]), int), np.cumsum(norms >= np.asarray(tau), axis=0)])
+  counts = np.concatenate([np.broadcast_to(cells[:, None], (blocks + 1, norms.shape[1])), above[cells]], axis=1)
+  levels = forest_cache.num_levels(norms.shape[0])
+  changed = np.asarray(forest_cache.changed_levels(jnp.asarray(counts[:-1]), jnp.asarray(counts[1:]), levels))
+  per_level = changed.any(axis=1).sum(axis=0)  # [levels]: blocks in which some head builds level k
+  return {k: int(n) for k, n in enumerate(per_level) if n}, int(sum(n << k for k, n in enumerate(per_level)))
 
 
 def main():
@@ -94,8 +116,11 @@ def main():
     if args.hlo_dir:
       table_copies = write_hlo(blocks.as_text(), cache.forests.nodes, args.hlo_dir, f"blocks_{length}.txt")
       print(f"<!-- {length:,}: {table_copies} copy instructions of node-table-shaped arrays in the compiled block "
-            f"loop (static count) -->", flush=True)
+            f"loop's body (static count) -->", flush=True)
     update_ms = median_ms(blocks, cache, repeats=5) / args.blocks
+    built, leaf_cells = window_builds(cache.archive, tau, start_cells, args.blocks, per_block)
+    print(f"<!-- {length:,}: blocks building each level in the window {built}, {leaf_cells:,} leaf cells built "
+          f"(each build covers every forest head) -->", flush=True)
     first = first or update_ms
     if args.update_only:
       print(f"| {length:,} | {start_cells:,} | {update_ms:.3f} | {update_ms / first:.2f}x |{' – |' * 5}", flush=True)
