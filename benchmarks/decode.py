@@ -31,26 +31,6 @@ def kernels_per_step(compiled_text):
   return len(re.findall(r"= [^=]*\b(?:fusion|custom-call)\(", compiled_text))
 
 
-def top_kernels(trace_dir, tokens, count=12):
-  """`[(kernel name, ms per token, launches per token)]` of the device events in the Perfetto trace that
-  `jax.profiler.trace(..., create_perfetto_trace=True)` wrote under `trace_dir`, most time first."""
-  import collections
-  import gzip
-  import pathlib
-
-  path = next(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))
-  events = json.loads(gzip.decompress(path.read_bytes()))
-  events = events["traceEvents"] if isinstance(events, dict) else events
-  devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-             and "/device:GPU" in e.get("args", {}).get("name", "")}
-  time_us, launches = collections.Counter(), collections.Counter()
-  for e in events:
-    if e.get("ph") == "X" and e.get("pid") in devices:
-      time_us[e["name"]] += e.get("dur", 0)
-      launches[e["name"]] += 1
-  return [(name, us / 1e3 / tokens, launches[name] / tokens) for name, us in time_us.most_common(count)]
-
-
 def progress(message):
   """A case's progress on stderr: what a case cut by --case-timeout had finished (`cases.run_cases`)."""
   print(message, file=sys.stderr, flush=True)
@@ -65,7 +45,7 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, profile=False):
   from fsjax.config import model_preset
   from fsjax.decode import prefill
   from fsjax.model import Transformer, init_variables
-  from timing import copy_bandwidth
+  from timing import copy_bandwidth, top_kernels
 
   config = dataclasses.replace(model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16",
                                scan_layers=layers == "scanned")

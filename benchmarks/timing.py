@@ -1,6 +1,12 @@
-"""Timing helpers the benchmarks share: medians of repeated runs, queued runs, and the device's copy bandwidth."""
+"""Timing helpers the benchmarks share: medians of repeated runs, queued runs, profiled kernels, and the device's
+copy bandwidth."""
 
+import collections
+import gzip
+import json
+import pathlib
 import statistics
+import tempfile
 import time
 
 import jax
@@ -28,6 +34,33 @@ def queued_ms(fn, *args, calls=200):
     out = fn(*args)
   jax.block_until_ready(out)
   return 1e3 * (time.perf_counter() - start) / calls
+
+
+def top_kernels(trace_dir, steps, count=12):
+  """`[(kernel name, ms per step, launches per step)]` of the device events in the Perfetto trace that
+  `jax.profiler.trace(..., create_perfetto_trace=True)` wrote under `trace_dir`, most time first."""
+  path = next(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))
+  events = json.loads(gzip.decompress(path.read_bytes()))
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+             and "/device:GPU" in e.get("args", {}).get("name", "")}
+  time_us, launches = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in devices:
+      time_us[e["name"]] += e.get("dur", 0)
+      launches[e["name"]] += 1
+  return [(name, us / 1e3 / steps, launches[name] / steps) for name, us in time_us.most_common(count)]
+
+
+def profiled_kernels(fn, *args, calls=20, count=40):
+  """`top_kernels` of `calls` queued calls of `fn(*args)` (after one warm-up call), per call."""
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(calls):
+        out = fn(*args)
+      jax.block_until_ready(out)
+    return top_kernels(trace_dir, calls, count)
 
 
 def copy_bandwidth():

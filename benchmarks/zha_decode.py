@@ -3,7 +3,7 @@ tree geometries and routing thresholds.
 
     python benchmarks/zha_decode.py [--lengths 16384,65536,262144,1048576] [--geometries R1-C8-L2,R16-C16-L3,R16-C4-L6]
         [--top-p 0.8,0.9,0.95] [--max-nodes 64] [--heads 16] [--head-dim 64] [--sharpness 4] [--calls 200]
-        [--in-loop 24]
+        [--in-loop 24] [--profile]
 
 The capped decode step `fsjax.cache.zha.attend_gathered` (Pallas `tree_routing` kernels on a GPU) against
 dense attention of the same query over the whole bf16 cache (cuDNN where it accepts the shape, else XLA), in
@@ -22,6 +22,9 @@ nudged by the previous output, so nothing is hoisted), per call: the way a scann
 in one executable, where XLA may launch a loop body's kernels as one CUDA graph. ZHA's routing is a chain of small
 kernels, so launch overhead, which isolated calls pay in full, is most of what this can change.
 
+`--profile` traces 20 queued calls of each ZHA step and prints, after the tables, the kernels one call launches
+(name, µs and launches per call, most time first): the chain whose latency the routing is.
+
 The paper's roofline model predicts ZHA overtakes dense decode near 48k tokens (ZHA Sec. V, R1-C8 at p=0.75);
 the last lines print the measured crossover per geometry and threshold.
 """
@@ -35,7 +38,7 @@ import jax.numpy as jnp
 from fsjax.cache import zha as zha_cache
 from fsjax.cache.store import KVStore
 from fsjax.ops import zha
-from timing import queued_ms
+from timing import profiled_kernels, queued_ms
 
 
 def parse_geometry(text):
@@ -116,6 +119,7 @@ def main():
   parser.add_argument("--calls", type=int, default=200, help="calls queued per timing")
   parser.add_argument("--in-loop", type=int, default=0,
                       help="time N dependent calls inside one jitted loop, per call (0: isolated calls)")
+  parser.add_argument("--profile", action="store_true", help="print the kernels of each ZHA step, per call")
   args = parser.parse_args()
 
   def wrap(fn, query_arg=1):  # query_arg: where the query is among the job's arguments
@@ -134,6 +138,7 @@ def main():
             "uncapped |\n|---|---|---|---|---|---|---|---|---|---|")
   print(header, flush=True)
   rows = []
+  profiles = []
   dense_kinds = {}
   try:
     for length in args.lengths:  # lengths outermost: a run cut short still covers every geometry
@@ -182,6 +187,8 @@ def main():
                           f"{route_ms:.3f} | {route_ms / zha_ms:.0%} | {fraction:.2%} | {uncapped_fraction:.2%} |")
           rows.append(row)
           print(row["text"], flush=True)
+          if args.profile:
+            profiles.append((f"{name} p={p} at {length:,}", profiled_kernels(step, *inputs)))
         del cache, inputs, dense_inputs, dense, compiled
   except KeyboardInterrupt:
     print("\n(interrupted: the crossover lines below cover only the rows above)")
@@ -197,6 +204,13 @@ def main():
   order = {f"R{r}-C{c}-L{l}": i for i, (r, c, l) in enumerate(args.geometries)}
   for row in sorted(rows, key=lambda r: (order[r["geometry"]], r["p"], r["length"])):
     print(row["text"])
+  print(flush=True)
+  for title, kernels in profiles:
+    launches = sum(n for _, _, n in kernels)
+    print(f"ZHA step kernels, {title}: {launches:g} launches, {1e3 * sum(ms for _, ms, _ in kernels):.1f} us "
+          f"of kernel time per call{' (per loop: --in-loop)' if args.in_loop else ''}")
+    for kernel, ms, n in kernels:
+      print(f"  {1e3 * ms:8.2f} us  x{n:<5g} {kernel[:110]}")
   print(flush=True)
 
 
