@@ -122,13 +122,13 @@ def _gather_nodes(array, index):
 def _keep_top(scores, index, valid, p, max_nodes):
   """Top-p with at most `max_nodes` kept, over a candidate list (`zha.top_p_select`'s rule).
 
-  Candidates are first put in node order, so `lax.top_k`'s lower-position-first tie rule is the lower-node rule.
-  Returns the kept nodes' indices `[batch, heads, M]` (M = min(max_nodes, K)) and their keep mask.
+  The valid candidates must come in node order (invalid ones may sit anywhere), so that `lax.top_k`'s
+  lower-position-first tie rule is the lower-node rule; `route_gathered` builds its lists that way instead of
+  sorting every candidate list. Returns the kept nodes' indices `[batch, heads, M]` (M = min(max_nodes, K)), the
+  kept ones first and in node order (so their children list is in node order too), and their keep mask.
   """
   if scores.shape[-1] == 0:
     return index, valid
-  order = jnp.argsort(jnp.where(valid, index, jnp.iinfo(jnp.int32).max), axis=-1)
-  index, scores, valid = (jnp.take_along_axis(x, order, axis=-1) for x in (index, scores, valid))
   scores = jnp.where(valid, scores, -jnp.inf)
   top_scores, position = jax.lax.top_k(scores, min(max_nodes, scores.shape[-1]))
   best = jnp.max(scores, axis=-1, keepdims=True)
@@ -138,7 +138,10 @@ def _keep_top(scores, index, valid, p, max_nodes):
   if p < 1:
     total = jnp.sum(jnp.where(valid, jnp.exp(scores - shift), 0.0), axis=-1, keepdims=True)
     keep &= jnp.cumsum(weights, axis=-1) - weights < p * total
-  return jnp.take_along_axis(index, position, axis=-1), keep
+  dropped = jnp.iinfo(jnp.int32).max
+  kept = jnp.sort(jnp.where(keep, jnp.take_along_axis(index, position, axis=-1), dropped), axis=-1)
+  keep = kept != dropped
+  return jnp.where(keep, kept, 0), keep
 
 
 def use_kernels(impl, *, chunk, refs):
@@ -181,8 +184,9 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
     kept, keep = _keep_top(scores_of(level, index, valid), index, valid, top_p[level - 1], max_nodes)
     if level == 1:
       break
+    # kept nodes in node order, then the complete nodes whose parent is not: valid candidates stay in node order
     children = (kept[..., None] * chunk + jnp.arange(chunk)).reshape(batch, heads, -1)
-    parentless = chunk * (i // chunk**level) + jnp.arange(chunk - 1)  # complete nodes whose parent is not
+    parentless = chunk * (i // chunk**level) + jnp.arange(chunk - 1)
     index = jnp.concatenate([children, jnp.broadcast_to(parentless, (batch, heads, chunk - 1))], axis=-1)
     valid = jnp.concatenate([jnp.repeat(keep, chunk, axis=-1),
                              jnp.broadcast_to(zha.node_last_key(parentless, chunk, level - 1) <= i,
