@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import train as train_cli
-from fsjax.config import load_config
+from fsjax.config import ConfigError, load_config
 from fsjax.train import checkpoint as ckpt_lib
 from fsjax.train import loop
 
@@ -50,6 +50,14 @@ def test_cli_errors_are_one_clear_line(capsys, tmp_path, args, message):
   assert train_cli.main(args + ["--workdir", str(tmp_path / "w")]) == 2
   err = capsys.readouterr().err
   assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_random_rows_do_not_need_a_train_path():
+  """Random rows read no documents, so a config inherited from a text run may name a corpus that is not there."""
+  missing = "data.train_path=/no/such/corpus.jsonl"
+  loop.check_paths(load_config(MICRO, [missing, "data.source=random", "data.random_period=[4,8]"]))
+  with pytest.raises(ConfigError, match="data.train_path: path does not exist"):
+    loop.check_paths(load_config(MICRO, [missing]))
 
 
 def test_kill_after_checkpoint_then_resume_equals_uninterrupted_run(tmp_path):

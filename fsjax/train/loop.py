@@ -25,8 +25,10 @@ class TrainingStopped(RuntimeError):
 
 
 def check_paths(config: Config):
-  """Raises ConfigError for a data, tokenizer or parent-checkpoint path that does not exist."""
-  for field, path in (("data.train_path", config.data.train_path), ("data.eval_path", config.data.eval_path),
+  """Raises ConfigError for a data, tokenizer or parent-checkpoint path that does not exist. `data.train_path` is
+  checked only when training reads it (not with `data.source: random`)."""
+  train_path = config.data.train_path if config.data.source == "text" else None
+  for field, path in (("data.train_path", train_path), ("data.eval_path", config.data.eval_path),
                       ("data.tokenizer", config.data.tokenizer), ("train.init_from", config.train.init_from)):
     if path is not None and not os.path.exists(path):
       raise ConfigError(f"{field}: path does not exist: {path}")
