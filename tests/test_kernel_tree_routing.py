@@ -102,13 +102,16 @@ def test_capped_decode_through_the_kernels_equals_the_reference(rng):
   assert_close(np.concatenate(outputs, axis=1), expected[:, 40:], jnp.float32, scale=5)
 
 
-def _random_zha_cache(rng, batch, capacity, heads, dim, refs, chunk, levels, dtype):
-  """A ZHA cache of random tangents per level (routing reads nothing else) in which every odd node repeats the
-  node before it, so scores tie exactly and the lower-index rule decides."""
+def _random_zha_cache(rng, batch, capacity, heads, dim, refs, chunk, levels, dtype, tie_block=1):
+  """A ZHA cache of random tangents per level (routing reads nothing else) in which every odd block of
+  `tie_block` nodes repeats the block before it, so scores tie exactly and the lower-index rule decides."""
   cache = zha_cache.empty_zha(batch, capacity, heads, dim, refs=refs, chunk=chunk, levels=levels, dtype=dtype)
 
   def tied(x):
-    x[:, 1::2] = x[:, 0:x.shape[1] - 1:2]
+    pairs = x.shape[1] // (2 * tie_block)
+    blocks = x[:, :2 * tie_block * pairs].reshape(x.shape[0], pairs, 2, tie_block, *x.shape[2:])
+    blocks[:, :, 1] = blocks[:, :, 0]
+    x[:, :2 * tie_block * pairs] = blocks.reshape(x.shape[0], -1, *x.shape[2:])
     return jnp.asarray(x, dtype)
 
   keys = tuple(tied(rng.standard_normal(k.shape) * rng.uniform(0.5, 2.0, k.shape[:-1] + (1,))) for k in cache.keys)
@@ -136,6 +139,29 @@ def test_capped_routing_through_the_kernel_equals_the_jnp_descent(rng, dtype, re
               (zha_cache.route_gathered(cache, q, position, kernels=kernels, **routing) for kernels in (True, False))]
     np.testing.assert_array_equal(np.sort(leaves[0], -1), np.sort(leaves[1], -1))
     assert np.any(leaves[1] >= 0)
+
+
+@pytest.mark.parametrize("refs,dim,chunk,levels,top_p", [(4, 16, 4, 2, (1.0, 1.0)), (2, 16, 2, 3, (1.0, 0.9, 1.0))])
+def test_capped_descent_keeps_the_references_leaves_under_ties_across_parents(rng, refs, dim, chunk, levels, top_p):
+  """The jnp descent over candidate lists keeps the leaves of `ops.zha.route` over every node's score when each
+  node ties with the node one parent further on (blocks of `chunk` nodes repeat the block before them). Ties
+  between children of different parents are resolved by the lists' node order, so this fails when a level's kept
+  nodes are not put back in node order before their children are listed. An odd cap (p = 1 at the leaves) splits
+  tied pairs."""
+  batch, heads, capacity, max_nodes = 4, 4, 300, 3
+  cache = _random_zha_cache(rng, batch, capacity, heads, dim, refs, chunk, levels, jnp.float32, tie_block=chunk)
+  for position in ([3, chunk**levels + 5, capacity - 1, 100], [capacity - 2, 40, 150, 221]):
+    position = jnp.asarray(position, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((batch, heads, dim)) * 2, jnp.float32)
+    kept, keep, _ = zha_cache.route_gathered(cache, q, position, chunk=chunk, top_p=top_p, max_nodes=max_nodes)
+    scores = [ops.zha.node_scores(q[:, None], keys, bias) for keys, bias in zip(cache.keys, cache.bias)]
+    expected = np.asarray(ops.zha.route(scores, position[:, None], chunk=chunk, top_p=top_p,
+                                        max_nodes=max_nodes)[:, :, 0])  # [batch, heads, N_1]
+    reached = np.zeros_like(expected)
+    b, h, slot = np.nonzero(np.asarray(keep))
+    reached[b, h, np.asarray(kept)[b, h, slot]] = True
+    np.testing.assert_array_equal(reached, expected)
+    assert np.any(expected)
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())

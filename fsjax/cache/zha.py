@@ -124,8 +124,8 @@ def _keep_top(scores, index, valid, p, max_nodes):
 
   The valid candidates must come in node order (invalid ones may sit anywhere), so that `lax.top_k`'s
   lower-position-first tie rule is the lower-node rule; `route_gathered` builds its lists that way instead of
-  sorting every candidate list. Returns the kept nodes' indices `[batch, heads, M]` (M = min(max_nodes, K)), the
-  kept ones first and in node order (so their children list is in node order too), and their keep mask.
+  sorting every candidate list. Returns the kept nodes' indices `[batch, heads, M]` (M = min(max_nodes, K)), best
+  first, and their keep mask.
   """
   if scores.shape[-1] == 0:
     return index, valid
@@ -138,10 +138,7 @@ def _keep_top(scores, index, valid, p, max_nodes):
   if p < 1:
     total = jnp.sum(jnp.where(valid, jnp.exp(scores - shift), 0.0), axis=-1, keepdims=True)
     keep &= jnp.cumsum(weights, axis=-1) - weights < p * total
-  dropped = jnp.iinfo(jnp.int32).max
-  kept = jnp.sort(jnp.where(keep, jnp.take_along_axis(index, position, axis=-1), dropped), axis=-1)
-  keep = kept != dropped
-  return jnp.where(keep, kept, 0), keep
+  return jnp.take_along_axis(index, position, axis=-1), keep
 
 
 def use_kernels(impl, *, chunk, refs):
@@ -182,9 +179,13 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
   valid = zha.node_last_key(index, chunk, levels) <= i
   for level in range(levels, 0, -1):
     kept, keep = _keep_top(scores_of(level, index, valid), index, valid, top_p[level - 1], max_nodes)
-    if level == 1:
+    if level == 1:  # the leaves are a set: their order does not matter
       break
-    # kept nodes in node order, then the complete nodes whose parent is not: valid candidates stay in node order
+    # The next list is the kept nodes' children, then the complete nodes whose parent is not. Sorting the ≤
+    # max_nodes kept nodes (dropped ones last) keeps every valid candidate of that list in node order.
+    kept = jnp.sort(jnp.where(keep, kept, jnp.iinfo(jnp.int32).max), axis=-1)
+    keep = kept != jnp.iinfo(jnp.int32).max
+    kept = jnp.where(keep, kept, 0)
     children = (kept[..., None] * chunk + jnp.arange(chunk)).reshape(batch, heads, -1)
     parentless = chunk * (i // chunk**level) + jnp.arange(chunk - 1)
     index = jnp.concatenate([children, jnp.broadcast_to(parentless, (batch, heads, chunk - 1))], axis=-1)
