@@ -45,7 +45,7 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, profile=False):
   from fsjax.config import model_preset
   from fsjax.decode import prefill
   from fsjax.model import Transformer, init_variables
-  from timing import copy_bandwidth, top_kernels
+  from timing import copy_bandwidth, traced_kernels
 
   config = dataclasses.replace(model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16",
                                scan_layers=layers == "scanned")
@@ -82,13 +82,7 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, profile=False):
   start = time.perf_counter()
   run(cache).block_until_ready()
   decode_s = (time.perf_counter() - start) / (decode_tokens - 1)
-  kernels = []
-  if profile:
-    import tempfile
-    with tempfile.TemporaryDirectory() as trace_dir:
-      with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        run(traced).block_until_ready()
-      kernels = top_kernels(trace_dir, decode_tokens - 1)
+  kernels = traced_kernels(lambda: run(traced), decode_tokens - 1) if profile else []
   param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(variables))
   return dict(kind=kind, length=length, prefill_tok_s=length / prefill_s, decode_tok_s=1 / decode_s,
               state_mib=state_bytes / 2**20, roofline_tok_s=copy_bandwidth() / (param_bytes + state_bytes),

@@ -52,15 +52,24 @@ def top_kernels(trace_dir, steps, count=12):
   return [(name, us / 1e3 / steps, launches[name] / steps) for name, us in time_us.most_common(count)]
 
 
+def traced_kernels(run, steps, count=12):
+  """`top_kernels` of one traced call of `run()`, per step of the `steps` it runs."""
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      jax.block_until_ready(run())
+    return top_kernels(trace_dir, steps, count)
+
+
 def profiled_kernels(fn, *args, calls=20, count=40):
   """`top_kernels` of `calls` queued calls of `fn(*args)` (after one warm-up call), per call."""
   jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as trace_dir:
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      for _ in range(calls):
-        out = fn(*args)
-      jax.block_until_ready(out)
-    return top_kernels(trace_dir, calls, count)
+
+  def queued():
+    for _ in range(calls):
+      out = fn(*args)
+    return out
+
+  return traced_kernels(queued, calls, count)
 
 
 def copy_bandwidth():
