@@ -1,7 +1,11 @@
-"""ZHA decode kernels (ZHA III-C): node scoring over a gathered candidate list, and the final attention over the
-keys the routing reached (key 0, the kept leaves' chunks, the current chunk) — the two parts of a capped decode
-step that read memory (`fsjax.cache.zha.attend_gathered` is their jnp specification; top-p itself is a sort of
-a few hundred scores per head, left to XLA).
+"""ZHA decode kernels (ZHA III-C): node scoring over a gathered candidate list, the capped top-p selection of
+each level, and the final attention over the keys the routing reached (key 0, the kept leaves' chunks, the
+current chunk). `fsjax.cache.zha.attend_gathered` is their jnp specification.
+
+The selection replaces `lax.top_k`, which XLA lowers on a GPU to a full sort of every candidate list (at 256k
+tokens and C=8, L=2 that sort was a third of the decode step's kernel time). A cap of `max_nodes` over a top-p
+prefix only needs the score of the last kept node: a 32-step bisection over the scores' bit patterns finds it
+with two reductions per step, and one prefix count writes the kept nodes out in list order.
 
 Byte counts per (layer, head) for one decode token: scoring reads `K·R·d` node-key entries for K candidates
 (every top-level node, then at most `max_nodes·C + C − 1` per level below); the attention reads
@@ -89,6 +93,89 @@ def score_candidates(q, node_keys, node_bias, index, *, block=16, interpret=None
       name="zha_score_candidates",
   )(pad_head_dim(q), pad_head_dim(node_keys), node_bias, index)
   return scores[..., :count]
+
+
+def _sortable(scores):
+  """float32 → int32 keys whose signed order is the scores' order (negative floats have their magnitude bits
+  flipped)."""
+  bits = jax.lax.bitcast_convert_type(scores, jnp.int32)
+  return jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
+
+
+def _keep_top_kernel(scores_ref, index_ref, out_ref, *, p, max_nodes):
+  """One (batch, head): scores_ref `[K]` (−inf: no candidate), index_ref `[K]` → out_ref `[K]`, the kept
+  candidates' nodes in list order, then NO_NODE.
+
+  Ranked by (score desc, list position asc), candidate r is kept when r < max_nodes and the mass ranked above it
+  is < p·total (`fsjax.cache.zha._keep_top`). Both sides of that test only grow down the ranking, so the kept
+  set is every candidate above a threshold score T plus the first few candidates tied at T. T is the lowest key
+  at which the candidates above it do not yet fill the cap or the mass; it is found bit by bit."""
+  scores = scores_ref[...]
+  index = index_ref[...]
+  valid = scores > -jnp.inf
+  best = jnp.max(scores)
+  weights = jnp.where(valid, jnp.exp(scores - jnp.where(best > -jnp.inf, best, 0.0)), 0.0)
+  target = p * jnp.sum(weights) if p < 1 else jnp.float32(jnp.inf)
+  key = _sortable(scores)
+  low = jnp.iinfo(jnp.int32).min
+
+  def counted_above(threshold):
+    above = valid & (key > threshold)
+    return jnp.sum(above.astype(jnp.int32)), jnp.sum(jnp.where(above, weights, 0.0))
+
+  def filled(threshold):
+    count, mass = counted_above(threshold)
+    return (count >= max_nodes) | (mass >= target)
+
+  def bit(b, last_filled):  # the highest key that still fills, built from the top bit down (unsigned order)
+    trial = last_filled | jax.lax.shift_left(jnp.int32(1), 31 - b)
+    return jnp.where(filled(trial ^ low), trial, last_filled)
+
+  threshold = (jax.lax.fori_loop(0, 32, bit, jnp.int32(0)) ^ low) + 1
+  count, mass = counted_above(threshold)
+  tied = valid & (key == threshold)
+  tie_weight = jnp.max(jnp.where(tied, weights, 0.0))
+  tie_rank = (jnp.cumsum(tied.astype(jnp.int32)) - tied).astype(jnp.float32)
+  kept = (valid & (key > threshold)) | (tied & (count + tie_rank < max_nodes)
+                                        & (mass + tie_rank * tie_weight < target))
+  # A permutation of the row: the kept candidates to the front in list order, the others behind them.
+  slot = jnp.cumsum(kept.astype(jnp.int32))
+  dest = jnp.where(kept, slot - 1, jnp.sum(kept.astype(jnp.int32)) + jnp.arange(kept.shape[0]) - slot)
+  out_ref[dest] = jnp.where(kept, index, NO_NODE)
+
+
+@functools.partial(jax.jit, static_argnames=("p", "max_nodes", "interpret"))
+def keep_top_p(scores, index, *, p, max_nodes, interpret=None):
+  """Capped top-p selection over candidate lists: the nodes `fsjax.cache.zha._keep_top` keeps, in list order.
+
+  Args:
+    scores: `[batch, heads, K]` float32, −inf where there is no candidate (as `score_candidates` gives).
+    index: `[batch, heads, K]` int32 node of each candidate.
+    p: the level's top-p threshold in (0, 1]; max_nodes: the cap.
+
+  Returns:
+    `[batch, heads, min(max_nodes, K)]` int32 kept nodes in list order, then NO_NODE. Ties rank the earlier
+    candidate first, as `lax.top_k`. The mass above each candidate is summed in another order than the jnp
+    path's running sum, so a candidate whose mass lies within float32 rounding of p·total may go either way.
+  """
+  interpret = default_interpret() if interpret is None else interpret
+  batch, heads, count = scores.shape
+  if not 0 < p <= 1:
+    raise ValueError(f"p must be in (0, 1], got {p}")
+  if count == 0:
+    return index
+  width = pl.next_power_of_2(count)
+  kept = pl.pallas_call(
+      functools.partial(_keep_top_kernel, p=p, max_nodes=max_nodes),
+      grid=(batch, heads),
+      in_specs=[pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0))] * 2,
+      out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((batch, heads, width), jnp.int32),
+      compiler_params=plgpu.CompilerParams(num_warps=min(16, max(4, width // 1024)), num_stages=1),
+      interpret=interpret,
+      name="zha_keep_top_p",
+  )(pad_axis(scores.astype(jnp.float32), 2, width, -jnp.inf), pad_axis(index.astype(jnp.int32), 2, width, NO_NODE))
+  return kept[..., :min(max_nodes, count)]
 
 
 def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, out_ref, lse_ref, *, chunk, scale, per_split):

@@ -44,6 +44,54 @@ def test_score_candidates(rng, interpret, dtype, refs, dim, count):
   assert_close(np.asarray(scores)[valid], expected[valid], jnp.float32)
 
 
+def _kept_by_walking(scores, index, p, max_nodes):
+  """Brute force: walk the candidates by (score desc, position asc), keeping while fewer than `max_nodes` are kept
+  and (p < 1) the kept mass is below p·total; the kept nodes in list order, then NO_NODE."""
+  finite = np.flatnonzero(np.isfinite(scores))
+  kept, mass = [], 0.0
+  if finite.size:
+    weights = np.exp(scores.astype(np.float64) - scores[finite].max())
+    total = weights[finite].sum()
+    for j in sorted(finite, key=lambda j: (-scores[j], j)):
+      if len(kept) == max_nodes or (p < 1 and mass >= p * total):
+        break
+      kept.append(j)
+      mass += weights[j]
+  width = min(max_nodes, scores.size)
+  return np.asarray([index[j] for j in sorted(kept)] + [tree_routing.NO_NODE] * (width - len(kept)))
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+@pytest.mark.parametrize("count,p,max_nodes", [
+    (37, 0.9, 64),  # top-p binds, the cap is wider than the list
+    (300, 1.0, 16),  # the cap alone
+    (519, 0.6, 64),  # a lower level's list at C=8
+    (4096, 0.9, 64),  # a top level at 256k tokens, C=8, L=2
+])
+def test_keep_top_p(rng, interpret, count, p, max_nodes):
+  """The kernel keeps the brute-force walk's nodes, in list order: scores of both signs and many scales, exact
+  ties (drawn from a few values in one row, whose rare top value leaves the cap inside the next tie), missing candidates, a row with none at all."""
+  batch, heads = 2, 3
+  scores = rng.standard_normal((batch, heads, count)) * rng.choice([0.3, 3.0, 30.0], (batch, heads, 1))
+  scores[0, 1] = rng.choice([-1.5, 0.25, 2.0, 5.0], count, p=[0.3, 0.3, 0.35, 0.05])  # the cap falls in a tie
+  scores[rng.random(scores.shape) < 0.2] = -np.inf
+  scores[1, 2] = -np.inf
+  scores = scores.astype(np.float32)
+  index = rng.permutation(10 * count)[:count].astype(np.int32) + np.zeros((batch, heads, 1), np.int32)
+  kept = np.asarray(tree_routing.keep_top_p(jnp.asarray(scores), jnp.asarray(index), p=p, max_nodes=max_nodes,
+                                            interpret=interpret))
+  for b in range(batch):
+    for h in range(heads):
+      np.testing.assert_array_equal(kept[b, h], _kept_by_walking(scores[b, h], index[b, h], p, max_nodes),
+                                    err_msg=f"row {b}, head {h}")
+  assert np.all(kept[1, 2] == tree_routing.NO_NODE) and np.any(kept[0, 1] >= 0)
+
+
+def test_keep_top_p_rejects_a_threshold_outside_0_1():
+  with pytest.raises(ValueError, match="p must be in"):
+    tree_routing.keep_top_p(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1, 4), jnp.int32), p=1.5, max_nodes=2)
+
+
 @pytest.mark.parametrize("interpret", kernel_modes())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("chunk,dim,leaves,splits", [(8, 64, 6, 4), (4, 96, 9, 2), (16, 32, 1, 1)])
@@ -141,19 +189,22 @@ def test_capped_routing_through_the_kernel_equals_the_jnp_descent(rng, dtype, re
     assert np.any(leaves[1] >= 0)
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["jnp", "kernels"])
 @pytest.mark.parametrize("refs,dim,chunk,levels,top_p", [(4, 16, 4, 2, (1.0, 1.0)), (2, 16, 2, 3, (1.0, 0.9, 1.0))])
-def test_capped_descent_keeps_the_references_leaves_under_ties_across_parents(rng, refs, dim, chunk, levels, top_p):
+def test_capped_descent_keeps_the_references_leaves_under_ties_across_parents(rng, kernels, refs, dim, chunk, levels,
+                                                                              top_p):
   """The jnp descent over candidate lists keeps the leaves of `ops.zha.route` over every node's score when each
   node ties with the node one parent further on (blocks of `chunk` nodes repeat the block before them). Ties
   between children of different parents are resolved by the lists' node order, so this fails when a level's kept
   nodes are not put back in node order before their children are listed. An odd cap (p = 1 at the leaves) splits
-  tied pairs."""
+  tied pairs. With `kernels`, scoring and selection run in `tree_routing` (interpreted off a GPU)."""
   batch, heads, capacity, max_nodes = 4, 4, 300, 3
   cache = _random_zha_cache(rng, batch, capacity, heads, dim, refs, chunk, levels, jnp.float32, tie_block=chunk)
   for position in ([3, chunk**levels + 5, capacity - 1, 100], [capacity - 2, 40, 150, 221]):
     position = jnp.asarray(position, jnp.int32)
     q = jnp.asarray(rng.standard_normal((batch, heads, dim)) * 2, jnp.float32)
-    kept, keep, _ = zha_cache.route_gathered(cache, q, position, chunk=chunk, top_p=top_p, max_nodes=max_nodes)
+    kept, keep, _ = zha_cache.route_gathered(cache, q, position, chunk=chunk, top_p=top_p, max_nodes=max_nodes,
+                                             kernels=kernels)
     scores = [ops.zha.node_scores(q[:, None], keys, bias) for keys, bias in zip(cache.keys, cache.bias)]
     expected = np.asarray(ops.zha.route(scores, position[:, None], chunk=chunk, top_p=top_p,
                                         max_nodes=max_nodes)[:, :, 0])  # [batch, heads, N_1]

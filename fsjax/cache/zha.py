@@ -154,7 +154,7 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
 
   Args:
     q: `[batch, heads, d]` rotated queries at `position` `[batch]`; top_p: one threshold per level.
-    kernels: score candidates with `pallas_kernels.tree_routing` (same results).
+    kernels: score and select candidates with `pallas_kernels.tree_routing` (same results).
 
   Returns:
     kept leaves `[batch, heads, M]` (M = min(max_nodes, candidates)), their keep mask, and the fraction of
@@ -178,14 +178,22 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
   index = jnp.broadcast_to(jnp.arange(top), (batch, heads, top))
   valid = zha.node_last_key(index, chunk, levels) <= i
   for level in range(levels, 0, -1):
-    kept, keep = _keep_top(scores_of(level, index, valid), index, valid, top_p[level - 1], max_nodes)
-    if level == 1:  # the leaves are a set: their order does not matter
+    scores = scores_of(level, index, valid)
+    if kernels:  # kept nodes in list order, which is node order
+      kept = tree_routing.keep_top_p(scores, jnp.where(valid, index, tree_routing.NO_NODE), p=top_p[level - 1],
+                                     max_nodes=max_nodes)
+      keep = kept != tree_routing.NO_NODE
+      kept = jnp.maximum(kept, 0)
+    else:
+      kept, keep = _keep_top(scores, index, valid, top_p[level - 1], max_nodes)
+      if level > 1:  # the leaves are a set: their order does not matter
+        kept = jnp.sort(jnp.where(keep, kept, jnp.iinfo(jnp.int32).max), axis=-1)
+        keep = kept != jnp.iinfo(jnp.int32).max
+        kept = jnp.where(keep, kept, 0)
+    if level == 1:
       break
-    # The next list is the kept nodes' children, then the complete nodes whose parent is not. Sorting the ≤
-    # max_nodes kept nodes (dropped ones last) keeps every valid candidate of that list in node order.
-    kept = jnp.sort(jnp.where(keep, kept, jnp.iinfo(jnp.int32).max), axis=-1)
-    keep = kept != jnp.iinfo(jnp.int32).max
-    kept = jnp.where(keep, kept, 0)
+    # The next list is the kept nodes' children, then the complete nodes whose parent is not. Putting the ≤
+    # max_nodes kept nodes in node order (dropped ones last) keeps every valid candidate of that list in order.
     children = (kept[..., None] * chunk + jnp.arange(chunk)).reshape(batch, heads, -1)
     parentless = chunk * (i // chunk**level) + jnp.arange(chunk - 1)
     index = jnp.concatenate([children, jnp.broadcast_to(parentless, (batch, heads, chunk - 1))], axis=-1)
@@ -203,7 +211,7 @@ def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_node
 
   Args:
     q_rot: `[batch, 1, heads, d]` at `positions` `[batch, 1]`; top_p: one threshold per level.
-    kernels: score candidates and attend with `pallas_kernels.tree_routing` (same results).
+    kernels: score and select candidates and attend with `pallas_kernels.tree_routing` (same results).
 
   Returns:
     outputs `[batch, 1, heads, d]` and the attended fraction `[batch, 1, heads]`.
