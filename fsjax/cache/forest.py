@@ -41,6 +41,9 @@ NO_NODE = ops_forest.NO_NODE
 # level instead of k. Unrolled splits run faster, and the small levels are the ones built at almost every block;
 # a level k >= 6 is rebuilt once per 2^k admissions, so its slower loop costs little per block.
 LOOPED_FROM = 6
+# Pairs (row, forest head) built together when a level from LOOPED_FROM up changes: a forest-τ carry changes one
+# head, forest 0's carries change all `heads` of its heads at once (a few rounds of SLOTS).
+SLOTS = 4
 
 
 def num_levels(max_cells):
@@ -170,27 +173,51 @@ def level_slice(k):
   return slice(level_offset(k), level_offset(k) + 2 ** (k + 1) - 1)
 
 
-def level_trees(forest: Forest, archive, k, *, cell, looped):
-  """The size-2^k chunk tree over each (row, forest head)'s current level-k chunk (forest head h reads the
-  archive's head h mod heads): dict of `[batch, heads, 2^(k+1) − 1(, d)]` node fields, in heap order, in the
-  node table's dtypes. `looped`: leaf order by `looped_leaf_order`."""
+def level_trees(forest: Forest, archive, k, rows=None, heads=None, *, cell, looped):
+  """The size-2^k chunk tree over the current level-k chunk of each selected (row, forest head) pair (forest head
+  h reads the archive's head h mod heads): dict of `[*P, 2^(k+1) − 1(, d)]` node fields, in heap order, in the
+  node table's dtypes. `rows`, `heads`: int32 arrays of one shape P naming the pairs (default: every pair,
+  P = [batch, heads]). `looped`: leaf order by `looped_leaf_order`."""
   size = 2**k
-  start = (read(forest.count) >> (k + 1)) << (k + 1)
-  ids = jax.vmap(jax.vmap(lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, size)))(read(forest.arrivals), start)
-  safe = jnp.maximum(ids, 0)  # [batch, heads, size]
-  rows = jnp.arange(ids.shape[0])[:, None, None]
-  heads = (jnp.arange(ids.shape[1]) % archive.max_norms.shape[2])[None, :, None]
+  if rows is None:
+    rows, heads = (x.astype(jnp.int32) for x in jnp.meshgrid(
+        jnp.arange(forest.count.shape[0]), jnp.arange(forest.count.shape[1]), indexing="ij"))
+  start = (read(forest.count)[rows, heads] >> (k + 1)) << (k + 1)
+  ids = read(forest.arrivals)[rows[..., None], heads[..., None], start[..., None] + jnp.arange(size)]
+  safe = jnp.maximum(ids, 0)  # [*P, size]
+  archive_heads = (heads % archive.max_norms.shape[2])[..., None]
   dtype = forest.nodes["mu"].dtype
-  means = read(archive.mean_keys)[rows, safe, heads].astype(dtype)  # [batch, heads, size, d]
-  norms = read(archive.max_norms)[rows, safe, heads].astype(dtype)
+  means = read(archive.mean_keys)[rows[..., None], safe, archive_heads].astype(dtype)  # [*P, size, d]
+  norms = read(archive.max_norms)[rows[..., None], safe, archive_heads].astype(dtype)
   centers = ((safe + 0.5) * cell).astype(dtype)
 
   def build(m, n, c, i):
     order = looped_leaf_order(m, i)[None] if looped else None
     return {name: x[0] for name, x in ops_forest.chunk_trees(m, n, c, i, size, order=order).items()}
 
-  trees = jax.vmap(jax.vmap(build))(means, norms, centers, safe)
-  return {name: tree.astype(forest.nodes[name].dtype) for name, tree in trees.items()}
+  flat = lambda x: x.reshape(-1, *x.shape[rows.ndim:])
+  trees = jax.vmap(build)(flat(means), flat(norms), flat(centers), flat(safe))
+  return {name: tree.reshape(*rows.shape, *tree.shape[1:]).astype(forest.nodes[name].dtype)
+          for name, tree in trees.items()}
+
+
+def _changed_trees(old, forest: Forest, archive, changed, k, *, cell):
+  """Level k's node fields `old` (`[batch, heads, 2^(k+1) − 1(, d)]`) with the tree of every (row, head) where
+  `changed[..., k]` is set rebuilt (looped leaf order), `SLOTS` pairs at a time: a forest-τ head's carry needs
+  one head's tree, where a build batched over every head (masked) would build 2·heads of them."""
+  pending = changed[..., k].reshape(-1)
+  num_heads = changed.shape[1]
+
+  def build_some(state):
+    old, pending = state
+    pair = jnp.argsort(~pending, stable=True)[:SLOTS].astype(jnp.int32)  # the first pending pairs
+    rows, heads = pair // num_heads, pair % num_heads
+    trees = level_trees(forest, archive, k, rows, heads, cell=cell, looped=True)
+    rows = jnp.where(pending[pair], rows, changed.shape[0])  # slots past the pending pairs write nothing
+    old = {name: value.at[rows, heads].set(trees[name], mode="drop") for name, value in old.items()}
+    return old, pending.at[pair].set(False)
+
+  return jax.lax.while_loop(lambda state: jnp.any(state[1]), build_some, (old, pending))[0]
 
 
 def _rejoin(forest: Forest):
@@ -244,8 +271,10 @@ def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FR
     old = {name: read(nodes[name])[where] for name in ops_forest.TREE_FIELDS}
 
     def rebuilt(old, forest=forest, k=k):
-      mask = changed[..., k]
-      trees = level_trees(forest, archive, k, cell=cell, looped=k >= looped_from)
+      if k >= looped_from:  # built once per 2^k admissions of a head, each head on its own
+        return _changed_trees(old, forest, archive, changed, k, cell=cell)
+      mask = changed[..., k]  # small levels change in most heads at most blocks: all heads at once, masked
+      trees = level_trees(forest, archive, k, cell=cell, looped=False)
       return {name: jnp.where(mask.reshape(*mask.shape, *([1] * (v.ndim - 2))), trees[name], v)
               for name, v in old.items()}
 
