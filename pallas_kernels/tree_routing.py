@@ -36,6 +36,12 @@ def compilable(*, chunk, refs):
   return chunk & (chunk - 1) == 0 and refs & (refs - 1) == 0
 
 
+def list_width(count, block=16):
+  """The candidate-list width `score_candidates` (`block` per program) and `keep_top_p` take without padding: a
+  power of two, at least `block`. Lists built at this width (NO_NODE after the candidates) skip the pads."""
+  return max(block, pl.next_power_of_2(count))
+
+
 def _power_of_two(name, value, interpret):
   if not interpret and value & (value - 1):
     raise ValueError(f"{name} must be a power of two for the compiled Pallas kernels, got {value}")
@@ -144,14 +150,16 @@ def _keep_top_kernel(scores_ref, index_ref, out_ref, *, p, max_nodes):
   out_ref[dest] = jnp.where(kept, index, NO_NODE)
 
 
-@functools.partial(jax.jit, static_argnames=("p", "max_nodes", "interpret"))
-def keep_top_p(scores, index, *, p, max_nodes, interpret=None):
+@functools.partial(jax.jit, static_argnames=("p", "max_nodes", "num_warps", "interpret"))
+def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, interpret=None):
   """Capped top-p selection over candidate lists: the nodes `fsjax.cache.zha._keep_top` keeps, in list order.
 
   Args:
     scores: `[batch, heads, K]` float32, −inf where there is no candidate (as `score_candidates` gives).
     index: `[batch, heads, K]` int32 node of each candidate.
     p: the level's top-p threshold in (0, 1]; max_nodes: the cap.
+    num_warps: warps per (batch, head) program (default: one per 512 candidates, 4 to 8; H200 sweep in
+      docs/results.md).
 
   Returns:
     `[batch, heads, min(max_nodes, K)]` int32 kept nodes in list order, then NO_NODE. Ties rank the earlier
@@ -171,7 +179,7 @@ def keep_top_p(scores, index, *, p, max_nodes, interpret=None):
       in_specs=[pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0))] * 2,
       out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
       out_shape=jax.ShapeDtypeStruct((batch, heads, width), jnp.int32),
-      compiler_params=plgpu.CompilerParams(num_warps=min(16, max(4, width // 1024)), num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps or min(8, max(4, width // 512)), num_stages=1),
       interpret=interpret,
       name="zha_keep_top_p",
   )(pad_axis(scores.astype(jnp.float32), 2, width, -jnp.inf), pad_axis(index.astype(jnp.int32), 2, width, NO_NODE))

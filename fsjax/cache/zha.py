@@ -174,14 +174,21 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
     return jnp.max(jnp.einsum("bhd,bhkrd->bhkr", q.astype(dtype), keys, precision=PRECISION) / math.sqrt(dim)
                    + bias, -1)
 
+  def listed(index, valid):  # the kernels' lists are built at the width they tile, so that no kernel pads them
+    if not kernels:
+      return index, valid
+    extra = ((0, 0), (0, 0), (0, tree_routing.list_width(index.shape[-1]) - index.shape[-1]))
+    return jnp.pad(index, extra), jnp.pad(valid, extra)
+
   top = cache.keys[-1].shape[1]
   index = jnp.broadcast_to(jnp.arange(top), (batch, heads, top))
-  valid = zha.node_last_key(index, chunk, levels) <= i
+  candidates = top
+  index, valid = listed(index, zha.node_last_key(index, chunk, levels) <= i)
   for level in range(levels, 0, -1):
     scores = scores_of(level, index, valid)
     if kernels:  # kept nodes in list order, which is node order
       kept = tree_routing.keep_top_p(scores, jnp.where(valid, index, tree_routing.NO_NODE), p=top_p[level - 1],
-                                     max_nodes=max_nodes)
+                                     max_nodes=min(max_nodes, candidates))
       keep = kept != tree_routing.NO_NODE
       kept = jnp.maximum(kept, 0)
     else:
@@ -196,10 +203,12 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
     # max_nodes kept nodes in node order (dropped ones last) keeps every valid candidate of that list in order.
     children = (kept[..., None] * chunk + jnp.arange(chunk)).reshape(batch, heads, -1)
     parentless = chunk * (i // chunk**level) + jnp.arange(chunk - 1)
-    index = jnp.concatenate([children, jnp.broadcast_to(parentless, (batch, heads, chunk - 1))], axis=-1)
-    valid = jnp.concatenate([jnp.repeat(keep, chunk, axis=-1),
-                             jnp.broadcast_to(zha.node_last_key(parentless, chunk, level - 1) <= i,
-                                              (batch, heads, chunk - 1))], axis=-1)
+    candidates = children.shape[-1] + chunk - 1
+    index, valid = listed(
+        jnp.concatenate([children, jnp.broadcast_to(parentless, (batch, heads, chunk - 1))], axis=-1),
+        jnp.concatenate([jnp.repeat(keep, chunk, axis=-1),
+                         jnp.broadcast_to(zha.node_last_key(parentless, chunk, level - 1) <= i,
+                                          (batch, heads, chunk - 1))], axis=-1))
   reached = jnp.sum(keep, axis=-1) * chunk + 1 + i[..., 0] % chunk  # key 0, kept leaves, 1 + C⌊i/C⌋ … i
   return kept, keep, reached / (i[..., 0] + 1)
 
