@@ -1,0 +1,73 @@
+"""Every Pallas kernel lowers to Triton for a CUDA GPU, also on a machine without one (CI).
+
+Interpret mode, which the CPU kernel tests run, never meets Pallas's Triton lowering rules, so a kernel that uses
+an operation Triton cannot lower (an element of a vector, `x[-1]`, is a `slice` there) passes every CPU test and
+fails at its first compile on a GPU. `jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` runs those
+rules here (JAX assumes compute capability 9.0 without a GPU). It does not run Triton's own compiler to PTX:
+that, and the results, are the compiled kernel tests' part on the H200.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import cell_scoring, sparse_readout, tree_routing
+
+f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
+shape = jax.ShapeDtypeStruct
+
+
+def _lowers_for_cuda(fn, *args):
+  jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_zha_scoring_and_selection_lower():
+  q = shape((1, 2, 64), f32)
+  index = shape((1, 2, 32), i32)
+  _lowers_for_cuda(lambda *a: tree_routing.score_candidates(*a, interpret=False),
+                   q, shape((1, 12, 2, 4, 64), bf16), shape((1, 12, 2, 4), bf16), index)
+  _lowers_for_cuda(lambda q, k, b, i, layer: tree_routing.score_candidates(q, k, b, i, layer=layer, interpret=False),
+                   q, shape((3, 1, 12, 2, 4, 64), bf16), shape((3, 1, 12, 2, 4), bf16), index, shape((), i32))
+  for width in (16, 4096):
+    _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=0.9, max_nodes=8, interpret=False),
+                     shape((1, 2, width), f32), shape((1, 2, width), i32))
+  _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=1.0, max_nodes=8, interpret=False),
+                   shape((1, 2, 64), f32), shape((1, 2, 64), i32))
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["plain", "stacked"])
+def test_zha_leaf_attention_lowers(stacked):
+  cache = shape((3, 1, 64, 2, 64) if stacked else (1, 64, 2, 64), bf16)
+  _lowers_for_cuda(lambda q, k, v, leaves, pos, layer: tree_routing.leaf_attention(
+      q, k, v, leaves, pos, chunk=8, layer=layer if stacked else None, interpret=False),
+      shape((1, 2, 64), f32), cache, cache, shape((1, 2, 8), i32), shape((1,), i32), shape((), i32))
+
+
+def test_fsb_beam_search_lowers():
+  batch, heads, nodes, dim = 1, 2, 31, 64
+  table = {"mu": shape((batch, heads, nodes, dim), f32),
+           **{name: shape((batch, heads, nodes), f32) for name in ("rho", "amax", "pmin")},
+           **{name: shape((batch, heads, nodes), i32) for name in ("first", "leaf", "child0", "child1")}}
+  _lowers_for_cuda(lambda q, pos, roots, nodes, lam, sigma: tree_routing.beam_search(
+      q, pos, roots, nodes, lam, sigma, beam=4, steps=5, bound_c=8.0, interpret=False),
+      shape((batch, 8, heads, dim), f32), shape((batch, 8), i32), shape((batch, 8, heads), i32), table,
+      shape((heads,), f32), shape((heads,), f32))
+
+
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+def test_cell_scoring_lowers(variant):
+  sizes = cell_scoring.BlockSizes(queries=32, cells=16)
+  q = shape((1, 128, 2, 64), bf16)
+  _lowers_for_cuda(lambda q, k: cell_scoring.select_cells(q, k, variant=variant, cell=16, block=32, top_k=4,
+                                                          block_sizes=sizes, interpret=False), q, q)
+
+
+def test_sparse_readout_and_its_gradient_lower():
+  q = shape((1, 64, 2, 64), bf16)
+  cells = shape((1, 64, 2, 4), i32)
+  sizes = sparse_readout.BlockSizes(queries=16)
+  readout = lambda q, k, v, idx: sparse_readout.sparse_readout(q, k, v, idx, cell=16, block_sizes=sizes,
+                                                               interpret=False)
+  _lowers_for_cuda(readout, q, q, q, cells)
+  loss = lambda q, k, v, idx: jnp.sum(readout(q, k, v, idx).astype(f32))
+  _lowers_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, cells)
