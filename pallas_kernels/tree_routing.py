@@ -47,16 +47,31 @@ def _power_of_two(name, value, interpret):
     raise ValueError(f"{name} must be a power of two for the compiled Pallas kernels, got {value}")
 
 
-def _score_kernel(q_ref, keys_ref, bias_ref, index_ref, out_ref, *, scale):
-  """q_ref `[d]`, keys_ref `[N, R, d]`, bias_ref `[N, R]`, index_ref `[BK]` → out_ref `[BK]` (−inf for NO_NODE)."""
+def _stack(array, layer, axes):
+  """Kernel inputs for `array` (`axes` dims) or a scanned model's stack of it (`axes + 1` dims) with `layer`: the
+  stack `[layers, ...]` (one layer as `[1, ...]`) and the `[1]` int32 layer the kernels index it at. Passing the
+  stack lets a kernel read one layer where it lies; slicing the layer out first would copy it."""
+  if layer is None:
+    if array.ndim != axes:
+      raise ValueError(f"an array of {axes} dims, or a stack of {axes + 1} with a layer, got shape {array.shape}")
+    return array[None], jnp.zeros((1,), jnp.int32)
+  if array.ndim != axes + 1:
+    raise ValueError(f"with a layer, a stack of {axes + 1} dims, got shape {array.shape}")
+  return array, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def _score_kernel(q_ref, keys_ref, bias_ref, index_ref, layer_ref, out_ref, *, scale):
+  """q_ref `[d]`, keys_ref `[L, N, R, d]`, bias_ref `[L, N, R]` of which layer `layer_ref[0]` is read,
+  index_ref `[BK]` → out_ref `[BK]` (−inf for NO_NODE)."""
   q = q_ref[...].astype(jnp.float32)
   index = index_ref[...]
   block = index.shape[0]
+  layer = layer_ref[0]
 
   def body(j, scores):
     node = index_ref[j]
-    keys = keys_ref[pl.ds(jnp.maximum(node, 0), 1), :, :][0].astype(jnp.float32)  # [R, d]
-    bias = bias_ref[pl.ds(jnp.maximum(node, 0), 1), :][0].astype(jnp.float32)  # [R]
+    keys = keys_ref[layer, pl.ds(jnp.maximum(node, 0), 1), :, :][0].astype(jnp.float32)  # [R, d]
+    bias = bias_ref[layer, pl.ds(jnp.maximum(node, 0), 1), :][0].astype(jnp.float32)  # [R]
     score = jnp.max(jnp.sum(keys * q[None, :], axis=1) * scale + bias)
     score = jnp.where(node >= 0, score, -jnp.inf)
     return jnp.where(jnp.arange(block) == j, score, scores)
@@ -65,13 +80,15 @@ def _score_kernel(q_ref, keys_ref, bias_ref, index_ref, out_ref, *, scale):
 
 
 @functools.partial(jax.jit, static_argnames=("block", "interpret"))
-def score_candidates(q, node_keys, node_bias, index, *, block=16, interpret=None):
+def score_candidates(q, node_keys, node_bias, index, *, layer=None, block=16, interpret=None):
   """`max_r (q·k̂_r/√d + b̂_r)` of listed nodes (ZHA III-A).
 
   Args:
     q: `[batch, heads, d]` rotated queries (one decode token).
     node_keys: `[batch, N, heads, R, d]`; node_bias: `[batch, N, heads, R]` (one tree level).
     index: `[batch, heads, K]` int32 node indices, NO_NODE for none.
+    layer: None, or an int32 scalar when `node_keys` and `node_bias` are a scanned model's stacks
+      `[layers, batch, ...]`: the kernel reads that layer where it lies.
     block: candidates per program.
 
   Returns:
@@ -79,7 +96,8 @@ def score_candidates(q, node_keys, node_bias, index, *, block=16, interpret=None
   """
   interpret = default_interpret() if interpret is None else interpret
   batch, heads, dim = q.shape
-  refs = node_keys.shape[3]
+  (node_keys, layer_index), (node_bias, _) = _stack(node_keys, layer, 5), _stack(node_bias, layer, 4)
+  layers, _, nodes, _, refs, _ = node_keys.shape
   _power_of_two("refs", refs, interpret)
   count = index.shape[-1]
   padded = -(-count // block) * block
@@ -88,16 +106,17 @@ def score_candidates(q, node_keys, node_bias, index, *, block=16, interpret=None
       functools.partial(_score_kernel, scale=1.0 / math.sqrt(dim)),
       grid=(batch, heads, padded // block),
       in_specs=[pl.BlockSpec((None, None, pl.next_power_of_2(dim)), lambda b, h, c: (b, h, 0)),
-                pl.BlockSpec((None, node_keys.shape[1], None, refs, pl.next_power_of_2(dim)),
-                             lambda b, h, c: (b, 0, h, 0, 0)),
-                pl.BlockSpec((None, node_keys.shape[1], None, refs), lambda b, h, c: (b, 0, h, 0)),
-                pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c))],
+                pl.BlockSpec((layers, None, nodes, None, refs, pl.next_power_of_2(dim)),
+                             lambda b, h, c: (0, b, 0, h, 0, 0)),
+                pl.BlockSpec((layers, None, nodes, None, refs), lambda b, h, c: (0, b, 0, h, 0)),
+                pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c)),
+                pl.BlockSpec((1,), lambda b, h, c: (0,))],
       out_specs=pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c)),
       out_shape=jax.ShapeDtypeStruct((batch, heads, padded), jnp.float32),
       compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
       interpret=interpret,
       name="zha_score_candidates",
-  )(pad_head_dim(q), pad_head_dim(node_keys), node_bias, index)
+  )(pad_head_dim(q), pad_head_dim(node_keys), node_bias, index, layer_index)
   return scores[..., :count]
 
 
@@ -186,23 +205,26 @@ def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, interpret=None):
   return kept[..., :min(max_nodes, count)]
 
 
-def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, out_ref, lse_ref, *, chunk, scale, per_split):
+def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, layer_ref, out_ref, lse_ref, *, chunk, scale,
+                      per_split):
   """One split of one (batch, head): online softmax over its share of leaves; split 0 also reads key 0 and the
-  current chunk. q_ref `[d]`, k_ref / v_ref `[S, d]`, leaves_ref `[M]` → out_ref `[d]` (normalized), lse_ref `[1]`."""
+  current chunk. q_ref `[d]`, k_ref / v_ref `[L, S, d]` of which layer `layer_ref[0]` is read, leaves_ref `[M]` →
+  out_ref `[d]` (normalized), lse_ref `[1]`."""
   split = pl.program_id(2)
   q = q_ref[...].astype(jnp.float32)
   position = position_ref[0]
-  capacity = k_ref.shape[0]
+  layer = layer_ref[0]
+  capacity = k_ref.shape[1]
   floor = jnp.float32(-1e30)  # finite: exp(old_max - new_max) stays defined before the first key
 
   def absorb(carry, start, valid):
     acc, row_max, row_sum = carry
-    keys = k_ref[pl.ds(start, chunk), :].astype(jnp.float32)  # [C, d]
+    keys = k_ref[layer, pl.ds(start, chunk), :].astype(jnp.float32)  # [C, d]
     logits = jnp.where(valid, jnp.sum(keys * q[None, :], axis=1) * scale, floor)
     new_max = jnp.maximum(row_max, jnp.max(logits))
     probs = jnp.where(valid, jnp.exp(logits - new_max), 0.0)
     correction = jnp.exp(row_max - new_max)
-    values = v_ref[pl.ds(start, chunk), :].astype(jnp.float32)
+    values = v_ref[layer, pl.ds(start, chunk), :].astype(jnp.float32)
     return (acc * correction + jnp.sum(probs[:, None] * values, axis=0), new_max,
             row_sum * correction + jnp.sum(probs))
 
@@ -225,13 +247,15 @@ def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, out_ref, ls
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "splits", "interpret"))
-def leaf_attention(q, k, v, leaves, position, *, chunk, splits=4, interpret=None):
+def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=4, interpret=None):
   """Attention of one decode token per row over `I(q) = {0} ∪ kept leaves ∪ current chunk` (ZHA III-C).
 
   Args:
     q: `[batch, heads, d]` rotated; k, v: `[batch, S, heads, d]` the dense cache (slot = position, S >= chunk).
     leaves: `[batch, heads, M]` int32 kept level-1 nodes (leaf m holds keys `1 + mC … (m+1)C`), NO_NODE for none.
     position: `[batch]` int32 query positions.
+    layer: None, or an int32 scalar when `k` and `v` are a scanned model's stacks `[layers, batch, S, heads, d]`:
+      the kernel reads that layer where it lies.
 
   Returns:
     `[batch, heads, d]` float32.
@@ -242,15 +266,18 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, splits=4, interpret=None
   per_split = -(-leaves.shape[-1] // splits)
   leaves = pad_axis(leaves.astype(jnp.int32), 2, per_split * splits, NO_NODE)
   width = pl.next_power_of_2(dim)
-  seq = k.shape[1]
+  (k, layer_index), (v, _) = _stack(k, layer, 4), _stack(v, layer, 4)
+  layers, _, seq = k.shape[:3]
+  cache_spec = pl.BlockSpec((layers, None, seq, None, width), lambda b, h, s: (0, b, 0, h, 0))
   out, lse = pl.pallas_call(
       functools.partial(_attention_kernel, chunk=chunk, scale=1.0 / math.sqrt(dim), per_split=per_split),
       grid=(batch, heads, splits),
       in_specs=[pl.BlockSpec((None, None, width), lambda b, h, s: (b, h, 0)),
-                pl.BlockSpec((None, seq, None, width), lambda b, h, s: (b, 0, h, 0)),
-                pl.BlockSpec((None, seq, None, width), lambda b, h, s: (b, 0, h, 0)),
+                cache_spec,
+                cache_spec,
                 pl.BlockSpec((None, None, per_split * splits), lambda b, h, s: (b, h, 0)),
-                pl.BlockSpec((1,), lambda b, h, s: (b,))],
+                pl.BlockSpec((1,), lambda b, h, s: (b,)),
+                pl.BlockSpec((1,), lambda b, h, s: (0,))],
       out_specs=[pl.BlockSpec((None, None, None, width), lambda b, h, s: (b, h, s, 0)),
                  pl.BlockSpec((None, None, None, 1), lambda b, h, s: (b, h, s, 0))],
       out_shape=[jax.ShapeDtypeStruct((batch, heads, splits, width), jnp.float32),
@@ -258,7 +285,7 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, splits=4, interpret=None
       compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=2),
       interpret=interpret,
       name="zha_leaf_attention",
-  )(pad_head_dim(q), pad_head_dim(k), pad_head_dim(v), leaves, position.astype(jnp.int32))
+  )(pad_head_dim(q), pad_head_dim(k), pad_head_dim(v), leaves, position.astype(jnp.int32), layer_index)
   weights = jax.nn.softmax(lse, axis=2)  # merge the splits' partial softmaxes
   weights = jnp.where(jnp.isfinite(lse), weights, 0.0)
   return jnp.sum(weights * out, axis=2)[..., :dim]

@@ -44,6 +44,31 @@ def test_score_candidates(rng, interpret, dtype, refs, dim, count):
   assert_close(np.asarray(scores)[valid], expected[valid], jnp.float32)
 
 
+@pytest.mark.parametrize("interpret", kernel_modes())
+def test_zha_kernels_read_one_layer_of_a_stack(rng, interpret):
+  """Given a scanned model's stacks and a layer, both ZHA decode kernels return exactly what they return for that
+  layer's arrays alone; a stack without a layer (or the reverse) is refused."""
+  layers, batch, nodes, heads, refs, dim, chunk, seq = 3, 2, 12, 2, 4, 32, 4, 64
+  keys = jnp.asarray(rng.standard_normal((layers, batch, nodes, heads, refs, dim)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal((layers, batch, nodes, heads, refs)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((layers, batch, seq, heads, dim)), jnp.bfloat16) for _ in range(2))
+  q = jnp.asarray(rng.standard_normal((batch, heads, dim)), jnp.float32)
+  index = jnp.asarray(rng.integers(-1, nodes, (batch, heads, 20)), jnp.int32)
+  leaves = jnp.asarray(rng.integers(-1, (seq - 1) // chunk - 1, (batch, heads, 6)), jnp.int32)
+  position = jnp.asarray([seq - 1, 30], jnp.int32)
+  layer = jnp.int32(1)
+  np.testing.assert_array_equal(
+      tree_routing.score_candidates(q, keys, bias, index, layer=layer, interpret=interpret),
+      tree_routing.score_candidates(q, keys[1], bias[1], index, interpret=interpret))
+  np.testing.assert_array_equal(
+      tree_routing.leaf_attention(q, k, v, leaves, position, chunk=chunk, layer=layer, interpret=interpret),
+      tree_routing.leaf_attention(q, k[1], v[1], leaves, position, chunk=chunk, interpret=interpret))
+  with pytest.raises(ValueError, match="a stack of 6 dims"):
+    tree_routing.score_candidates(q, keys[1], bias[1], index, layer=layer, interpret=interpret)
+  with pytest.raises(ValueError, match="an array of 4 dims"):
+    tree_routing.leaf_attention(q, k, v, leaves, position, chunk=chunk, interpret=interpret)
+
+
 def _kept_by_walking(scores, index, p, max_nodes):
   """Brute force: walk the candidates by (score desc, position asc), keeping while fewer than `max_nodes` are kept
   and (p < 1) the kept mass is below p·total; the kept nodes in list order, then NO_NODE."""

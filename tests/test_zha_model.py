@@ -136,11 +136,11 @@ def test_cache_routing_equals_the_reference(rng, max_nodes):
     assert np.any(np.asarray(expected_fraction) < np.asarray(uncapped))  # the cap binds
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas"])
-def test_capped_model_decodes_like_its_full_forward(rng, impl):
-  """Decode steps take the gathered path (through the kernels with impl="pallas"); the full forward is the
-  reference operator with the same cap."""
-  config = model_preset("tiny", kind="zha")
+@pytest.mark.parametrize("impl,scan_layers", [("reference", False), ("pallas", False), ("pallas", True)])
+def test_capped_model_decodes_like_its_full_forward(rng, impl, scan_layers):
+  """Decode steps take the gathered path (through the kernels with impl="pallas", which read a scanned model's
+  stacked cache in place); the full forward is the reference operator with the same cap."""
+  config = model_preset("tiny", kind="zha", scan_layers=scan_layers)
   config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, zha_refs=2, zha_chunk=4,
                                                                      zha_top_p=(0.95,), zha_max_nodes=2,
                                                                      impl=impl))

@@ -11,9 +11,9 @@ chunk's slots straight into the stack. The other cache fields are sliced out and
 Cache code reads viewed fields with `read` and writes them with `scatter`; with an unstacked cache both act on
 the plain array, so the same code serves unrolled layers. A Pallas kernel or cuDNN given `read(x)` receives a
 copy of the layer's array, so one-token TF++ attention and FS readout take XLA paths, and FS-B's beam-search
-kernel takes the stacked node tables and the layer index. Still copied per token, for the kernels that read
-them: FS's cell summaries (1/s of the keys), and ZHA's keys and each routed level's tangents. FS-L's bounded
-cache, which does not grow with the sequence, is sliced out and written back.
+kernel and ZHA's two decode kernels take the stacks and the layer index. Still copied per token, for the kernel
+that reads them: FS's cell summaries (1/s of the keys). FS-L's bounded cache, which does not grow with the
+sequence, is sliced out and written back.
 """
 
 import flax.struct

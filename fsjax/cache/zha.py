@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.cache import store as kv
-from fsjax.cache.layered import read, scatter
+from fsjax.cache.layered import LayerSlice, read, scatter
 from fsjax.cache.store import KVStore, empty_store
 from fsjax.ops import zha
 from fsjax.ops.common import PRECISION
@@ -141,6 +141,12 @@ def _keep_top(scores, index, valid, p, max_nodes):
   return jnp.take_along_axis(index, position, axis=-1), keep
 
 
+def _in_place(x):
+  """A kernel's view of a cache field: a scanned model's stack and layer, which the kernel indexes where the
+  layer lies (`read` would copy it), or the plain array and None."""
+  return (x.stack, x.layer) if isinstance(x, LayerSlice) else (x, None)
+
+
 def use_kernels(impl, *, chunk, refs):
   """Whether a capped decode step runs `pallas_kernels.tree_routing`: "pallas" always (interpreted off GPU),
   "auto" on a GPU when Triton can tile the tree, "reference" never."""
@@ -165,9 +171,11 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
   levels = len(cache.keys)
 
   def scores_of(level, index, valid):
-    level_keys, level_bias = read(cache.keys[level - 1]), read(cache.bias[level - 1])
     if kernels:
-      return tree_routing.score_candidates(q, level_keys, level_bias, jnp.where(valid, index, tree_routing.NO_NODE))
+      (level_keys, layer), (level_bias, _) = _in_place(cache.keys[level - 1]), _in_place(cache.bias[level - 1])
+      return tree_routing.score_candidates(q, level_keys, level_bias, jnp.where(valid, index, tree_routing.NO_NODE),
+                                           layer=layer)
+    level_keys, level_bias = read(cache.keys[level - 1]), read(cache.bias[level - 1])
     dtype = jnp.promote_types(q.dtype, jnp.float32)  # as the kernel: half-precision scores tie and reorder nodes
     keys = _gather_nodes(level_keys, index).astype(dtype)  # [batch, heads, K, R, d]
     bias = _gather_nodes(level_bias, index).astype(dtype)
@@ -228,11 +236,12 @@ def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_node
   q, position = q_rot[:, 0], positions[:, 0]
   kept, keep, fraction = route_gathered(cache, q, position, chunk=chunk, top_p=top_p, max_nodes=max_nodes,
                                         kernels=kernels)
-  keys, values = read(cache.store.k), read(cache.store.v)
   if kernels:
+    (keys, layer), (values, _) = _in_place(cache.store.k), _in_place(cache.store.v)
     out = tree_routing.leaf_attention(q, keys, values, jnp.where(keep, kept, tree_routing.NO_NODE), position,
-                                      chunk=chunk)
+                                      chunk=chunk, layer=layer)
     return out[:, None].astype(q.dtype), fraction[:, None]
+  keys, values = read(cache.store.k), read(cache.store.v)
   batch, heads, dim = q.shape
   i = position[:, None, None]
   leaf_keys = (1 + kept[..., None] * chunk + jnp.arange(chunk)).reshape(batch, heads, -1)
