@@ -177,8 +177,8 @@ def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, interpret=None):
     scores: `[batch, heads, K]` float32, −inf where there is no candidate (as `score_candidates` gives).
     index: `[batch, heads, K]` int32 node of each candidate.
     p: the level's top-p threshold in (0, 1]; max_nodes: the cap.
-    num_warps: warps per (batch, head) program (default: one per 512 candidates, 4 to 8; H200 sweep in
-      docs/results.md).
+    num_warps: warps per (batch, head) program (default: one per 512 candidates, 4 to 8; the H200 sweep is in
+      docs/notes.md, ZHA).
 
   Returns:
     `[batch, heads, min(max_nodes, K)]` int32 kept nodes in list order, then NO_NODE. Ties rank the earlier
@@ -189,6 +189,8 @@ def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, interpret=None):
   batch, heads, count = scores.shape
   if not 0 < p <= 1:
     raise ValueError(f"p must be in (0, 1], got {p}")
+  if max_nodes < 1:
+    raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
   if count == 0:
     return index
   width = pl.next_power_of_2(count)

@@ -112,9 +112,11 @@ def test_keep_top_p(rng, interpret, count, p, max_nodes):
   assert np.all(kept[1, 2] == tree_routing.NO_NODE) and np.any(kept[0, 1] >= 0)
 
 
-def test_keep_top_p_rejects_a_threshold_outside_0_1():
-  with pytest.raises(ValueError, match="p must be in"):
+def test_keep_top_p_rejects_a_threshold_outside_0_1_and_an_empty_cap():
+  with pytest.raises(ValueError, match=r"p must be in \(0, 1\], got 1.5"):
     tree_routing.keep_top_p(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1, 4), jnp.int32), p=1.5, max_nodes=2)
+  with pytest.raises(ValueError, match="max_nodes must be >= 1, got 0"):
+    tree_routing.keep_top_p(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1, 4), jnp.int32), p=0.5, max_nodes=0)
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
