@@ -1,7 +1,7 @@
-"""Prefill and decode throughput, attention-state bytes and the HBM roofline: FS-L, FS, FS-B, TF++ and SWA.
+"""Prefill and decode throughput, attention-state bytes and the HBM roofline: FS-L, FS, FS-B, TF++, SWA and ZHA.
 
-    python benchmarks/decode.py [--lengths 4096,16384,65536,131072,262144] [--kinds fsl,fs,fsb,tfpp,swa]
-        [--decode-tokens 64] [--preset fs_341m] [--layers scanned|unrolled] [--profile]
+    python benchmarks/decode.py [--lengths 4096,16384,65536,131072,262144] [--kinds fsl,fs,fsb,tfpp,swa,zha]
+        [--decode-tokens 64] [--preset fs_341m] [--layers scanned|unrolled] [--zha-max-nodes 64] [--profile]
 
 Batch 1, random weights, bf16 parameters and caches. Each (kind, length) runs in its own subprocess. Prefill goes
 through `fsjax.decode.prefill` (2048-token chunks); decode through the on-device `decode_loop`. The roofline
@@ -11,6 +11,8 @@ nodes, the window, the selected cells), so they can beat it. Prints one table wi
 length, and the device kernels (fusions and library calls) one compiled decode step launches: at batch 1 a step
 is short enough for launches to matter.
 `--layers unrolled` decodes with one layer body per layer instead of `nn.scan` over stacked layers and caches.
+ZHA (the preset's tree, random reference queries) decodes through the capped routing, `--zha-max-nodes` per level,
+which runs the `tree_routing` kernels on a GPU; 0 keeps the uncapped reference routing, which masks the whole cache.
 FS-B prefills with the prefill formulation and decodes through the streaming forest cache, τ calibrated on the
 first 4096 tokens; its per-block forest update is timed alone by `forest_update.py`. `--profile` traces one more
 decode loop per case and prints the device kernels that take the most time per token. A case prints its phases
@@ -36,7 +38,7 @@ def progress(message):
   print(message, file=sys.stderr, flush=True)
 
 
-def run_case(kind, length, decode_tokens, preset, chunk, layers, profile=False):
+def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, profile=False):
   import jax
   import jax.numpy as jnp
 
@@ -49,6 +51,9 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, profile=False):
 
   config = dataclasses.replace(model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16",
                                scan_layers=layers == "scanned")
+  if kind == "zha":
+    config = dataclasses.replace(config, attention=dataclasses.replace(config.attention,
+                                                                       zha_max_nodes=zha_max_nodes or None))
   model = Transformer(config)
   variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, config.vocab_size)
@@ -95,14 +100,17 @@ def main():
   parser.add_argument("--decode-tokens", type=int, default=64)
   parser.add_argument("--chunk", type=int, default=2048)
   parser.add_argument("--layers", choices=("scanned", "unrolled"), default="scanned")
+  parser.add_argument("--zha-max-nodes", type=int, default=64, help="ZHA's per-level cap in decode (0: none)")
   parser.add_argument("--profile", action="store_true", help="print each case's costliest kernels per token")
   args = parser.parse_args()
   if args.case:
-    print(json.dumps(run_case(*args.case, args.decode_tokens, args.preset, args.chunk, args.layers, args.profile)))
+    print(json.dumps(run_case(*args.case, args.decode_tokens, args.preset, args.chunk, args.layers,
+                              args.zha_max_nodes, args.profile)))
     return
   rows = run_cases(__file__, args.kinds, args.lengths,
                    ["--decode-tokens", args.decode_tokens, "--chunk", args.chunk, "--preset", args.preset,
-                    "--layers", args.layers, *(["--profile"] if args.profile else [])], args.case_timeout)
+                    "--layers", args.layers, "--zha-max-nodes", args.zha_max_nodes,
+                    *(["--profile"] if args.profile else [])], args.case_timeout)
 
   base = {r["length"]: r for r in rows if r["kind"] == "tfpp" and "error" not in r}
   print(f"\n{args.preset}, batch 1, bf16, {args.layers} layers, "
