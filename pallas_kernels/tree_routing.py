@@ -146,7 +146,8 @@ def _keep_top_kernel(scores_ref, index_ref, out_ref, *, p, max_nodes):
 
   def counted_above(threshold):
     above = valid & (key > threshold)
-    return jnp.sum(above.astype(jnp.int32)), jnp.sum(jnp.where(above, weights, 0.0))
+    mass = jnp.sum(jnp.where(above, weights, 0.0)) if p < 1 else jnp.float32(0.0)  # p = 1: the cap alone
+    return jnp.sum(above.astype(jnp.int32)), mass
 
   def filled(threshold):
     count, mass = counted_above(threshold)
