@@ -28,8 +28,9 @@ def test_zha_scoring_and_selection_lower():
                    q, shape((1, 12, 2, 4, 64), bf16), shape((1, 12, 2, 4), bf16), index)
   _lowers_for_cuda(lambda q, k, b, i, layer: tree_routing.score_candidates(q, k, b, i, layer=layer, interpret=False),
                    q, shape((3, 1, 12, 2, 4, 64), bf16), shape((3, 1, 12, 2, 4), bf16), index, shape((), i32))
-  for width in (16, 4096):
-    _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=0.9, max_nodes=8, interpret=False),
+  for width, bits in ((16, 1), (4096, 1), (1024, 2), (1024, 4)):
+    _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=0.9, max_nodes=8, bits_per_step=bits,
+                                                          interpret=False),
                      shape((1, 2, width), f32), shape((1, 2, width), i32))
   _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=1.0, max_nodes=8, interpret=False),
                    shape((1, 2, 64), f32), shape((1, 2, 64), i32))
