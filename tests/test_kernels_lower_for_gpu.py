@@ -17,23 +17,30 @@ f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
 shape = jax.ShapeDtypeStruct
 
 
-def _lowers_for_cuda(fn, *args):
-  jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+def _lowers_for_cuda(fn, *args, kernels):
+  """Lowers `fn(*args)` for CUDA and checks that each named kernel became a Triton call (an interpreted kernel
+  would lower to plain HLO and name none)."""
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") >= len(kernels)
+  for name in kernels:
+    assert name in text, f"{name} is not a Triton call in the lowered module"
 
 
 def test_zha_scoring_and_selection_lower():
   q = shape((1, 2, 64), f32)
   index = shape((1, 2, 32), i32)
   _lowers_for_cuda(lambda *a: tree_routing.score_candidates(*a, interpret=False),
-                   q, shape((1, 12, 2, 4, 64), bf16), shape((1, 12, 2, 4), bf16), index)
+                   q, shape((1, 12, 2, 4, 64), bf16), shape((1, 12, 2, 4), bf16), index,
+                   kernels=["zha_score_candidates"])
   _lowers_for_cuda(lambda q, k, b, i, layer: tree_routing.score_candidates(q, k, b, i, layer=layer, interpret=False),
-                   q, shape((3, 1, 12, 2, 4, 64), bf16), shape((3, 1, 12, 2, 4), bf16), index, shape((), i32))
+                   q, shape((3, 1, 12, 2, 4, 64), bf16), shape((3, 1, 12, 2, 4), bf16), index, shape((), i32),
+                   kernels=["zha_score_candidates"])
   for width, bits in ((16, 1), (4096, 1), (1024, 2), (1024, 4)):
     _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=0.9, max_nodes=8, bits_per_step=bits,
                                                           interpret=False),
-                     shape((1, 2, width), f32), shape((1, 2, width), i32))
+                     shape((1, 2, width), f32), shape((1, 2, width), i32), kernels=["zha_keep_top_p"])
   _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=1.0, max_nodes=8, interpret=False),
-                   shape((1, 2, 64), f32), shape((1, 2, 64), i32))
+                   shape((1, 2, 64), f32), shape((1, 2, 64), i32), kernels=["zha_keep_top_p"])
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["plain", "stacked"])
@@ -41,7 +48,8 @@ def test_zha_leaf_attention_lowers(stacked):
   cache = shape((3, 1, 64, 2, 64) if stacked else (1, 64, 2, 64), bf16)
   _lowers_for_cuda(lambda q, k, v, leaves, pos, layer: tree_routing.leaf_attention(
       q, k, v, leaves, pos, chunk=8, layer=layer if stacked else None, interpret=False),
-      shape((1, 2, 64), f32), cache, cache, shape((1, 2, 8), i32), shape((1,), i32), shape((), i32))
+      shape((1, 2, 64), f32), cache, cache, shape((1, 2, 8), i32), shape((1,), i32), shape((), i32),
+      kernels=["zha_leaf_attention"])
 
 
 def test_fsb_beam_search_lowers():
@@ -52,7 +60,7 @@ def test_fsb_beam_search_lowers():
   _lowers_for_cuda(lambda q, pos, roots, nodes, lam, sigma: tree_routing.beam_search(
       q, pos, roots, nodes, lam, sigma, beam=4, steps=5, bound_c=8.0, interpret=False),
       shape((batch, 8, heads, dim), f32), shape((batch, 8), i32), shape((batch, 8, heads), i32), table,
-      shape((heads,), f32), shape((heads,), f32))
+      shape((heads,), f32), shape((heads,), f32), kernels=["fsb_beam_search"])
 
 
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
@@ -60,7 +68,8 @@ def test_cell_scoring_lowers(variant):
   sizes = cell_scoring.BlockSizes(queries=32, cells=16)
   q = shape((1, 128, 2, 64), bf16)
   _lowers_for_cuda(lambda q, k: cell_scoring.select_cells(q, k, variant=variant, cell=16, block=32, top_k=4,
-                                                          block_sizes=sizes, interpret=False), q, q)
+                                                          block_sizes=sizes, interpret=False), q, q,
+                   kernels=["freesolo_cell_topk"])
 
 
 def test_sparse_readout_and_its_gradient_lower():
@@ -69,6 +78,8 @@ def test_sparse_readout_and_its_gradient_lower():
   sizes = sparse_readout.BlockSizes(queries=16)
   readout = lambda q, k, v, idx: sparse_readout.sparse_readout(q, k, v, idx, cell=16, block_sizes=sizes,
                                                                interpret=False)
-  _lowers_for_cuda(readout, q, q, q, cells)
+  _lowers_for_cuda(readout, q, q, q, cells, kernels=["freesolo_sparse_readout_fwd"])
   loss = lambda q, k, v, idx: jnp.sum(readout(q, k, v, idx).astype(f32))
-  _lowers_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, cells)
+  _lowers_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, cells,
+                   kernels=["freesolo_sparse_readout_fwd", "freesolo_sparse_readout_bwd_dq",
+                            "freesolo_sparse_readout_bwd_dkv"])
