@@ -394,9 +394,9 @@ def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c,
   q = pad_axis(pad_head_dim(q.astype(jnp.float32)), 1, padded)
   positions = pad_axis(positions.astype(jnp.int32), 1, padded)
   roots = pad_axis(roots.astype(jnp.int32), 1, padded, NO_NODE)
-  if layer is None:
-    nodes, layer = {name: x[None] for name, x in nodes.items()}, 0
-  layers, num_nodes, width = nodes["mu"].shape[0], nodes["mu"].shape[3], q.shape[-1]
+  mu, layer_index = _stack(nodes["mu"], layer, 4)
+  nodes = {name: _stack(x, layer, 3)[0] for name, x in nodes.items() if name != "mu"}
+  layers, num_nodes, width = mu.shape[0], mu.shape[3], q.shape[-1]
   table_spec = pl.BlockSpec((layers, None, None, num_nodes), lambda b, h, t: (0, b, h, 0))
   order = ("rho", "amax", "pmin", "first", "leaf", "child0", "child1")
   out = pl.pallas_call(
@@ -416,6 +416,6 @@ def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c,
       interpret=interpret,
       name="fsb_beam_search",
   )(q, positions, roots, lam.astype(jnp.float32), sigma.astype(jnp.float32),
-    jnp.asarray(layer, jnp.int32).reshape(1), pad_head_dim(nodes["mu"].astype(jnp.float32)), *(nodes[name].astype(
+    layer_index, pad_head_dim(mu.astype(jnp.float32)), *(nodes[name].astype(
         jnp.float32 if name in ("rho", "amax", "pmin") else jnp.int32) for name in order))
   return out[:, :count]
