@@ -171,10 +171,9 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
   levels = len(cache.keys)
 
   def scores_of(level, index, valid):
-    if kernels:
+    if kernels:  # `index` holds NO_NODE where not valid
       (level_keys, layer), (level_bias, _) = _in_place(cache.keys[level - 1]), _in_place(cache.bias[level - 1])
-      return tree_routing.score_candidates(q, level_keys, level_bias, jnp.where(valid, index, tree_routing.NO_NODE),
-                                           layer=layer)
+      return tree_routing.score_candidates(q, level_keys, level_bias, index, layer=layer)
     level_keys, level_bias = read(cache.keys[level - 1]), read(cache.bias[level - 1])
     dtype = jnp.promote_types(q.dtype, jnp.float32)  # as the kernel: half-precision scores tie and reorder nodes
     keys = _gather_nodes(level_keys, index).astype(dtype)  # [batch, heads, K, R, d]
@@ -182,11 +181,13 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
     return jnp.max(jnp.einsum("bhd,bhkrd->bhkr", q.astype(dtype), keys, precision=PRECISION) / math.sqrt(dim)
                    + bias, -1)
 
-  def listed(index, valid):  # the kernels' lists are built at the width they tile, so that no kernel pads them
+  def listed(index, valid):
+    """The kernels' lists: NO_NODE where not valid, at the width they tile, so that no kernel pads them."""
     if not kernels:
       return index, valid
     extra = ((0, 0), (0, 0), (0, tree_routing.list_width(index.shape[-1]) - index.shape[-1]))
-    return jnp.pad(index, extra), jnp.pad(valid, extra)
+    nodes = jnp.pad(jnp.where(valid, index, tree_routing.NO_NODE), extra, constant_values=tree_routing.NO_NODE)
+    return nodes, jnp.pad(valid, extra)
 
   top = cache.keys[-1].shape[1]
   index = jnp.broadcast_to(jnp.arange(top), (batch, heads, top))
@@ -195,8 +196,7 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
   for level in range(levels, 0, -1):
     scores = scores_of(level, index, valid)
     if kernels:  # kept nodes in list order, which is node order
-      kept = tree_routing.keep_top_p(scores, jnp.where(valid, index, tree_routing.NO_NODE), p=top_p[level - 1],
-                                     max_nodes=min(max_nodes, candidates))
+      kept = tree_routing.keep_top_p(scores, index, p=top_p[level - 1], max_nodes=min(max_nodes, candidates))
       keep = kept != tree_routing.NO_NODE
       kept = jnp.maximum(kept, 0)
     else:
