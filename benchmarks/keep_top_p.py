@@ -1,7 +1,7 @@
-"""ZHA's capped top-p selection kernel (`pallas_kernels.tree_routing.keep_top_p`) by list width, warps per program
-and threshold bits per step.
+"""ZHA's capped top-p selection kernel (`pallas_kernels.tree_routing.keep_top_p`) by list width and warps per
+program.
 
-    python benchmarks/keep_top_p.py [--widths 1024,4096,16384] [--warps 4,8,16] [--bits 1,2,4] [--heads 16]
+    python benchmarks/keep_top_p.py [--widths 1024,4096,16384] [--warps 4,8,16] [--heads 16]
 
 Batch 1, one program per head, p = 0.9 and max_nodes = 64 over random scores (the top level of R1-C8-L2 holds
 4,096 nodes at 256k tokens; a level below, 519 candidates in a list 1,024 wide). The time is the kernel's own,
@@ -33,28 +33,25 @@ def main():
   ints = lambda text: [int(n) for n in text.split(",")]
   parser.add_argument("--widths", type=ints, default=[1024, 4096, 16384])
   parser.add_argument("--warps", type=ints, default=[4, 8, 16])
-  parser.add_argument("--bits", type=ints, default=[1, 2, 4])
   parser.add_argument("--heads", type=int, default=16)
   args = parser.parse_args()
   rng = np.random.default_rng(0)
   print(f"{jax.devices()[0].device_kind}, {args.heads} heads, p 0.9, max_nodes 64, kernel µs per call")
-  print("| width | " + " | ".join(f"{w} warps, {b} bits" for w in args.warps for b in args.bits) + " |")
-  print("|---|" + "---|" * (len(args.warps) * len(args.bits)))
+  print("| width | " + " | ".join(f"{w} warps" for w in args.warps) + " |")
+  print("|---|" + "---|" * len(args.warps))
   for width in args.widths:
     scores = jnp.asarray(rng.standard_normal((1, args.heads, width)) * 2, jnp.float32)
     index = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), scores.shape)
     expected, cells = None, []
     for warps in args.warps:
-      for bits in args.bits:
-        fn = lambda w=warps, b=bits: tree_routing.keep_top_p(scores, index, p=0.9, max_nodes=64, num_warps=w,
-                                                             bits_per_step=b)
-        kept = np.asarray(fn())
-        expected = kept if expected is None else expected
-        if not np.array_equal(kept, expected):
-          cells.append("differs")
-          continue
-        us = kernel_us(fn)
-        cells.append("–" if us is None else f"{us:.1f}")
+      fn = lambda w=warps: tree_routing.keep_top_p(scores, index, p=0.9, max_nodes=64, num_warps=w)
+      kept = np.asarray(fn())
+      expected = kept if expected is None else expected
+      if not np.array_equal(kept, expected):
+        cells.append("differs")
+        continue
+      us = kernel_us(fn)
+      cells.append("–" if us is None else f"{us:.1f}")
     print(f"| {width:,} | " + " | ".join(cells) + " |", flush=True)
 
 

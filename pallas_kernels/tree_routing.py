@@ -127,16 +127,14 @@ def _sortable(scores):
   return jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
 
 
-def _keep_top_kernel(scores_ref, index_ref, out_ref, *, p, max_nodes, bits_per_step):
+def _keep_top_kernel(scores_ref, index_ref, out_ref, *, p, max_nodes):
   """One (batch, head): scores_ref `[K]` (−inf: no candidate), index_ref `[K]` → out_ref `[K]`, the kept
   candidates' nodes in list order, then NO_NODE.
 
   Ranked by (score desc, list position asc), candidate r is kept when r < max_nodes and the mass ranked above it
   is < p·total (`fsjax.cache.zha._keep_top`). Both sides of that test only grow down the ranking, so the kept
   set is every candidate above a threshold score T plus the first few candidates tied at T. T is the lowest key
-  at which the candidates above it do not yet fill the cap or the mass. It is found from the top bit down,
-  `bits_per_step` at a time: a step tests the 2^b − 1 values of its next b bits at once (rows of one reduction),
-  so b = 2 halves the dependent steps for three times the comparisons."""
+  at which the candidates above it do not yet fill the cap or the mass; it is found bit by bit."""
   scores = scores_ref[...]
   index = index_ref[...]
   valid = scores > -jnp.inf
@@ -146,28 +144,21 @@ def _keep_top_kernel(scores_ref, index_ref, out_ref, *, p, max_nodes, bits_per_s
   key = _sortable(scores)
   low = jnp.iinfo(jnp.int32).min
 
-  def counted_above(threshold):  # threshold `[rows, 1]` → counts and masses `[rows]`
-    above = valid[None, :] & (key[None, :] > threshold)
-    if p < 1:
-      mass = jnp.sum(jnp.where(above, weights[None, :], 0.0), axis=1)
-    else:  # the cap alone
-      mass = jnp.zeros(threshold.shape[:1], jnp.float32)
-    return jnp.sum(above.astype(jnp.int32), axis=1), mass
+  def counted_above(threshold):
+    above = valid & (key > threshold)
+    mass = jnp.sum(jnp.where(above, weights, 0.0)) if p < 1 else jnp.float32(0.0)  # p = 1: the cap alone
+    return jnp.sum(above.astype(jnp.int32)), mass
 
-  # Step values d = 1 … 2^b − 1 of the next b bits, as many rows as a power of two allows (b > 1 adds one row,
-  # d = 2^b, which is masked: Triton tiles have power-of-two shapes).
-  values = jnp.arange(1, 2**bits_per_step + (bits_per_step > 1), dtype=jnp.int32)
-  real = values < 2**bits_per_step
+  def filled(threshold):
+    count, mass = counted_above(threshold)
+    return (count >= max_nodes) | (mass >= target)
 
-  def step(j, last_filled):  # the highest key that still fills, in unsigned order, built from the top bits down
-    shift = 32 - bits_per_step * (j + 1)
-    trial = last_filled | (values << shift)
-    count, mass = counted_above((trial ^ low)[:, None])
-    filled = ((count >= max_nodes) | (mass >= target)) & real  # true for d up to the digit: monotone in d
-    return last_filled | (jnp.sum(filled.astype(jnp.int32)) << shift)
+  def bit(b, last_filled):  # the highest key that still fills, built from the top bit down (unsigned order)
+    trial = last_filled | jax.lax.shift_left(jnp.int32(1), 31 - b)
+    return jnp.where(filled(trial ^ low), trial, last_filled)
 
-  threshold = (jax.lax.fori_loop(0, 32 // bits_per_step, step, jnp.int32(0)) ^ low) + 1
-  count, mass = (jnp.sum(x) for x in counted_above(jnp.full((1, 1), threshold)))  # one row; `x[0]` is a slice
+  threshold = (jax.lax.fori_loop(0, 32, bit, jnp.int32(0)) ^ low) + 1
+  count, mass = counted_above(threshold)
   tied = valid & (key == threshold)
   tie_weight = jnp.max(jnp.where(tied, weights, 0.0))
   tie_rank = (jnp.cumsum(tied.astype(jnp.int32)) - tied).astype(jnp.float32)
@@ -179,8 +170,8 @@ def _keep_top_kernel(scores_ref, index_ref, out_ref, *, p, max_nodes, bits_per_s
   out_ref[dest] = jnp.where(kept, index, NO_NODE)
 
 
-@functools.partial(jax.jit, static_argnames=("p", "max_nodes", "num_warps", "bits_per_step", "interpret"))
-def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, bits_per_step=1, interpret=None):
+@functools.partial(jax.jit, static_argnames=("p", "max_nodes", "num_warps", "interpret"))
+def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, interpret=None):
   """Capped top-p selection over candidate lists: the nodes `fsjax.cache.zha._keep_top` keeps, in list order.
 
   Args:
@@ -189,7 +180,6 @@ def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, bits_per_step=1, 
     p: the level's top-p threshold in (0, 1]; max_nodes: the cap.
     num_warps: warps per (batch, head) program (default: one per 512 candidates, 4 to 8; the H200 sweep is in
       docs/notes.md, ZHA).
-    bits_per_step: threshold bits the search decides per dependent step, 1, 2, 4 or 8 (same result).
 
   Returns:
     `[batch, heads, min(max_nodes, K)]` int32 kept nodes in list order, then NO_NODE. Ties rank the earlier
@@ -202,13 +192,11 @@ def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, bits_per_step=1, 
     raise ValueError(f"p must be in (0, 1], got {p}")
   if max_nodes < 1:
     raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
-  if bits_per_step not in (1, 2, 4, 8):
-    raise ValueError(f"bits_per_step must be 1, 2, 4 or 8, got {bits_per_step}")
   if count == 0:
     return index
   width = pl.next_power_of_2(count)
   kept = pl.pallas_call(
-      functools.partial(_keep_top_kernel, p=p, max_nodes=max_nodes, bits_per_step=bits_per_step),
+      functools.partial(_keep_top_kernel, p=p, max_nodes=max_nodes),
       grid=(batch, heads),
       in_specs=[pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0))] * 2,
       out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),

@@ -87,20 +87,15 @@ def _kept_by_walking(scores, index, p, max_nodes):
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
-@pytest.mark.parametrize("count,p,max_nodes,bits_per_step", [
-    (37, 0.9, 64, 1),  # top-p binds, the cap is wider than the list
-    (300, 1.0, 16, 1),  # the cap alone
-    (519, 0.6, 64, 1),  # a lower level's list at C=8
-    (4096, 0.9, 64, 1),  # a top level at 256k tokens, C=8, L=2
-    (300, 1.0, 16, 2),
-    (519, 0.6, 64, 2),
-    (519, 0.6, 64, 4),
-    (37, 0.9, 64, 8),
+@pytest.mark.parametrize("count,p,max_nodes", [
+    (37, 0.9, 64),  # top-p binds, the cap is wider than the list
+    (300, 1.0, 16),  # the cap alone
+    (519, 0.6, 64),  # a lower level's list at C=8
+    (4096, 0.9, 64),  # a top level at 256k tokens, C=8, L=2
 ])
-def test_keep_top_p(rng, interpret, count, p, max_nodes, bits_per_step):
-  """The kernel keeps the brute-force walk's nodes, in list order, however many threshold bits a step decides:
-  scores of both signs and many scales, exact ties (drawn from a few values in one row, whose rare top value
-  leaves the cap inside the next tie), missing candidates, a row with none at all."""
+def test_keep_top_p(rng, interpret, count, p, max_nodes):
+  """The kernel keeps the brute-force walk's nodes, in list order: scores of both signs and many scales, exact
+  ties (drawn from a few values in one row, whose rare top value leaves the cap inside the next tie), missing candidates, a row with none at all."""
   batch, heads = 2, 3
   scores = rng.standard_normal((batch, heads, count)) * rng.choice([0.3, 3.0, 30.0], (batch, heads, 1))
   scores[0, 1] = rng.choice([-1.5, 0.25, 2.0, 5.0], count, p=[0.3, 0.3, 0.35, 0.05])  # the cap falls in a tie
@@ -109,7 +104,7 @@ def test_keep_top_p(rng, interpret, count, p, max_nodes, bits_per_step):
   scores = scores.astype(np.float32)
   index = rng.permutation(10 * count)[:count].astype(np.int32) + np.zeros((batch, heads, 1), np.int32)
   kept = np.asarray(tree_routing.keep_top_p(jnp.asarray(scores), jnp.asarray(index), p=p, max_nodes=max_nodes,
-                                            bits_per_step=bits_per_step, interpret=interpret))
+                                            interpret=interpret))
   for b in range(batch):
     for h in range(heads):
       np.testing.assert_array_equal(kept[b, h], _kept_by_walking(scores[b, h], index[b, h], p, max_nodes),
@@ -117,14 +112,11 @@ def test_keep_top_p(rng, interpret, count, p, max_nodes, bits_per_step):
   assert np.all(kept[1, 2] == tree_routing.NO_NODE) and np.any(kept[0, 1] >= 0)
 
 
-def test_keep_top_p_rejects_bad_settings():
+def test_keep_top_p_rejects_a_threshold_outside_0_1_and_an_empty_cap():
   with pytest.raises(ValueError, match=r"p must be in \(0, 1\], got 1.5"):
     tree_routing.keep_top_p(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1, 4), jnp.int32), p=1.5, max_nodes=2)
   with pytest.raises(ValueError, match="max_nodes must be >= 1, got 0"):
     tree_routing.keep_top_p(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1, 4), jnp.int32), p=0.5, max_nodes=0)
-  with pytest.raises(ValueError, match="bits_per_step must be 1, 2, 4 or 8, got 3"):
-    tree_routing.keep_top_p(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1, 4), jnp.int32), p=0.5, max_nodes=2,
-                            bits_per_step=3)
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())

@@ -35,9 +35,8 @@ def test_zha_scoring_and_selection_lower():
   _lowers_for_cuda(lambda q, k, b, i, layer: tree_routing.score_candidates(q, k, b, i, layer=layer, interpret=False),
                    q, shape((3, 1, 12, 2, 4, 64), bf16), shape((3, 1, 12, 2, 4), bf16), index, shape((), i32),
                    kernels=["zha_score_candidates"])
-  for width, bits in ((16, 1), (4096, 1), (1024, 2), (1024, 4)):
-    _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=0.9, max_nodes=8, bits_per_step=bits,
-                                                          interpret=False),
+  for width in (16, 4096):
+    _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=0.9, max_nodes=8, interpret=False),
                      shape((1, 2, width), f32), shape((1, 2, width), i32), kernels=["zha_keep_top_p"])
   _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=1.0, max_nodes=8, interpret=False),
                    shape((1, 2, 64), f32), shape((1, 2, 64), i32), kernels=["zha_keep_top_p"])
