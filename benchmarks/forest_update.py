@@ -1,27 +1,32 @@
 """FS-B forest update per block: the streaming forest cache's `advance` by one block, at growing cell counts.
 
     python benchmarks/forest_update.py [--lengths 16384,65536,131072,262144] [--blocks 256] [--heads 16]
-        [--head-dim 64] [--cell 32] [--block 128] [--looped-from 6] [--update-only] [--hlo-dir DIR]
+        [--head-dim 64] [--cell 32] [--block 128] [--looped-from 6] [--admission aligned|median] [--update-only]
+        [--profile] [--hlo-dir DIR]
 
 One layer, batch 1, `length` a power of two: an archive of `length + blocks·block` random bf16 keys; both forests
-(τ = the median cell norm, so forest τ admits about half) advanced to the cells eligible at `length` tokens, where
-forest 0 holds M = length / cell cells, a power of two, so every length starts its window at the same point of the
-binary counter; then `blocks` consecutive block admissions run in one jitted loop and the time per block is their
-mean (the same chunk levels are built in every length's window). The rare builds beyond the window are timed
-alone: one build of a level for every head of both forests (`--looped-from` levels up use `looped_leaf_order`),
-at level 2 (built about every block) and at the forest's top level (built once per M / (block / cell) blocks), so
-the amortized cost of the largest chunk is top-level ms ÷ that count. The same loop through the prefill
-formulation would rebuild every chunk tree at every block; its time is printed beside it
-(`fsb_select_from_summaries` for one query, the archive path's cost per block boundary and per token), and the
-beam search of one decode query over forest 0 in XLA and in the Pallas kernel (on a GPU). Target (FS-B issue):
-time per block flat in M (±20% from 16k to 128k). The block loop is timed as one synced call per `--blocks`; the
-single builds, the rebuild and the beam search as calls queued back to back (`timing.queued_ms`), since a synced
-call of a sub-millisecond program carries the host round trip (~0.1 ms on the H200).
+advanced to the cells eligible at `length` tokens, where forest 0 holds M = length / cell cells, a power of two;
+then `blocks` consecutive block admissions run in one jitted loop and the time per block is their mean. The
+update's cost depends only on which chunk levels each block builds, and so on the forests' counts: forest 0's
+window crosses the same carries at every length, and with `--admission aligned` (the default) so does forest τ's,
+whose admissions are drawn (about half, the heads' counters out of step by the same offsets at every length; see
+`filled_cache`). With `--admission median` (τ = the median cell norm, as before 2026-12-02) each τ head starts
+near M/2 at an offset of its own draw, and a window's builds differ between lengths (19% more leaf cells at 128k
+than at 16k in one draw): time per block then mixes the cost of a build with the amount of building.
 
-Each length also prints, as an HTML comment, how many blocks of its window build each chunk level and the leaf
-cells those builds cover. Forest 0's counts cross the same carries at every length, but forest τ's (about M/2,
-each head its own) do not, and a build covers every forest head, whichever needed it: the windows' work differs
-between lengths by these counts, not by the update's cost per build alone.
+The rare builds beyond the window are timed alone: one build of a level for every head of both forests
+(`--looped-from` levels up use `looped_leaf_order`), at level 2 (built about every block) and at the forest's top
+level (built once per M / (block / cell) blocks), so the amortized cost of the largest chunk is top-level ms ÷ that
+count. The same loop through the prefill formulation would rebuild every chunk tree at every block; its time is
+printed beside it (`fsb_select_from_summaries` for one query, the archive path's cost per block boundary and per
+token), and the beam search of one decode query over forest 0 in XLA and in the Pallas kernel (on a GPU). Target
+(FS-B issue): time per block flat in M (±20% from 16k to 128k). The block loop is timed as one synced call per
+`--blocks`; the single builds, the rebuild and the beam search as calls queued back to back (`timing.queued_ms`),
+since a synced call of a sub-millisecond program carries the host round trip (~0.1 ms on the H200).
+
+Each length also prints, as an HTML comment, how many blocks of its window build each chunk level, the leaf cells
+those builds cover (each build covers every forest head, whichever needed it) and the forest-τ heads' counts at
+the window's start.
 """
 
 import argparse
@@ -35,16 +40,38 @@ import numpy as np
 from fsjax.cache import archive as archive_lib
 from fsjax.cache import forest as forest_cache
 from fsjax.ops import forest as ops_forest
-from timing import median_ms, queued_ms
+from timing import median_ms, queued_ms, traced_kernels
 
 
-def filled_cache(capacity, heads, dim, cell, key):
+def filled_cache(start_cells, window_cells, heads, dim, cell, key, admission):
+  """An archive of `start_cells + window_cells` cells of random bf16 keys and forest τ's threshold `[heads]`.
+
+  admission "aligned": which cells forest τ admits is drawn, not left to the keys: in the prefix, exactly
+  start_cells/2 + δ_h cells of head h (δ_h in [64, 128) fixed across lengths, so the heads' counters are not in
+  step), in the window one fixed Bernoulli(1/2) draw shared by every length. Keys of admitted cells are scaled
+  by 2 and the others by 1/2, and τ is set between the two groups' max norms. Since the update's cost depends on
+  the counts alone (fixed shapes), every length's window then holds the same chunk builds. "median": τ is the
+  median cell norm of unscaled keys (each length's carries fall where its draw puts them)."""
+  capacity = (start_cells + window_cells) * cell
   cache = forest_cache.empty_forest_cache(1, capacity, heads, dim, cell, jnp.bfloat16)
-  k = jax.random.normal(key, (1, capacity, heads, dim), jnp.bfloat16)
+  k = jax.random.normal(key, (1, capacity, heads, dim), jnp.float32)
+  if admission == "aligned":
+    prefix_key, offset_key, window_key = jax.random.split(jax.random.PRNGKey(0), 3)
+    offsets = jax.random.randint(offset_key, (heads,), 64, 128)
+    ranks = jnp.argsort(jax.random.uniform(prefix_key, (start_cells, heads)), axis=0)
+    admitted = jnp.concatenate([ranks < start_cells // 2 + offsets,
+                                jax.random.bernoulli(window_key, 0.5, (window_cells, heads))])  # [cells, heads]
+    k = k * jnp.repeat(jnp.where(admitted, 2.0, 0.5), cell, axis=0)[None, :, :, None]
+  k = k.astype(jnp.bfloat16)
   pos = jnp.arange(capacity, dtype=jnp.int32)[None]
   archive = jax.jit(lambda a: archive_lib.extend(a, k, k, pos, jnp.ones(pos.shape, bool), cell))(cache.archive)
-  tau = jnp.median(archive.max_norms[0].astype(jnp.float32), axis=0)
-  return cache.replace(archive=archive), tau
+  norms = archive.max_norms[0].astype(jnp.float32)  # [cells, heads]
+  if admission == "median":
+    return cache.replace(archive=archive), jnp.median(norms, axis=0)
+  low, high = jnp.max(jnp.where(admitted, -jnp.inf, norms), 0), jnp.min(jnp.where(admitted, norms, jnp.inf), 0)
+  if not bool(jnp.all(low < high)):
+    raise AssertionError("admitted and refused cells' max norms overlap: the scales do not separate them")
+  return cache.replace(archive=archive), (low + high) / 2
 
 
 def write_hlo(text, nodes, directory, name):
@@ -62,7 +89,8 @@ def write_hlo(text, nodes, directory, name):
 
 def window_builds(archive, tau, start_cells, blocks, per_block):
   """The chunk-level builds inside the timed window, as `advance` runs them (one build of a level per block in
-  which any forest head needs it, batched over all heads): ({level: blocks building it}, leaf cells built). Forest
+  which any forest head needs it, batched over all heads): ({level: blocks building it}, leaf cells built, the
+  least and most cells a forest-τ head holds at the window's start). Forest
   0 admits every cell, forest τ the cells whose max key norm is ≥ τ (Eq. 10)."""
   norms = np.asarray(archive.max_norms[0], np.float32)  # [cells, heads]
   cells = start_cells + per_block * np.arange(blocks + 1)  # cells admitted before each block, and after the last
@@ -71,7 +99,9 @@ def window_builds(archive, tau, start_cells, blocks, per_block):
   levels = forest_cache.num_levels(norms.shape[0])
   changed = np.asarray(forest_cache.changed_levels(jnp.asarray(counts[:-1]), jnp.asarray(counts[1:]), levels))
   per_level = changed.any(axis=1).sum(axis=0)  # [levels]: blocks in which some head builds level k
-  return {k: int(n) for k, n in enumerate(per_level) if n}, int(sum(n << k for k, n in enumerate(per_level)))
+  built = {k: int(n) for k, n in enumerate(per_level) if n}
+  return built, int(sum(n << k for k, n in enumerate(per_level))), (int(above[start_cells].min()),
+                                                                    int(above[start_cells].max()))
 
 
 def main():
@@ -86,6 +116,11 @@ def main():
                       help="first chunk level built by looped_leaf_order (above the top level: all unrolled)")
   parser.add_argument("--hlo-dir", help="write each length's compiled block loop (HLO text) here, and print its "
                       "count of copies of node-table-shaped arrays")
+  parser.add_argument("--admission", choices=("aligned", "median"), default="aligned",
+                      help="aligned: forest τ admits the same cells in every length's window (see filled_cache); "
+                      "median: τ is the median cell norm")
+  parser.add_argument("--profile", action="store_true",
+                      help="print the device kernels of the block loop that take the most time per block")
   parser.add_argument("--update-only", action="store_true",
                       help="time the block loop only (the other columns compile for minutes at 128k)")
   args = parser.parse_args()
@@ -94,7 +129,8 @@ def main():
     if length & (length - 1) or length < args.cell:
       parser.error(f"--lengths must be powers of two >= --cell, got {length}")
   print(f"{jax.devices()[0].device_kind}, one layer, {args.heads} heads x {args.head_dim}, cell {args.cell}, "
-        f"block {args.block}, mean over {args.blocks} blocks, levels from {args.looped_from} looped")
+        f"block {args.block}, mean over {args.blocks} blocks, levels from {args.looped_from} looped, "
+        f"{args.admission} forest-τ admissions")
   kernels = jax.default_backend() == "gpu"
   print(f"| length | cells M | update ms/block | vs first length | level-2 build ms | top-level build ms "
         f"(every M/{per_block} blocks) | prefill-formulation rebuild ms | beam search ms (XLA) | "
@@ -102,9 +138,9 @@ def main():
   print("|---|---|---|---|---|---|---|---|---|", flush=True)
   first = None
   for length in args.lengths:
-    cache, tau = filled_cache(length + args.blocks * args.block, args.heads, args.head_dim, args.cell,
-                              jax.random.PRNGKey(length))
     start_cells = length // args.cell
+    cache, tau = filled_cache(start_cells, args.blocks * per_block, args.heads, args.head_dim, args.cell,
+                              jax.random.PRNGKey(length), args.admission)
     advance = lambda c, target: forest_cache.advance(c, jnp.full((1,), target, jnp.int32), tau, cell=args.cell,
                                                      block=args.block, looped_from=args.looped_from)
     cache = jax.jit(advance, static_argnums=1)(cache, start_cells)
@@ -118,10 +154,13 @@ def main():
       print(f"<!-- {length:,}: {table_copies} copy instructions of node-table-shaped arrays in the compiled block "
             f"loop's body (static count) -->", flush=True)
     update_ms = median_ms(blocks, cache, repeats=5) / args.blocks
-    built, leaf_cells = window_builds(cache.archive, tau, start_cells, args.blocks, per_block)
+    built, leaf_cells, (least, most) = window_builds(cache.archive, tau, start_cells, args.blocks, per_block)
     print(f"<!-- {length:,}: blocks building each level in the window {built}, {leaf_cells:,} leaf cells built "
-          f"(each build covers every forest head) -->", flush=True)
+          f"(each build covers every forest head); forest τ heads start at {least:,}-{most:,} cells -->", flush=True)
     first = first or update_ms
+    if args.profile:
+      for name, ms, launches in traced_kernels(lambda: blocks(cache), args.blocks, count=30):
+        print(f"<!-- {length:,}: {1e3 * ms:8.1f} µs {launches:6.2f} launches per block  {name[:90]} -->")
     if args.update_only:
       print(f"| {length:,} | {start_cells:,} | {update_ms:.3f} | {update_ms / first:.2f}x |{' – |' * 5}", flush=True)
       continue
