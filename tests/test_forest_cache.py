@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from fsjax.cache import archive as archive_lib
+from fsjax.cache import layer_of, write_back
 from fsjax.cache import forest as forest_cache
 from fsjax.ops import forest as ops_forest
 
@@ -93,6 +94,30 @@ def _assert_untouched_levels_kept(before, after):
     for name, value in after.nodes.items():
       kept_before = np.asarray(before.nodes[name][:, :, where])[keep]
       np.testing.assert_array_equal(np.asarray(value[:, :, where])[keep], kept_before)
+
+
+def test_advancing_a_layer_of_a_stacked_cache_writes_that_layer_as_the_plain_cache_would(rng):
+  """A scanned model advances its layer's forests through views into the stacked cache (`fsjax.cache.layer_of`):
+  with every level built per changed (row, head) and scattered into the stack, the layer ends as the unstacked
+  cache's advance leaves it and the other layer is untouched."""
+  with jax.enable_x64(True):
+    cache, tau = _filled_cache(rng, 160)
+    other, _ = _filled_cache(rng, 160)
+    advance = lambda c, t: forest_cache.advance(c, t, tau, cell=CELL, block=BLOCK, looped_from=1)
+    target = jnp.array([40, 36])
+    other = jax.jit(advance)(other, jnp.array([20, 28]))  # forests of its own, so that a stray write shows
+    stacked = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), other, cache)
+
+    @jax.jit
+    def advance_layer_1(stacked):
+      view = layer_of(stacked, jnp.int32(1))
+      return write_back(stacked, advance(view, target), jnp.int32(1))
+
+    expected = jax.jit(advance)(cache, target)
+    for got, want, kept in zip(jax.tree_util.tree_leaves(advance_layer_1(stacked)),
+                               jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(other)):
+      np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want))
+      np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(kept))
 
 
 def test_looped_leaf_order_equals_the_reference_splits_including_ties(rng):
