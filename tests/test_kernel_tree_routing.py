@@ -95,7 +95,8 @@ def _kept_by_walking(scores, index, p, max_nodes):
 ])
 def test_keep_top_p(rng, interpret, count, p, max_nodes):
   """The kernel keeps the brute-force walk's nodes, in list order: scores of both signs and many scales, exact
-  ties (drawn from a few values in one row, whose rare top value leaves the cap inside the next tie), missing candidates, a row with none at all."""
+  ties (drawn from a few values in one row, whose rare top value leaves the cap inside the next tie), missing
+  candidates, a row with none at all."""
   batch, heads = 2, 3
   scores = rng.standard_normal((batch, heads, count)) * rng.choice([0.3, 3.0, 30.0], (batch, heads, 1))
   scores[0, 1] = rng.choice([-1.5, 0.25, 2.0, 5.0], count, p=[0.3, 0.3, 0.35, 0.05])  # the cap falls in a tie

@@ -12,8 +12,8 @@ Per block, a forest admits at most `block // cell` cells. A small level that cha
 conditional, for every (row, head) at once (masked), on operands the size of that level's tree; a level from
 `LOOPED_FROM` up builds only the (row, head) pairs whose chunk changed and scatters only those, so the large levels
 that no head changed move no node table bytes. That is about one tree build per block whatever M (amortized), of
-log₂ M cells per admitted cell on average, where the archive path rebuilds every forest
-at every step (`fsjax.ops.forest.fsb_select_from_summaries`, the prefill formulation). Both forests of every head
+log₂ M cells per admitted cell on average, where the archive path rebuilds every forest at every step
+(`fsjax.ops.forest.fsb_select_from_summaries`, the prefill formulation). Both forests of every head
 live in one table of `2·heads` entries, so one update and one search serve both. A `vmap` over heads would turn a
 data-dependent conditional into a select that evaluates both branches, so the cache is written batched over
 (row, head) by hand.
@@ -275,7 +275,7 @@ def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FR
       # Built once per 2^k admissions of a head, each head on its own. Only the changed pairs' trees are built
       # and written (the others' rows are out of range and dropped), so a level no head changed costs the
       # while loop's test and no copy: passing the level's slice through a conditional would read and write
-      # it in and out at every block, O(M) bytes per block in all (the top levels' copies were most of the
+      # it in and out at every block, O(M) bytes per block in all (the top levels' copies were much of the
       # update's growth from 16k to 128k on an H200, docs/notes.md, FS-B).
       rows = jnp.where(changed[..., k], jnp.arange(batch)[:, None], batch)
       pair_heads = jnp.broadcast_to(jnp.arange(heads), (batch, heads))
