@@ -269,7 +269,7 @@ def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FR
   changed = changed_levels(count, new_count, levels)
   forest = forest.replace(arrivals=arrivals, count=scatter(forest.count, (Ellipsis,), new_count))
   nodes = dict(forest.nodes)
-  batch, heads = count.shape
+  pair_rows, pair_heads = rows[..., 0], heads[..., 0]  # [batch, 1], [1, heads]: index every (row, head) pair
   for k in range(levels):
     if k >= looped_from:
       # Built once per 2^k admissions of a head, each head on its own. Only the changed pairs' trees are built
@@ -277,10 +277,9 @@ def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FR
       # while loop's test and no copy: passing the level's slice through a conditional would read and write
       # it in and out at every block, O(M) bytes per block in all (the top levels' copies were much of the
       # update's growth from 16k to 128k on an H200, docs/notes.md, FS-B).
-      rows = jnp.where(changed[..., k], jnp.arange(batch)[:, None], batch)
-      pair_heads = jnp.broadcast_to(jnp.arange(heads), (batch, heads))
+      written = jnp.where(changed[..., k], pair_rows, count.shape[0])  # unchanged pairs: out of range
       new = _changed_trees(forest, archive, changed, k, cell=cell)
-      nodes.update({name: scatter(nodes[name], (rows, pair_heads, level_slice(k)), value, mode="drop")
+      nodes.update({name: scatter(nodes[name], (written, pair_heads, level_slice(k)), value, mode="drop")
                     for name, value in new.items()})
       continue
     # Small levels change in most heads at most blocks: one conditional per level, building all heads at once
