@@ -98,8 +98,8 @@ def _assert_untouched_levels_kept(before, after):
 
 def test_advancing_a_layer_of_a_stacked_cache_writes_that_layer_as_the_plain_cache_would(rng):
   """A scanned model advances its layer's forests through views into the stacked cache (`fsjax.cache.layer_of`):
-  with every level built per changed (row, head) and scattered into the stack, the layer ends as the unstacked
-  cache's advance leaves it and the other layer is untouched."""
+  with every level built per changed (row, head) inside its conditional and written into the stack, the layer ends
+  as the unstacked cache's advance leaves it and the other layer is untouched."""
   with jax.enable_x64(True):
     cache, tau = _filled_cache(rng, 160)
     other, _ = _filled_cache(rng, 160)

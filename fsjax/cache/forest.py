@@ -8,12 +8,10 @@ where it is. Each level k owns fixed storage for one perfect tree of 2^k leaves 
 preallocated node table per (batch row, head) — level k at `level_offset(k)`, the join nodes (Eq. 21, recomputed
 on every admission) at the end — and no admission reallocates, repacks or rereads the rest of it.
 
-Per block, a forest admits at most `block // cell` cells. A small level that changes is built in its own
-conditional, for every (row, head) at once (masked), on operands the size of that level's tree; a level from
-`LOOPED_FROM` up builds only the (row, head) pairs whose chunk changed and scatters only those, so the large levels
-that no head changed move no node table bytes. That is about one tree build per block whatever M (amortized), of
-log₂ M cells per admitted cell on average, where the archive path rebuilds every forest at every step
-(`fsjax.ops.forest.fsb_select_from_summaries`, the prefill formulation). Both forests of every head
+Per block, a forest admits at most `block // cell` cells; each level that changes is built in its own conditional,
+for every (row, head) at once (masked), on operands the size of that level's tree: about one tree build per block
+whatever M (amortized), of log₂ M cells per admitted cell on average, where the archive path rebuilds every forest
+at every step (`fsjax.ops.forest.fsb_select_from_summaries`, the prefill formulation). Both forests of every head
 live in one table of `2·heads` entries, so one update and one search serve both. A `vmap` over heads would turn a
 data-dependent conditional into a select that evaluates both branches, so the cache is written batched over
 (row, head) by hand.
@@ -203,26 +201,23 @@ def level_trees(forest: Forest, archive, k, rows=None, heads=None, *, cell, loop
           for name, tree in trees.items()}
 
 
-def _changed_trees(forest: Forest, archive, changed, k, *, cell):
-  """The trees of level k for every (row, head) where `changed[..., k]` is set, `SLOTS` pairs at a time (a
-  forest-τ carry needs one head's tree, where a build batched over every head, masked, would build 2·heads of
-  them): node fields `[batch, heads, 2^(k+1) − 1(, d)]` in an uninitialized buffer, so only the changed pairs'
-  entries are defined. No pair changed: no build, and no bytes written."""
+def _changed_trees(old, forest: Forest, archive, changed, k, *, cell):
+  """Level k's node fields `old` (`[batch, heads, 2^(k+1) − 1(, d)]`) with the tree of every (row, head) where
+  `changed[..., k]` is set rebuilt (looped leaf order), `SLOTS` pairs at a time: a forest-τ head's carry needs
+  one head's tree, where a build batched over every head (masked) would build 2·heads of them."""
   pending = changed[..., k].reshape(-1)
   num_heads = changed.shape[1]
-  fresh = {name: jax.lax.empty((*changed.shape[:2], 2 ** (k + 1) - 1, *forest.nodes[name].shape[3:]),
-                               forest.nodes[name].dtype) for name in ops_forest.TREE_FIELDS}
 
   def build_some(state):
-    trees, pending = state
+    old, pending = state
     pair = jnp.argsort(~pending, stable=True)[:SLOTS].astype(jnp.int32)  # the first pending pairs
     rows, heads = pair // num_heads, pair % num_heads
-    built = level_trees(forest, archive, k, rows, heads, cell=cell, looped=True)
+    trees = level_trees(forest, archive, k, rows, heads, cell=cell, looped=True)
     rows = jnp.where(pending[pair], rows, changed.shape[0])  # slots past the pending pairs write nothing
-    trees = {name: value.at[rows, heads].set(built[name], mode="drop") for name, value in trees.items()}
-    return trees, pending.at[pair].set(False)
+    old = {name: value.at[rows, heads].set(trees[name], mode="drop") for name, value in old.items()}
+    return old, pending.at[pair].set(False)
 
-  return jax.lax.while_loop(lambda state: jnp.any(state[1]), build_some, (fresh, pending))[0]
+  return jax.lax.while_loop(lambda state: jnp.any(state[1]), build_some, (old, pending))[0]
 
 
 def _rejoin(forest: Forest):
@@ -269,27 +264,19 @@ def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FR
   changed = changed_levels(count, new_count, levels)
   forest = forest.replace(arrivals=arrivals, count=scatter(forest.count, (Ellipsis,), new_count))
   nodes = dict(forest.nodes)
-  pair_rows, pair_heads = rows[..., 0], heads[..., 0]  # [batch, 1], [1, heads]: index every (row, head) pair
   for k in range(levels):
-    if k >= looped_from:
-      # Built once per 2^k admissions of a head, each head on its own. Only the changed pairs' trees are built
-      # and written (the others' rows are out of range and dropped), so a level no head changed costs the
-      # while loop's test and no copy: passing the level's slice through a conditional would read and write
-      # it in and out at every block, O(M) bytes per block in all (the top levels' copies were much of the
-      # update's growth from 16k to 128k on an H200, docs/notes.md, FS-B).
-      written = jnp.where(changed[..., k], pair_rows, count.shape[0])  # unchanged pairs: out of range
-      new = _changed_trees(forest, archive, changed, k, cell=cell)
-      nodes.update({name: scatter(nodes[name], (written, pair_heads, level_slice(k)), value, mode="drop")
-                    for name, value in new.items()})
-      continue
-    # Small levels change in most heads at most blocks: one conditional per level, building all heads at once
-    # (masked), on level-k-sized operands, the slice written back outside it (a conditional or a switch over
-    # levels that returned the whole node table would copy the table, O(M), at every build).
+    # One conditional per level, on level-k-sized operands, and the slice written back outside it: a conditional
+    # (or a switch over levels) that returned the whole node table would copy the table, O(M), at every build.
+    # Reading each slice out and writing it back costs O(M) bytes per block (the update's growth from 16k to 128k,
+    # ~1.25×); scattering only the changed pairs' trees into the stack instead made the update flat but slowed the
+    # scanned 341M model's decode tenfold at 128k on an H200 (docs/notes.md, FS-B, call 37).
     where = (slice(None), slice(None), level_slice(k))
     old = {name: read(nodes[name])[where] for name in ops_forest.TREE_FIELDS}
 
     def rebuilt(old, forest=forest, k=k):
-      mask = changed[..., k]
+      if k >= looped_from:  # built once per 2^k admissions of a head, each head on its own
+        return _changed_trees(old, forest, archive, changed, k, cell=cell)
+      mask = changed[..., k]  # small levels change in most heads at most blocks: all heads at once, masked
       trees = level_trees(forest, archive, k, cell=cell, looped=False)
       return {name: jnp.where(mask.reshape(*mask.shape, *([1] * (v.ndim - 2))), trees[name], v)
               for name, v in old.items()}
