@@ -36,10 +36,10 @@ def compilable(*, chunk, refs):
   return chunk & (chunk - 1) == 0 and refs & (refs - 1) == 0
 
 
-def list_width(count, block=16):
-  """The candidate-list width `score_candidates` (`block` per program) and `keep_top_p` take without padding: a
-  power of two, at least `block`. Lists built at this width (NO_NODE after the candidates) skip the pads."""
-  return max(block, pl.next_power_of_2(count))
+def list_width(count):
+  """The candidate-list width `score_candidates` and `keep_top_p` take without padding: a power of two, at
+  least 16. Lists built at this width (NO_NODE after the candidates) skip the pads."""
+  return max(16, pl.next_power_of_2(count))
 
 
 def _power_of_two(name, value, interpret):
@@ -62,25 +62,25 @@ def _stack(array, layer, axes):
 
 def _score_kernel(q_ref, keys_ref, bias_ref, index_ref, layer_ref, out_ref, *, scale):
   """q_ref `[d]`, keys_ref `[L, N, R, d]`, bias_ref `[L, N, R]` of which layer `layer_ref[0]` is read,
-  index_ref `[BK]` → out_ref `[BK]` (−inf for NO_NODE)."""
+  index_ref `[BK]` → out_ref `[BK]` (−inf for NO_NODE). The block's nodes are read as one gather `[BK, R, d]`:
+  a loop over them made each program a chain of dependent loads (6.4 µs for 1,024 candidates on an H200)."""
   q = q_ref[...].astype(jnp.float32)
   index = index_ref[...]
-  block = index.shape[0]
   layer = layer_ref[0]
+  node = jnp.maximum(index, 0)
+  keys = keys_ref[layer, node, :, :].astype(jnp.float32)  # [BK, R, d]
+  bias = bias_ref[layer, node, :].astype(jnp.float32)  # [BK, R]
+  scores = jnp.max(jnp.sum(keys * q[None, None, :], axis=2) * scale + bias, axis=1)
+  out_ref[...] = jnp.where(index >= 0, scores, -jnp.inf)
 
-  def body(j, scores):
-    node = index_ref[j]
-    keys = keys_ref[layer, pl.ds(jnp.maximum(node, 0), 1), :, :][0].astype(jnp.float32)  # [R, d]
-    bias = bias_ref[layer, pl.ds(jnp.maximum(node, 0), 1), :][0].astype(jnp.float32)  # [R]
-    score = jnp.max(jnp.sum(keys * q[None, :], axis=1) * scale + bias)
-    score = jnp.where(node >= 0, score, -jnp.inf)
-    return jnp.where(jnp.arange(block) == j, score, scores)
 
-  out_ref[...] = jax.lax.fori_loop(0, block, body, jnp.full((block,), -jnp.inf, jnp.float32))
+# Node-key entries one scoring program gathers: large enough to hide the loads' latency, small enough to stay in
+# registers at 4 warps.
+_SCORE_ENTRIES = 8192
 
 
 @functools.partial(jax.jit, static_argnames=("block", "interpret"))
-def score_candidates(q, node_keys, node_bias, index, *, layer=None, block=16, interpret=None):
+def score_candidates(q, node_keys, node_bias, index, *, layer=None, block=None, interpret=None):
   """`max_r (q·k̂_r/√d + b̂_r)` of listed nodes (ZHA III-A).
 
   Args:
@@ -89,7 +89,8 @@ def score_candidates(q, node_keys, node_bias, index, *, layer=None, block=16, in
     index: `[batch, heads, K]` int32 node indices, NO_NODE for none.
     layer: None, or an int32 scalar when `node_keys` and `node_bias` are a scanned model's stacks
       `[layers, batch, ...]`: the kernel reads that layer where it lies.
-    block: candidates per program.
+    block: candidates per program, a power of two (default: `_SCORE_ENTRIES` node-key entries, at most the
+      list's power-of-two width, so a list of `list_width` is not padded).
 
   Returns:
     `[batch, heads, K]` float32 scores, −inf for NO_NODE.
@@ -100,20 +101,23 @@ def score_candidates(q, node_keys, node_bias, index, *, layer=None, block=16, in
   layers, _, nodes, _, refs, _ = node_keys.shape
   _power_of_two("refs", refs, interpret)
   count = index.shape[-1]
+  width = pl.next_power_of_2(dim)
+  if block is None:
+    block = min(max(1, _SCORE_ENTRIES // (refs * width)), pl.next_power_of_2(count))
+  _power_of_two("block", block, interpret)
   padded = -(-count // block) * block
   index = pad_axis(index.astype(jnp.int32), 2, padded, NO_NODE)
   scores = pl.pallas_call(
       functools.partial(_score_kernel, scale=1.0 / math.sqrt(dim)),
       grid=(batch, heads, padded // block),
-      in_specs=[pl.BlockSpec((None, None, pl.next_power_of_2(dim)), lambda b, h, c: (b, h, 0)),
-                pl.BlockSpec((layers, None, nodes, None, refs, pl.next_power_of_2(dim)),
-                             lambda b, h, c: (0, b, 0, h, 0, 0)),
+      in_specs=[pl.BlockSpec((None, None, width), lambda b, h, c: (b, h, 0)),
+                pl.BlockSpec((layers, None, nodes, None, refs, width), lambda b, h, c: (0, b, 0, h, 0, 0)),
                 pl.BlockSpec((layers, None, nodes, None, refs), lambda b, h, c: (0, b, 0, h, 0)),
                 pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c)),
                 pl.BlockSpec((1,), lambda b, h, c: (0,))],
       out_specs=pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c)),
       out_shape=jax.ShapeDtypeStruct((batch, heads, padded), jnp.float32),
-      compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=4 if block * refs * width >= 4096 else 1, num_stages=1),
       interpret=interpret,
       name="zha_score_candidates",
   )(pad_head_dim(q), pad_head_dim(node_keys), node_bias, index, layer_index)
@@ -208,49 +212,51 @@ def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, interpret=None):
   return kept[..., :min(max_nodes, count)]
 
 
-def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, layer_ref, out_ref, lse_ref, *, chunk, scale,
-                      per_split):
-  """One split of one (batch, head): online softmax over its share of leaves; split 0 also reads key 0 and the
-  current chunk. q_ref `[d]`, k_ref / v_ref `[L, S, d]` of which layer `layer_ref[0]` is read, leaves_ref `[M]` →
-  out_ref `[d]` (normalized), lse_ref `[1]`."""
+def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, layer_ref, out_ref, lse_ref, *, chunk,
+                      scale):
+  """One split of one (batch, head): softmax over its share of leaves, read as one gather `[P, C, d]` of keys
+  and one of values (a loop over leaves made each program a chain of dependent loads); split 0 also reads key 0
+  and the current chunk. q_ref `[d]`, k_ref / v_ref `[L, S, d]` of which layer `layer_ref[0]` is read,
+  leaves_ref `[P]` → out_ref `[d]` (normalized), lse_ref `[1]`."""
   split = pl.program_id(2)
   q = q_ref[...].astype(jnp.float32)
   position = position_ref[0]
   layer = layer_ref[0]
   capacity = k_ref.shape[1]
   floor = jnp.float32(-1e30)  # finite: exp(old_max - new_max) stays defined before the first key
+  rows = jnp.arange(chunk)[None, :]
 
-  def absorb(carry, start, valid):
+  def absorb(carry, key, valid):  # key, valid: `[n, C]` cache slots and whether each is attended
     acc, row_max, row_sum = carry
-    keys = k_ref[layer, pl.ds(start, chunk), :].astype(jnp.float32)  # [C, d]
-    logits = jnp.where(valid, jnp.sum(keys * q[None, :], axis=1) * scale, floor)
-    new_max = jnp.maximum(row_max, jnp.max(logits))
+    keys = k_ref[layer, key, :].astype(jnp.float32)  # [n, C, d]
+    logits = jnp.where(valid, jnp.sum(keys * q[None, None, :], axis=2) * scale, floor)
+    new_max = jnp.maximum(row_max, jnp.max(jnp.max(logits, axis=1), axis=0))
     probs = jnp.where(valid, jnp.exp(logits - new_max), 0.0)
     correction = jnp.exp(row_max - new_max)
-    values = v_ref[layer, pl.ds(start, chunk), :].astype(jnp.float32)
-    return (acc * correction + jnp.sum(probs[:, None] * values, axis=0), new_max,
-            row_sum * correction + jnp.sum(probs))
+    values = v_ref[layer, key, :].astype(jnp.float32)
+    return (acc * correction + jnp.sum(jnp.sum(probs[:, :, None] * values, axis=1), axis=0), new_max,
+            row_sum * correction + jnp.sum(jnp.sum(probs, axis=1), axis=0))
 
-  def leaf(j, carry):
-    node = leaves_ref[split * per_split + j]
-    return absorb(carry, 1 + jnp.maximum(node, 0) * chunk, jnp.full((chunk,), node >= 0))
-
+  leaves = leaves_ref[...]
   carry = (jnp.zeros(q.shape, jnp.float32), floor, jnp.float32(0.0))
-  carry = jax.lax.fori_loop(0, per_split, leaf, carry)
+  carry = absorb(carry, 1 + jnp.maximum(leaves, 0)[:, None] * chunk + rows,
+                 jnp.broadcast_to((leaves >= 0)[:, None], (leaves.shape[0], chunk)))
   # Key 0 and the current chunk `1 + C⌊i/C⌋ … i`, read as one C-row window ending inside the cache.
-  rows = jnp.arange(chunk)
-  carry = absorb(carry, 0, (rows == 0) & (split == 0))
+  carry = absorb(carry, rows, (rows == 0) & (split == 0))
   current = 1 + chunk * (position // chunk)
-  start = jnp.minimum(current, capacity - chunk)
-  key = start + rows
-  carry = absorb(carry, start, (key >= current) & (key <= position) & (split == 0))
+  key = jnp.minimum(current, capacity - chunk) + rows
+  carry = absorb(carry, key, (key >= current) & (key <= position) & (split == 0))
   acc, row_max, row_sum = carry
   out_ref[...] = (acc / jnp.where(row_sum > 0, row_sum, 1.0)).astype(out_ref.dtype)
   lse_ref[...] = jnp.where(row_sum > 0, row_max + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)), -jnp.inf)[None]
 
 
+# Keys (and values) one split of the leaf attention gathers at most, so that they stay in registers at 4 warps.
+_SPLIT_KEYS = 128
+
+
 @functools.partial(jax.jit, static_argnames=("chunk", "splits", "interpret"))
-def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=4, interpret=None):
+def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=None, interpret=None):
   """Attention of one decode token per row over `I(q) = {0} ∪ kept leaves ∪ current chunk` (ZHA III-C).
 
   Args:
@@ -259,6 +265,8 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=4, in
     position: `[batch]` int32 query positions.
     layer: None, or an int32 scalar when `k` and `v` are a scanned model's stacks `[layers, batch, S, heads, d]`:
       the kernel reads that layer where it lies.
+    splits: programs per (batch, head), each over a power-of-two share of the leaves, their partial softmaxes
+      merged by log-sum-exp (flash-decoding; default: enough that a split reads at most `_SPLIT_KEYS` keys).
 
   Returns:
     `[batch, heads, d]` float32.
@@ -266,26 +274,29 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=4, in
   interpret = default_interpret() if interpret is None else interpret
   _power_of_two("chunk", chunk, interpret)
   batch, heads, dim = q.shape
-  per_split = -(-leaves.shape[-1] // splits)
+  count = max(1, leaves.shape[-1])
+  if splits is None:
+    splits = -(-count * chunk // _SPLIT_KEYS)
+  per_split = pl.next_power_of_2(-(-count // splits))
   leaves = pad_axis(leaves.astype(jnp.int32), 2, per_split * splits, NO_NODE)
   width = pl.next_power_of_2(dim)
   (k, layer_index), (v, _) = _stack(k, layer, 4), _stack(v, layer, 4)
   layers, _, seq = k.shape[:3]
   cache_spec = pl.BlockSpec((layers, None, seq, None, width), lambda b, h, s: (0, b, 0, h, 0))
   out, lse = pl.pallas_call(
-      functools.partial(_attention_kernel, chunk=chunk, scale=1.0 / math.sqrt(dim), per_split=per_split),
+      functools.partial(_attention_kernel, chunk=chunk, scale=1.0 / math.sqrt(dim)),
       grid=(batch, heads, splits),
       in_specs=[pl.BlockSpec((None, None, width), lambda b, h, s: (b, h, 0)),
                 cache_spec,
                 cache_spec,
-                pl.BlockSpec((None, None, per_split * splits), lambda b, h, s: (b, h, 0)),
+                pl.BlockSpec((None, None, per_split), lambda b, h, s: (b, h, s)),
                 pl.BlockSpec((1,), lambda b, h, s: (b,)),
                 pl.BlockSpec((1,), lambda b, h, s: (0,))],
       out_specs=[pl.BlockSpec((None, None, None, width), lambda b, h, s: (b, h, s, 0)),
                  pl.BlockSpec((None, None, None, 1), lambda b, h, s: (b, h, s, 0))],
       out_shape=[jax.ShapeDtypeStruct((batch, heads, splits, width), jnp.float32),
                  jax.ShapeDtypeStruct((batch, heads, splits, 1), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=2),
+      compiler_params=plgpu.CompilerParams(num_warps=4 if per_split * chunk * width >= 4096 else 1, num_stages=1),
       interpret=interpret,
       name="zha_leaf_attention",
   )(pad_head_dim(q), pad_head_dim(k), pad_head_dim(v), leaves, position.astype(jnp.int32), layer_index)
