@@ -24,22 +24,31 @@ _attend_gathered = jax.jit(zha_cache.attend_gathered,
 
 @pytest.mark.parametrize("interpret", kernel_modes())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("refs,dim,count", [(4, 64, 37), (1, 96, 16), (16, 32, 5)])
-def test_score_candidates(rng, interpret, dtype, refs, dim, count):
+@pytest.mark.parametrize("refs,dim,count,span", [(4, 64, 37, None), (1, 96, 16, 4), (16, 32, 5, None)])
+def test_score_candidates(rng, interpret, dtype, refs, dim, count, span):
+  """Scores of listed nodes against NumPy; NO_NODE, and with a span the nodes not complete at each row's
+  position, score −inf."""
   batch, nodes, heads = 2, 50, 3
   q = rng.standard_normal((batch, heads, dim))
   keys = rng.standard_normal((batch, nodes, heads, refs, dim))
   bias = rng.standard_normal((batch, nodes, heads, refs))
   index = rng.integers(0, nodes, (batch, heads, count))
   index[rng.random(index.shape) < 0.2] = tree_routing.NO_NODE
+  position = np.array([4 * nodes - 1, 80])  # at span 4: 49 and 20 complete nodes, node 19 exactly at 80
+  index[1, :, 0] = 19
   cast = lambda x: jnp.asarray(x, dtype)
-  scores = tree_routing.score_candidates(cast(q), cast(keys), cast(bias), jnp.asarray(index), interpret=interpret)
+  complete_only = {} if span is None else dict(position=jnp.asarray(position), span=span)
+  scores = tree_routing.score_candidates(cast(q), cast(keys), cast(bias), jnp.asarray(index), interpret=interpret,
+                                         **complete_only)
   q, keys, bias = (np.asarray(cast(x), np.float64) for x in (q, keys, bias))
   b, h = np.arange(batch)[:, None, None], np.arange(heads)[None, :, None]
   gathered = keys[b, np.maximum(index, 0), h]  # [batch, heads, count, R, d]
   expected = np.max(np.einsum("bhd,bhkrd->bhkr", q, gathered) / math.sqrt(dim) + bias[b, np.maximum(index, 0), h],
                     axis=-1)
   valid = index >= 0
+  if span is not None:
+    valid &= (index + 1) * span <= position[:, None, None]
+    assert np.any(valid) and np.any((index >= 0) & ~valid)
   assert np.all(np.isneginf(np.asarray(scores)[~valid]))
   assert_close(np.asarray(scores)[valid], expected[valid], jnp.float32)
 
@@ -65,6 +74,8 @@ def test_zha_kernels_read_one_layer_of_a_stack(rng, interpret):
       tree_routing.leaf_attention(q, k, v, leaves, position, chunk=chunk, layer=layer, interpret=interpret),
       tree_routing.leaf_attention(q, k[1], v[1], leaves, position, chunk=chunk, interpret=interpret),
       rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="position and span go together"):
+    tree_routing.score_candidates(q, keys[1], bias[1], index, span=4, interpret=interpret)
   with pytest.raises(ValueError, match="a stack of 6 dims"):
     tree_routing.score_candidates(q, keys[1], bias[1], index, layer=layer, interpret=interpret)
   with pytest.raises(ValueError, match="an array of 4 dims"):
@@ -124,8 +135,11 @@ def test_keep_top_p_rejects_a_threshold_outside_0_1_and_an_empty_cap():
 
 @pytest.mark.parametrize("interpret", kernel_modes())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("chunk,dim,leaves,splits", [(8, 64, 6, 4), (4, 96, 9, 2), (16, 32, 1, 1)])
-def test_leaf_attention(rng, interpret, dtype, chunk, dim, leaves, splits):
+@pytest.mark.parametrize("chunk,dim,leaves,tile", [(8, 64, 6, 2), (4, 96, 9, 4), (16, 32, 1, None),
+                                                   (8, 64, 64, None)])
+def test_leaf_attention(rng, interpret, dtype, chunk, dim, leaves, tile):
+  """Several tiles of leaves, a padded last tile, and the default tile (a 64-slot list at C=8: four tiles of
+  16), against a loop over the attended keys; unused slots hold NO_NODE."""
   batch, heads, capacity = 2, 2, 160
   q = rng.standard_normal((batch, heads, dim))
   k, v = (rng.standard_normal((batch, capacity, heads, dim)) for _ in range(2))
@@ -139,7 +153,7 @@ def test_leaf_attention(rng, interpret, dtype, chunk, dim, leaves, splits):
       kept[b, h, :len(chosen)] = chosen
   cast = lambda x: jnp.asarray(x, dtype)
   out = tree_routing.leaf_attention(cast(q), cast(k), cast(v), jnp.asarray(kept), jnp.asarray(position),
-                                    chunk=chunk, splits=splits, interpret=interpret)
+                                    chunk=chunk, tile=tile, interpret=interpret)
   q, k, v = (np.asarray(cast(x), np.float64) for x in (q, k, v))
   expected = np.zeros((batch, heads, dim))
   for b in range(batch):

@@ -35,6 +35,10 @@ def test_zha_scoring_and_selection_lower():
   _lowers_for_cuda(lambda q, k, b, i, layer: tree_routing.score_candidates(q, k, b, i, layer=layer, interpret=False),
                    q, shape((3, 1, 12, 2, 4, 64), bf16), shape((3, 1, 12, 2, 4), bf16), index, shape((), i32),
                    kernels=["zha_score_candidates"])
+  _lowers_for_cuda(lambda q, k, b, i, pos: tree_routing.score_candidates(q, k, b, i, position=pos, span=64,
+                                                                         interpret=False),
+                   q, shape((1, 12, 2, 1, 64), bf16), shape((1, 12, 2, 1), bf16), index, shape((1,), i32),
+                   kernels=["zha_score_candidates"])
   for width in (16, 4096):
     _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=0.9, max_nodes=8, interpret=False),
                      shape((1, 2, width), f32), shape((1, 2, width), i32), kernels=["zha_keep_top_p"])
@@ -44,10 +48,10 @@ def test_zha_scoring_and_selection_lower():
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["plain", "stacked"])
 def test_zha_leaf_attention_lowers(stacked):
-  cache = shape((3, 1, 64, 2, 64) if stacked else (1, 64, 2, 64), bf16)
+  cache = shape((3, 1, 1024, 2, 64) if stacked else (1, 1024, 2, 64), bf16)
   _lowers_for_cuda(lambda q, k, v, leaves, pos, layer: tree_routing.leaf_attention(
       q, k, v, leaves, pos, chunk=8, layer=layer if stacked else None, interpret=False),
-      shape((1, 2, 64), f32), cache, cache, shape((1, 2, 8), i32), shape((1,), i32), shape((), i32),
+      shape((1, 2, 64), f32), cache, cache, shape((1, 2, 64), i32), shape((1,), i32), shape((), i32),
       kernels=["zha_leaf_attention"])
 
 

@@ -171,9 +171,10 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
   levels = len(cache.keys)
 
   def scores_of(level, index, valid):
-    if kernels:  # `index` holds NO_NODE where not valid
+    if kernels:  # `index` holds NO_NODE where not valid; the top level's list is every node (see below)
       (level_keys, layer), (level_bias, _) = _in_place(cache.keys[level - 1]), _in_place(cache.bias[level - 1])
-      return tree_routing.score_candidates(q, level_keys, level_bias, index, layer=layer)
+      complete_only = dict(position=position, span=chunk**level) if level == levels else {}
+      return tree_routing.score_candidates(q, level_keys, level_bias, index, layer=layer, **complete_only)
     level_keys, level_bias = read(cache.keys[level - 1]), read(cache.bias[level - 1])
     dtype = jnp.promote_types(q.dtype, jnp.float32)  # as the kernel: half-precision scores tie and reorder nodes
     keys = _gather_nodes(level_keys, index).astype(dtype)  # [batch, heads, K, R, d]
@@ -190,9 +191,14 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
     return nodes, jnp.pad(valid, extra)
 
   top = cache.keys[-1].shape[1]
-  index = jnp.broadcast_to(jnp.arange(top), (batch, heads, top))
   candidates = top
-  index, valid = listed(index, zha.node_last_key(index, chunk, levels) <= i)
+  if kernels:  # a constant list: the scoring kernel drops the nodes not complete at the position
+    nodes = jnp.arange(tree_routing.list_width(top))
+    index = jnp.broadcast_to(jnp.where(nodes < top, nodes, tree_routing.NO_NODE), (batch, heads, nodes.size))
+    valid = None
+  else:
+    index = jnp.broadcast_to(jnp.arange(top), (batch, heads, top))
+    valid = zha.node_last_key(index, chunk, levels) <= i
   for level in range(levels, 0, -1):
     scores = scores_of(level, index, valid)
     if kernels:  # kept nodes in list order, which is node order
