@@ -229,9 +229,10 @@ def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, layer_ref, 
   each tile's keys and values read as one gather `[tile, C, d]`. q_ref `[d]`, k_ref / v_ref `[L, S, d]` of which
   layer `layer_ref[0]` is read, leaves_ref `[M]` (a multiple of `tile`) → out_ref `[d]`.
 
-  One program per (batch, head) needs no second pass: splitting the leaves over programs (flash-decoding) left a
-  log-sum-exp merge of three XLA kernels, whose launches cost more than the few dependent tiles they save at
-  `max_nodes·C` keys."""
+  One program per (batch, head) needs no second pass. Splitting the leaves over programs (flash-decoding) left a
+  log-sum-exp merge of three XLA kernels, and at batch 1 the gaps between launches were more than half of the
+  step on an H200 (77 µs for 33.6 µs of kernels at 64k, docs/notes.md, ZHA); the tiles this chains instead are
+  4–8 at `max_nodes`·C = 512–1,024 keys. Not yet timed against the splits."""
   q = q_ref[...].astype(jnp.float32)
   position = position_ref[0]
   layer = layer_ref[0]

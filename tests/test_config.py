@@ -95,3 +95,10 @@ def test_repro_preset_is_the_repro_configs_shape():
   config = load_config(Path(__file__).resolve().parent.parent / "configs/repro/repro_fs.yaml").model
   preset = model_preset("repro_43m", dtype=config.dtype, scan_layers=config.scan_layers)
   assert preset == config
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parent.parent / "configs").rglob("*.yaml")),
+                         ids=lambda path: path.name)
+def test_every_shipped_config_loads_and_passes_the_rules(path):
+  """A field renamed or a rule added in code cannot leave a shipped config that fails only when someone runs it."""
+  load_config(path)  # raises ConfigError naming the field
