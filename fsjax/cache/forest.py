@@ -268,8 +268,8 @@ def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FR
     # One conditional per level, on level-k-sized operands, and the slice written back outside it: a conditional
     # (or a switch over levels) that returned the whole node table would copy the table, O(M), at every build.
     # Reading each slice out and writing it back costs O(M) bytes per block (the update's growth from 16k to 128k,
-    # ~1.25×); scattering only the changed pairs' trees into the stack instead made the update flat but slowed the
-    # scanned 341M model's decode tenfold at 128k on an H200 (docs/notes.md, FS-B, call 37).
+    # ~1.25×); scattering only the changed pairs' trees into the stack instead grew 1.14× but slowed the scanned
+    # 341M model's decode tenfold at 128k on an H200 (docs/notes.md, FS-B, call 37).
     where = (slice(None), slice(None), level_slice(k))
     old = {name: read(nodes[name])[where] for name in ops_forest.TREE_FIELDS}
 
