@@ -12,10 +12,10 @@ Byte counts per (layer, head) for one decode token: scoring reads `K·R·d` node
 `(max_nodes·C + C + 1)·d` keys and as many values. At C=8, R=16, d=64, max_nodes=64 in bf16 that is 1 MB of
 level-1 node keys and 130 KB of keys and values, against `2·T·d·2` bytes (16 MB at 64k) for dense decode.
 
-Parallelism at batch 1: scoring runs one program per (batch, head, block of candidates), the selection and the
-attention one per (batch, head). Each program gathers its rows (a block of nodes `[BK, R, d]`, a tile of leaves'
-keys `[tile, C, d]`) in one load instead of a loop of dependent loads; a single query needs no tensor-core dot.
-At batch 1 the step is a short chain of small kernels, so a launch saved counts as much as a few µs of kernel.
+Parallelism at batch 1: scoring runs one program per (batch, head, block of candidates), the selection one per
+(batch, head), and the attention splits each head's leaves over `splits` programs (flash-decoding) whose partial
+softmaxes are merged by log-sum-exp. Each program gathers its rows (a block of nodes `[BK, R, d]`, its leaves'
+keys `[P, C, d]`) in one load instead of a loop of dependent loads; a single query needs no tensor-core dot.
 """
 
 import functools
@@ -224,15 +224,13 @@ def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, interpret=None):
   return kept[..., :min(max_nodes, count)]
 
 
-def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, layer_ref, out_ref, *, chunk, scale, tile):
-  """One (batch, head): online softmax over key 0, the current chunk and the kept leaves, `tile` leaves at a time,
-  each tile's keys and values read as one gather `[tile, C, d]`. q_ref `[d]`, k_ref / v_ref `[L, S, d]` of which
-  layer `layer_ref[0]` is read, leaves_ref `[M]` (a multiple of `tile`) → out_ref `[d]`.
-
-  One program per (batch, head) needs no second pass. Splitting the leaves over programs (flash-decoding) left a
-  log-sum-exp merge of three XLA kernels, and at batch 1 the gaps between launches were more than half of the
-  step on an H200 (77 µs for 33.6 µs of kernels at 64k, docs/notes.md, ZHA); the tiles this chains instead are
-  4–8 at `max_nodes`·C = 512–1,024 keys. Not yet timed against the splits."""
+def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, layer_ref, out_ref, lse_ref, *, chunk,
+                      scale):
+  """One split of one (batch, head): softmax over its share of leaves, read as one gather `[P, C, d]` of keys
+  and one of values (a loop over leaves made each program a chain of dependent loads); split 0 also reads key 0
+  and the current chunk. q_ref `[d]`, k_ref / v_ref `[L, S, d]` of which layer `layer_ref[0]` is read,
+  leaves_ref `[P]` → out_ref `[d]` (normalized), lse_ref `[1]`."""
+  split = pl.program_id(2)
   q = q_ref[...].astype(jnp.float32)
   position = position_ref[0]
   layer = layer_ref[0]
@@ -251,26 +249,29 @@ def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, layer_ref, 
     return (acc * correction + jnp.sum(jnp.sum(probs[:, :, None] * values, axis=1), axis=0), new_max,
             row_sum * correction + jnp.sum(jnp.sum(probs, axis=1), axis=0))
 
-  def leaf_tile(t, carry):
-    leaves = leaves_ref[pl.ds(t * tile, tile)]
-    return absorb(carry, 1 + jnp.maximum(leaves, 0)[:, None] * chunk + rows,
-                  jnp.broadcast_to((leaves >= 0)[:, None], (tile, chunk)))
-
-  # Key 0, then the current chunk `1 + C⌊i/C⌋ … i`, read as one C-row window ending inside the cache.
-  carry = absorb((jnp.zeros(q.shape, jnp.float32), floor, jnp.float32(0.0)), rows, rows == 0)
+  leaves = leaves_ref[...]
+  carry = (jnp.zeros(q.shape, jnp.float32), floor, jnp.float32(0.0))
+  carry = absorb(carry, 1 + jnp.maximum(leaves, 0)[:, None] * chunk + rows,
+                 jnp.broadcast_to((leaves >= 0)[:, None], (leaves.shape[0], chunk)))
+  # Key 0 and the current chunk `1 + C⌊i/C⌋ … i`, read as one C-row window ending inside the cache.
+  carry = absorb(carry, rows, (rows == 0) & (split == 0))
   current = 1 + chunk * (position // chunk)
   key = jnp.minimum(current, capacity - chunk) + rows
-  carry = absorb(carry, key, (key >= current) & (key <= position))
-  acc, _, row_sum = jax.lax.fori_loop(0, leaves_ref.shape[0] // tile, leaf_tile, carry)
-  out_ref[...] = (acc / row_sum).astype(out_ref.dtype)  # key 0 is always attended: row_sum > 0
+  carry = absorb(carry, key, (key >= current) & (key <= position) & (split == 0))
+  acc, row_max, row_sum = carry
+  out_ref[...] = (acc / jnp.where(row_sum > 0, row_sum, 1.0)).astype(out_ref.dtype)
+  lse_ref[...] = jnp.where(row_sum > 0, row_max + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)), -jnp.inf)[None]
 
 
-# Keys (and values) the leaf attention gathers per step at most, so that they stay in registers at 4 warps.
-_TILE_KEYS = 128
+# Keys (and values) one split of the leaf attention gathers at most, so that they stay in registers at 4 warps.
+# One program per (batch, head) looping over tiles of this many keys saves the merge's three XLA kernels, but its
+# dependent tiles took 12.2 µs for 64 leaves at C=8 and 33 µs at C=16 on an H200 (call 42), against 5.1 and 7.1 µs
+# for the split kernel (call 40) plus about 3 µs for the merge (docs/notes.md, ZHA).
+_SPLIT_KEYS = 128
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "tile", "interpret"))
-def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, tile=None, interpret=None):
+@functools.partial(jax.jit, static_argnames=("chunk", "splits", "interpret"))
+def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=None, interpret=None):
   """Attention of one decode token per row over `I(q) = {0} ∪ kept leaves ∪ current chunk` (ZHA III-C).
 
   Args:
@@ -279,8 +280,8 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, tile=None, i
     position: `[batch]` int32 query positions.
     layer: None, or an int32 scalar when `k` and `v` are a scanned model's stacks `[layers, batch, S, heads, d]`:
       the kernel reads that layer where it lies.
-    tile: leaves read per step, a power of two (default: `_TILE_KEYS` keys, at most the leaves' power-of-two
-      count).
+    splits: programs per (batch, head), each over a power-of-two share of the leaves, their partial softmaxes
+      merged by log-sum-exp (flash-decoding; default: enough that a split reads at most `_SPLIT_KEYS` keys).
 
   Returns:
     `[batch, heads, d]` float32.
@@ -289,30 +290,34 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, tile=None, i
   _power_of_two("chunk", chunk, interpret)
   batch, heads, dim = q.shape
   count = max(1, leaves.shape[-1])
-  if tile is None:
-    tile = min(max(1, _TILE_KEYS // chunk), pl.next_power_of_2(count))
-  _power_of_two("tile", tile, interpret)
-  leaves = pad_axis(leaves.astype(jnp.int32), 2, -(-count // tile) * tile, NO_NODE)
+  if splits is None:
+    splits = -(-count * chunk // _SPLIT_KEYS)
+  per_split = pl.next_power_of_2(-(-count // splits))
+  leaves = pad_axis(leaves.astype(jnp.int32), 2, per_split * splits, NO_NODE)
   width = pl.next_power_of_2(dim)
   (k, layer_index), (v, _) = _stack(k, layer, 4), _stack(v, layer, 4)
   layers, _, seq = k.shape[:3]
-  cache_spec = pl.BlockSpec((layers, None, seq, None, width), lambda b, h: (0, b, 0, h, 0))
-  out = pl.pallas_call(
-      functools.partial(_attention_kernel, chunk=chunk, scale=1.0 / math.sqrt(dim), tile=tile),
-      grid=(batch, heads),
-      in_specs=[pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
+  cache_spec = pl.BlockSpec((layers, None, seq, None, width), lambda b, h, s: (0, b, 0, h, 0))
+  out, lse = pl.pallas_call(
+      functools.partial(_attention_kernel, chunk=chunk, scale=1.0 / math.sqrt(dim)),
+      grid=(batch, heads, splits),
+      in_specs=[pl.BlockSpec((None, None, width), lambda b, h, s: (b, h, 0)),
                 cache_spec,
                 cache_spec,
-                pl.BlockSpec((None, None, leaves.shape[-1]), lambda b, h: (b, h, 0)),
-                pl.BlockSpec((1,), lambda b, h: (b,)),
-                pl.BlockSpec((1,), lambda b, h: (0,))],
-      out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((batch, heads, width), jnp.float32),
-      compiler_params=plgpu.CompilerParams(num_warps=4 if tile * chunk * width >= 4096 else 1, num_stages=1),
+                pl.BlockSpec((None, None, per_split), lambda b, h, s: (b, h, s)),
+                pl.BlockSpec((1,), lambda b, h, s: (b,)),
+                pl.BlockSpec((1,), lambda b, h, s: (0,))],
+      out_specs=[pl.BlockSpec((None, None, None, width), lambda b, h, s: (b, h, s, 0)),
+                 pl.BlockSpec((None, None, None, 1), lambda b, h, s: (b, h, s, 0))],
+      out_shape=[jax.ShapeDtypeStruct((batch, heads, splits, width), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, heads, splits, 1), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=4 if per_split * chunk * width >= 4096 else 1, num_stages=1),
       interpret=interpret,
       name="zha_leaf_attention",
   )(pad_head_dim(q), pad_head_dim(k), pad_head_dim(v), leaves, position.astype(jnp.int32), layer_index)
-  return out[..., :dim]
+  weights = jax.nn.softmax(lse, axis=2)  # merge the splits' partial softmaxes
+  weights = jnp.where(jnp.isfinite(lse), weights, 0.0)
+  return jnp.sum(weights * out, axis=2)[..., :dim]
 
 
 def _count_ahead(rank_x, first_x, rank_y, first_y):

@@ -135,11 +135,11 @@ def test_keep_top_p_rejects_a_threshold_outside_0_1_and_an_empty_cap():
 
 @pytest.mark.parametrize("interpret", kernel_modes())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("chunk,dim,leaves,tile", [(8, 64, 6, 2), (4, 96, 9, 4), (16, 32, 1, None),
-                                                   (8, 64, 64, None)])
-def test_leaf_attention(rng, interpret, dtype, chunk, dim, leaves, tile):
-  """Several tiles of leaves, a padded last tile, and the default tile (a 64-slot list at C=8: four tiles of
-  16), against a loop over the attended keys; unused slots hold NO_NODE."""
+@pytest.mark.parametrize("chunk,dim,leaves,splits", [(8, 64, 6, 4), (4, 96, 9, 2), (16, 32, 1, 1),
+                                                     (8, 64, 64, None)])
+def test_leaf_attention(rng, interpret, dtype, chunk, dim, leaves, splits):
+  """Splits with padded shares, one split, and the default (a 64-slot list at C=8: four splits of 16), against a
+  loop over the attended keys; unused slots hold NO_NODE."""
   batch, heads, capacity = 2, 2, 160
   q = rng.standard_normal((batch, heads, dim))
   k, v = (rng.standard_normal((batch, capacity, heads, dim)) for _ in range(2))
@@ -153,7 +153,7 @@ def test_leaf_attention(rng, interpret, dtype, chunk, dim, leaves, tile):
       kept[b, h, :len(chosen)] = chosen
   cast = lambda x: jnp.asarray(x, dtype)
   out = tree_routing.leaf_attention(cast(q), cast(k), cast(v), jnp.asarray(kept), jnp.asarray(position),
-                                    chunk=chunk, tile=tile, interpret=interpret)
+                                    chunk=chunk, splits=splits, interpret=interpret)
   q, k, v = (np.asarray(cast(x), np.float64) for x in (q, k, v))
   expected = np.zeros((batch, heads, dim))
   for b in range(batch):
