@@ -56,3 +56,41 @@ def test_a_dense_model_is_refused_with_a_clear_error(micro_workdir):
   dense = dataclasses.replace(config.model, attention=dataclasses.replace(config.model.attention, kind="tfpp"))
   with pytest.raises(ConfigError, match="routing probes need a FreeSolo model"):
     probe.probe(Transformer(dense), {"params": params}, load_tokenizer(), task="niah_single_1", length=384, seed=0)
+
+
+def test_copy_target_hits_match_a_loop():
+  rng = np.random.default_rng(7)
+  n, length, layers, heads, k, span, cue, cell, block = 3, 200, 2, 3, 4, 24, 4, 8, 32
+  selections = rng.integers(-1, length // cell, (n, length, layers, heads, k))
+  sources = rng.integers(0, 128, n)
+  hits, eligible = probe.copy_target_hits(selections, sources, span=span, cue=cue, cell=cell, block=block)
+  assert hits.shape == (n, span - cue, layers, heads) and eligible.shape == (n, span - cue)
+  for i in range(n):
+    for j, t in enumerate(range(cue - 1, span - 1)):
+      query = length - span + t
+      target = (sources[i] + t + 1) // cell
+      assert eligible[i, j] == (target < (query // block) * (block // cell))
+      for layer in range(layers):
+        for head in range(heads):
+          assert hits[i, j, layer, head] == (target in selections[i, query, layer, head])
+  assert hits.any() and not hits.all()
+
+
+def test_copy_probe_rates_and_cli(micro_workdir, tmp_path, capsys):
+  config, params, frozen, _ = checkpoint.load(micro_workdir)
+  att = config.model.attention
+  stream = np.random.default_rng(0).integers(3, 1000, 4000).astype(np.int32)
+  summary = probe.probe_copies(Transformer(config.model), {"params": params, **frozen}, stream, length=192,
+                               count=2, span=16, cue=2, seed=1, chunk=64)
+  per_head = np.asarray(summary["copy_per_layer_head"])
+  assert per_head.shape == (config.model.num_layers, config.model.num_heads)
+  assert 0.0 <= per_head.min() and per_head.max() <= 1.0
+  assert 0.0 < summary["chance_rate"] <= 1.0 and summary["target_retained_rate"] == 1.0  # FS keeps every cell
+  assert summary["target_eligible_rate"] == 1.0  # targets end by position 142, eligible from query 160 on
+  assert summary["chance_rate"] == pytest.approx(att.top_k / ((190 // att.block) * (att.block // att.cell)))
+  assert probe.main(["--checkpoint", str(micro_workdir), "--length", "176", "--copies", "1", "--span", "24",
+                     "--out", str(tmp_path)]) == 0
+  assert json.loads((tmp_path / "copies.json").read_text())["samples"] == 1
+  assert "target cell selected, copy / control" in capsys.readouterr().out
+  assert probe.main(["--checkpoint", str(micro_workdir), "--length", "100", "--copies", "1"]) == 2
+  assert "--length: 100 is below 176" in capsys.readouterr().err

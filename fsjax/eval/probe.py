@@ -2,6 +2,8 @@
 
     python -m fsjax.eval.probe --checkpoint runs/tiny_fs --length 1024 [--task niah_single_2] [--seed 0]
         [--out runs/probe]
+    python -m fsjax.eval.probe --checkpoint runs/tiny_fs --length 1024 --copies 20 [--span 24] [--cue 4]
+        [--data FILE] [--out runs/probe]
 
 One RULER NIAH prompt is run through the full-history masked path (the FS archive, also for FS-L, as the paper's
 probes do), chunk by chunk, recording the cells every layer and head selected for every query. Outputs:
@@ -10,6 +12,11 @@ probes do), chunk by chunk, recording the cells every layer and head selected fo
 - per layer and head, the FS-L retained fraction η = |A_i| / |C_i| at the last query (1 for FS);
 - the rate at which the needle's cells are retained (available) and selected by the queries of the question.
 `probe.json` holds the numbers; the table is printed.
+
+With `--copies N`, the prompts are instead copy samples drawn by `fsjax.eval.copy_recall`'s sampler (with the
+same seed, span and cue, the samples of `copy_recall --samples N`), and the probe asks whether the copy's scored queries select the cell holding the token
+they should copy next (`copy_target_hits`), against the same cells in the control twins, where the source is
+replaced and only position can draw the read. The rates per layer and head go to `copies.json`.
 """
 
 import argparse
@@ -24,7 +31,7 @@ import numpy as np
 from fsjax.cache import init_cache
 from fsjax.config import ConfigError
 from fsjax.decode import extend, selected_cells
-from fsjax.eval import tasks
+from fsjax.eval import copy_recall, tasks
 from fsjax.ops import cells
 from fsjax.train.checkpoint import CheckpointError
 
@@ -69,12 +76,16 @@ def availability_at(cache, config, position):
       retain_recent=att.retain_recent, positions=jnp.array([[position]]))[0, 0]) for archive in archives])
 
 
+def check_freesolo(config):
+  if config.attention.kind not in ("fs", "fsl"):
+    raise ConfigError(f"routing probes need a FreeSolo model (fs or fsl), got {config.attention.kind!r}")
+
+
 def probe(model, variables, tokenizer, *, task, length, seed, chunk=2048):
   """Runs the probe. Returns a dict of summary numbers and the raw arrays for the plots."""
   config = model.config
   att = config.attention
-  if att.kind not in ("fs", "fsl"):
-    raise ConfigError(f"routing probes need a FreeSolo model (fs or fsl), got {att.kind!r}")
+  check_freesolo(config)
   count = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
   (record,) = tasks.generate(task, length, 1, count, seed=seed)
   prompt = record["input"] + record["answer_prefix"]
@@ -98,6 +109,81 @@ def probe(model, variables, tokenizer, *, task, length, seed, chunk=2048):
                  eta_per_layer_head=eta.round(4).tolist(),
                  median_distance=float(np.nanmedian(distance)) if valid.any() else None)
   return summary, distance
+
+
+def copy_target_hits(selections, sources, *, span, cue, cell, block):
+  """Whether each scored query of a copy sample selected the cell of the token it should copy next.
+
+  A copy sample's last `span` positions repeat the tokens at `source … source + span - 1`. The query at
+  `length - span + t` reads copy token t (source token `source + t`), so an induction read fetches source token
+  `source + t + 1`, in cell `(source + t + 1) // cell`. The queries are those `fsjax.eval.copy_recall` scores:
+  t = cue - 1 … span - 2.
+
+  Args:
+    selections: int `[n, length, layers, heads, K]` selected cells (-1 = none).
+    sources: int `[n]` source positions.
+    span, cue, cell, block: copy span and cue; FS cell `s` and block `B`.
+
+  Returns:
+    (hits bool `[n, span - cue, layers, heads]`, eligible bool `[n, span - cue]`): `eligible` says whether the
+    target cell lies in the query's eligible prefix at all (Eq. 6); a target inside the local branch's reach is
+    not.
+  """
+  length = selections.shape[1]
+  t = np.arange(cue - 1, span - 1)
+  queries = length - span + t  # [Q]
+  targets = (np.asarray(sources)[:, None] + t + 1) // cell  # [n, Q]
+  hits = (selections[:, queries] == targets[:, :, None, None, None]).any(-1)
+  eligible = targets < (queries // block) * (block // cell)
+  return hits, eligible
+
+
+def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, seed=0, chunk=2048):
+  """The copy-sample probe (`--copies`): how often the scored queries select the copy's next source cell.
+
+  Args:
+    stream: int32 `[N]` held-out tokens (`fsjax.eval.copy_recall.heldout_stream`).
+    length, count, span, cue, seed: as in `fsjax.eval.copy_recall` (`count` is its `--samples`: the same
+      arguments draw the same samples).
+
+  Returns:
+    A dict: per layer and head the selection rate of the target cell over the scored (sample, query) pairs whose
+    target is eligible, in the copies and in their controls; the same rates over all layers and heads; the
+    chance rate of a uniform choice among the available cells; the share of eligible targets; the share of
+    (eligible target cell, layer, head) still available at the last scored query (below 1 only for FS-L).
+  """
+  config = model.config
+  att = config.attention
+  check_freesolo(config)
+  copies, controls, sources = copy_recall.make_samples(stream, length, count, span, seed)
+  selections, chance, retained = {}, [], []
+  for name, rows in (("copy", copies), ("control", controls)):
+    recorded = []
+    for row, source in zip(rows, sources):
+      picked, cache = record_selections(model, variables, row, chunk)
+      recorded.append(picked)
+      if name == "copy":
+        available = availability_at(cache, config, length - 2)  # [layers, heads, M]
+        counts = available.sum(-1)
+        chance.append(np.minimum(att.top_k, counts) / np.maximum(counts, 1))
+        target_cells = np.arange(source + cue, source + span) // att.cell
+        target_cells = target_cells[target_cells < ((length - 2) // att.block) * (att.block // att.cell)]
+        if target_cells.size:
+          retained.append(available[:, :, target_cells].mean())
+    selections[name] = np.stack(recorded)
+  hits, eligible = {}, None
+  for name in selections:
+    hits[name], eligible = copy_target_hits(selections[name], sources, span=span, cue=cue, cell=att.cell,
+                                            block=att.block)
+  rate = lambda h, axis: h[eligible].mean(axis=axis) if eligible.any() else np.full(h.shape[2:], np.nan)
+  return dict(length=int(length), samples=int(count), span=int(span), cue=int(cue),
+              mean_distance=float(np.mean(length - span - sources)), target_eligible_rate=float(eligible.mean()),
+              chance_rate=float(np.mean(chance)),
+              target_retained_rate=float(np.mean(retained)) if retained else None,
+              copy_selected_rate=float(np.mean(rate(hits["copy"], 0))),
+              control_selected_rate=float(np.mean(rate(hits["control"], 0))),
+              copy_per_layer_head=rate(hits["copy"], 0).round(4).tolist(),
+              control_per_layer_head=rate(hits["control"], 0).round(4).tolist())
 
 
 def plot(out, distance, cell):
@@ -137,24 +223,64 @@ def parse_args(argv):
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--chunk", type=int, default=2048)
   parser.add_argument("--out", default="runs/probe")
+  parser.add_argument("--copies", type=int, default=0,
+                      help="probe this many copy-recall samples instead of a NIAH prompt (0: the NIAH probe)")
+  parser.add_argument("--span", type=int, default=24, help="copy samples: tokens per copy")
+  parser.add_argument("--cue", type=int, default=4, help="copy samples: leading copy tokens left unscored")
+  parser.add_argument("--data", default=None, help="copy samples: held-out jsonl/txt (default: packaged)")
   return parser.parse_args(argv)
+
+
+def check_copy_args(args):
+  """One clear error per bad copy-sample argument, before any model is loaded."""
+  if args.copies < 0:
+    raise ConfigError(f"--copies must be >= 0, got {args.copies}")
+  if args.copies and not 1 <= args.cue < args.span:
+    raise ConfigError(f"--cue must be >= 1 and < --span, got cue={args.cue}, span={args.span}")
+  if args.copies and args.length < copy_recall.SOURCE_RANGE + 2 * args.span:
+    raise ConfigError(f"--length: {args.length} is below {copy_recall.SOURCE_RANGE + 2 * args.span} (copy "
+                      "samples: source range + 2 spans)")
+
+
+def print_copies(summary):
+  print(f"copy samples at {summary['length']} tokens (source {summary['mean_distance']:.0f} back on average); "
+        f"target cell eligible for {summary['target_eligible_rate']:.2f} of scored queries")
+  print("| layer | target cell selected, copy / control, per head |\n|---|---|")
+  for layer, (copy, control) in enumerate(zip(summary["copy_per_layer_head"], summary["control_per_layer_head"])):
+    print(f"| {layer} | {' '.join(f'{a:.2f}/{b:.2f}' for a, b in zip(copy, control))} |")
+  print(f"selected: {summary['copy_selected_rate']:.3f} in copies, {summary['control_selected_rate']:.3f} in "
+        f"controls, {summary['chance_rate']:.3f} by a uniform choice; eligible targets retained: "
+        f"{summary['target_retained_rate']}")
 
 
 def main(argv=None):
   args = parse_args(argv)
   try:
+    check_copy_args(args)
     from fsjax.data.tokenizer import load_tokenizer
     from fsjax.model import Transformer
     from fsjax.train import checkpoint
     config, params, frozen, _ = checkpoint.load(args.checkpoint)
-    summary, distance = probe(Transformer(config.model), {"params": params, **frozen},
-                              load_tokenizer(config.data.tokenizer), task=args.task, length=args.length,
-                              seed=args.seed, chunk=args.chunk)
+    model, variables = Transformer(config.model), {"params": params, **frozen}
+    check_freesolo(config.model)
+    if args.copies:
+      from fsjax.data.pipeline import default_corpus_path
+      stream = copy_recall.heldout_stream(args.data or default_corpus_path("valid"), config.data.tokenizer)
+      summary = probe_copies(model, variables, stream, length=args.length, count=args.copies, span=args.span,
+                             cue=args.cue, seed=args.seed, chunk=args.chunk)
+    else:
+      summary, distance = probe(model, variables, load_tokenizer(config.data.tokenizer), task=args.task,
+                                length=args.length, seed=args.seed, chunk=args.chunk)
   except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
+  if args.copies:
+    (out / "copies.json").write_text(json.dumps(summary, indent=2))
+    print_copies(summary)
+    print(f"wrote {out / 'copies.json'}")
+    return 0
   (out / "probe.json").write_text(json.dumps(summary, indent=2))
   plot(out, distance, config.model.attention.cell)
   eta = np.asarray(summary["eta_per_layer_head"])
