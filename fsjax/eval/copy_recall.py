@@ -122,6 +122,18 @@ def parse_args(argv):
   return parser.parse_args(argv)
 
 
+def check_random_ids(random_ids, data, vocab_size=None):
+  """The `--random-ids MIN,MAX` rules: a range `0 <= MIN < MAX` (below `vocab_size` when given), not with `--data`."""
+  if random_ids is None:
+    return
+  if len(random_ids) != 2 or not 0 <= random_ids[0] < random_ids[1]:
+    raise ConfigError(f"--random-ids must be MIN,MAX with 0 <= MIN < MAX, got {random_ids}")
+  if data is not None:
+    raise ConfigError("--random-ids and --data both name the samples' source: give one")
+  if vocab_size is not None and random_ids[1] > vocab_size:
+    raise ConfigError(f"--random-ids must lie below the model's vocab_size={vocab_size}, got {random_ids}")
+
+
 def check_args(args):
   """One clear error per bad argument, before any model is loaded."""
   if min(args.samples, args.batch_size, args.cue) < 1 or not args.lengths:
@@ -131,10 +143,7 @@ def check_args(args):
   for length in args.lengths:
     if length < SOURCE_RANGE + 2 * args.span:
       raise ConfigError(f"--lengths: {length} is below {SOURCE_RANGE + 2 * args.span} (source range + 2 spans)")
-  if args.random_ids is not None and (len(args.random_ids) != 2 or not 0 <= args.random_ids[0] < args.random_ids[1]):
-    raise ConfigError(f"--random-ids must be MIN,MAX with 0 <= MIN < MAX, got {args.random_ids}")
-  if args.random_ids is not None and args.data is not None:
-    raise ConfigError("--random-ids and --data both name the samples' source: give one")
+  check_random_ids(args.random_ids, args.data)
   for assignment in args.set:
     override_model(ModelConfig(), [assignment])
 
@@ -156,9 +165,7 @@ def main(argv=None):
     rows, streams = [], {}
     for path in args.checkpoint:
       name, config, model, variables = load_for_eval(path, args.set)
-      if args.random_ids is not None and args.random_ids[1] > config.model.vocab_size:
-        raise ConfigError(f"--random-ids must lie below the model's vocab_size={config.model.vocab_size}, got "
-                          f"{args.random_ids}")
+      check_random_ids(args.random_ids, args.data, config.model.vocab_size)
       key = config.data.tokenizer
       if args.random_ids is None and key not in streams:
         streams[key] = heldout_stream(args.data or default_corpus_path("valid"), key)

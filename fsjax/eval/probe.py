@@ -3,7 +3,7 @@
     python -m fsjax.eval.probe --checkpoint runs/tiny_fs --length 1024 [--task niah_single_2] [--seed 0]
         [--out runs/probe]
     python -m fsjax.eval.probe --checkpoint runs/tiny_fs --length 1024 --copies 20 [--span 24] [--cue 4]
-        [--data FILE] [--out runs/probe]
+        [--data FILE | --random-ids MIN,MAX] [--out runs/probe]
 
 One RULER NIAH prompt is run through the full-history masked path (the FS archive, also for FS-L, as the paper's
 probes do), chunk by chunk, recording the cells every layer and head selected for every query. Outputs:
@@ -228,6 +228,8 @@ def parse_args(argv):
   parser.add_argument("--span", type=int, default=24, help="copy samples: tokens per copy")
   parser.add_argument("--cue", type=int, default=4, help="copy samples: leading copy tokens left unscored")
   parser.add_argument("--data", default=None, help="copy samples: held-out jsonl/txt (default: packaged)")
+  parser.add_argument("--random-ids", default=None, type=lambda s: tuple(int(n) for n in s.split(",")),
+                      help="copy samples: MIN,MAX: random ids in [MIN, MAX) instead of held-out text")
   return parser.parse_args(argv)
 
 
@@ -240,6 +242,9 @@ def check_copy_args(args):
   if args.copies and args.length < copy_recall.SOURCE_RANGE + 2 * args.span:
     raise ConfigError(f"--length: {args.length} is below {copy_recall.SOURCE_RANGE + 2 * args.span} (copy "
                       "samples: source range + 2 spans)")
+  if args.random_ids is not None and not args.copies:
+    raise ConfigError("--random-ids needs --copies (it draws copy samples)")
+  copy_recall.check_random_ids(args.random_ids, args.data)
 
 
 def print_copies(summary):
@@ -264,8 +269,12 @@ def main(argv=None):
     model, variables = Transformer(config.model), {"params": params, **frozen}
     check_freesolo(config.model)
     if args.copies:
-      from fsjax.data.pipeline import default_corpus_path
-      stream = copy_recall.heldout_stream(args.data or default_corpus_path("valid"), config.data.tokenizer)
+      if args.random_ids is not None:
+        copy_recall.check_random_ids(args.random_ids, None, config.model.vocab_size)
+        stream = copy_recall.random_stream(args.random_ids, args.length, args.seed)
+      else:
+        from fsjax.data.pipeline import default_corpus_path
+        stream = copy_recall.heldout_stream(args.data or default_corpus_path("valid"), config.data.tokenizer)
       summary = probe_copies(model, variables, stream, length=args.length, count=args.copies, span=args.span,
                              cue=args.cue, seed=args.seed, chunk=args.chunk)
     else:
