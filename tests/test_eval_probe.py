@@ -63,17 +63,19 @@ def test_copy_target_hits_match_a_loop():
   n, length, layers, heads, k, span, cue, cell, block = 3, 200, 2, 3, 4, 24, 4, 8, 32
   selections = rng.integers(-1, length // cell, (n, length, layers, heads, k))
   sources = rng.integers(0, 128, n)
-  hits, eligible = probe.copy_target_hits(selections, sources, span=span, cue=cue, cell=cell, block=block)
-  assert hits.shape == (n, span - cue, layers, heads) and eligible.shape == (n, span - cue)
-  for i in range(n):
-    for j, t in enumerate(range(cue - 1, span - 1)):
-      query = length - span + t
-      target = (sources[i] + t + 1) // cell
-      assert eligible[i, j] == (target < (query // block) * (block // cell))
-      for layer in range(layers):
-        for head in range(heads):
-          assert hits[i, j, layer, head] == (target in selections[i, query, layer, head])
-  assert hits.any() and not hits.all()
+  for offset in (0, 13):
+    hits, eligible = probe.copy_target_hits(selections, sources, span=span, cue=cue, cell=cell, block=block,
+                                            offset=offset)
+    assert hits.shape == (n, span - cue, layers, heads) and eligible.shape == (n, span - cue)
+    for i in range(n):
+      for j, t in enumerate(range(cue - 1, span - 1)):
+        query = length - span + t
+        target = (sources[i] + t + 1 + offset) // cell
+        assert eligible[i, j] == (target < (query // block) * (block // cell))
+        for layer in range(layers):
+          for head in range(heads):
+            assert hits[i, j, layer, head] == (target in selections[i, query, layer, head])
+    assert hits.any() and not hits.all()
 
 
 def test_copy_probe_rates_and_cli(micro_workdir, tmp_path, capsys):
@@ -83,6 +85,9 @@ def test_copy_probe_rates_and_cli(micro_workdir, tmp_path, capsys):
   summary = probe.probe_copies(Transformer(config.model), {"params": params, **frozen}, stream, length=192,
                                count=2, span=16, cue=2, seed=1, chunk=64)
   per_head = np.asarray(summary["copy_per_layer_head"])
+  assert len(summary["copy_by_offset_layer"]) == len(probe.OFFSET_CELLS)
+  assert all(len(rates) == config.model.num_layers for rates in summary["copy_by_offset_layer"] if rates)
+  assert summary["copy_by_offset_layer"][probe.OFFSET_CELLS.index(0)] == per_head.mean(axis=1).round(4).tolist()
   assert per_head.shape == (config.model.num_layers, config.model.num_heads)
   assert 0.0 <= per_head.min() and per_head.max() <= 1.0
   assert 0.0 < summary["chance_rate"] <= 1.0 and summary["target_retained_rate"] == 1.0  # FS keeps every cell

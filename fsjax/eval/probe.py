@@ -111,18 +111,22 @@ def probe(model, variables, tokenizer, *, task, length, seed, chunk=2048):
   return summary, distance
 
 
-def copy_target_hits(selections, sources, *, span, cue, cell, block):
+OFFSET_CELLS = tuple(range(-2, 4))  # cells around the next source token's, for the copy probe's profile
+
+
+def copy_target_hits(selections, sources, *, span, cue, cell, block, offset=0):
   """Whether each scored query of a copy sample selected the cell of the token it should copy next.
 
   A copy sample's last `span` positions repeat the tokens at `source … source + span - 1`. The query at
   `length - span + t` reads copy token t (source token `source + t`), so an induction read fetches source token
   `source + t + 1`, in cell `(source + t + 1) // cell`. The queries are those `fsjax.eval.copy_recall` scores:
-  t = cue - 1 … span - 2.
+  t = cue - 1 … span - 2. With `offset`, the target is the cell of source token `source + t + 1 + offset`.
 
   Args:
     selections: int `[n, length, layers, heads, K]` selected cells (-1 = none).
     sources: int `[n]` source positions.
     span, cue, cell, block: copy span and cue; FS cell `s` and block `B`.
+    offset: tokens from the next source token to the target.
 
   Returns:
     (hits bool `[n, span - cue, layers, heads]`, eligible bool `[n, span - cue]`): `eligible` says whether the
@@ -132,7 +136,7 @@ def copy_target_hits(selections, sources, *, span, cue, cell, block):
   length = selections.shape[1]
   t = np.arange(cue - 1, span - 1)
   queries = length - span + t  # [Q]
-  targets = (np.asarray(sources)[:, None] + t + 1) // cell  # [n, Q]
+  targets = (np.asarray(sources)[:, None] + t + 1 + offset) // cell  # [n, Q]
   hits = (selections[:, queries] == targets[:, :, None, None, None]).any(-1)
   eligible = targets < (queries // block) * (block // cell)
   return hits, eligible
@@ -176,6 +180,14 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
     hits[name], eligible = copy_target_hits(selections[name], sources, span=span, cue=cue, cell=att.cell,
                                             block=att.block)
   rate = lambda h, axis: h[eligible].mean(axis=axis) if eligible.any() else np.full(h.shape[2:], np.nan)
+  # A model need not read the next token's own cell (the CPU pilot of docs/results.md read two cells later):
+  # the selection rate per layer, in copies and controls, of the cells around it.
+  profile = {}
+  for offset in OFFSET_CELLS:
+    for name in selections:
+      shifted, ok = copy_target_hits(selections[name], sources, span=span, cue=cue, cell=att.cell, block=att.block,
+                                     offset=offset * att.cell)
+      profile.setdefault(name, []).append(shifted[ok].mean(axis=(0, 2)).round(4).tolist() if ok.any() else None)
   return dict(length=int(length), samples=int(count), span=int(span), cue=int(cue),
               mean_distance=float(np.mean(length - span - sources)), target_eligible_rate=float(eligible.mean()),
               chance_rate=float(np.mean(chance)),
@@ -183,7 +195,9 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
               copy_selected_rate=float(np.mean(rate(hits["copy"], 0))),
               control_selected_rate=float(np.mean(rate(hits["control"], 0))),
               copy_per_layer_head=rate(hits["copy"], 0).round(4).tolist(),
-              control_per_layer_head=rate(hits["control"], 0).round(4).tolist())
+              control_per_layer_head=rate(hits["control"], 0).round(4).tolist(),
+              offset_cells=list(OFFSET_CELLS), copy_by_offset_layer=profile["copy"],
+              control_by_offset_layer=profile["control"])
 
 
 def plot(out, distance, cell):
@@ -256,6 +270,14 @@ def print_copies(summary):
   print(f"selected: {summary['copy_selected_rate']:.3f} in copies, {summary['control_selected_rate']:.3f} in "
         f"controls, {summary['chance_rate']:.3f} by a uniform choice; eligible targets retained: "
         f"{summary['target_retained_rate']}")
+  print("| cells past the next token's | " + " | ".join(f"layer {i}, copy / control"
+                                                      for i in range(len(summary["copy_per_layer_head"]))) + " |")
+  print("|---|" + "---|" * len(summary["copy_per_layer_head"]))
+  for offset, copy, control in zip(summary["offset_cells"], summary["copy_by_offset_layer"],
+                                   summary["control_by_offset_layer"]):
+    cells = (" | ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(copy, control)) if copy and control
+             else "not eligible")
+    print(f"| {offset:+d} | {cells} |")
 
 
 def main(argv=None):
