@@ -146,7 +146,7 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
   """The copy-sample probe (`--copies`): how often the scored queries select the copy's next source cell.
 
   Args:
-    stream: int32 `[N]` held-out tokens (`fsjax.eval.copy_recall.heldout_stream`).
+    stream: int32 `[N]` held-out tokens (`fsjax.eval.copy_recall.heldout_stream`, or `random_stream`).
     length, count, span, cue, seed: as in `fsjax.eval.copy_recall` (`count` is its `--samples`: the same
       arguments draw the same samples).
 
@@ -154,7 +154,9 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
     A dict: per layer and head the selection rate of the target cell over the scored (sample, query) pairs whose
     target is eligible, in the copies and in their controls; the same rates over all layers and heads; the
     chance rate of a uniform choice among the available cells; the share of eligible targets; the share of
-    (eligible target cell, layer, head) still available at the last scored query (below 1 only for FS-L).
+    (eligible target cell, layer, head) still available at the last scored query (below 1 only for FS-L); and
+    per offset in `OFFSET_CELLS` (cells from the target's), the rate per layer in copies and controls
+    (`copy_by_offset_layer`, `control_by_offset_layer`: `[offsets][layers]`, None where no target is eligible).
   """
   config = model.config
   att = config.attention
