@@ -14,9 +14,10 @@ probes do), chunk by chunk, recording the cells every layer and head selected fo
 `probe.json` holds the numbers; the table is printed.
 
 With `--copies N`, the prompts are instead copy samples drawn by `fsjax.eval.copy_recall`'s sampler (with the
-same seed, span and cue, the samples of `copy_recall --samples N`), and the probe asks whether the copy's scored queries select the cell holding the token
-they should copy next (`copy_target_hits`), against the same cells in the control twins, where the source is
-replaced and only position can draw the read. The rates per layer and head go to `copies.json`.
+same seed, span and cue, the samples of `copy_recall --samples N`), and the probe asks whether the copy's scored
+queries select the cell holding the token they should copy next, and the cells around it (`copy_target_hits`),
+against the same cells in the control twins, where the source is replaced and only position can draw the read.
+The rates per layer and head, and per offset and layer, go to `copies.json`.
 """
 
 import argparse
@@ -138,7 +139,7 @@ def copy_target_hits(selections, sources, *, span, cue, cell, block, offset=0):
   queries = length - span + t  # [Q]
   targets = (np.asarray(sources)[:, None] + t + 1 + offset) // cell  # [n, Q]
   hits = (selections[:, queries] == targets[:, :, None, None, None]).any(-1)
-  eligible = targets < (queries // block) * (block // cell)
+  eligible = cells.first_eligible_block(targets, cell=cell, block=block) <= queries // block  # Eq. 6
   return hits, eligible
 
 
@@ -173,33 +174,38 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
         counts = available.sum(-1)
         chance.append(np.minimum(att.top_k, counts) / np.maximum(counts, 1))
         target_cells = np.arange(source + cue, source + span) // att.cell
-        target_cells = target_cells[target_cells < ((length - 2) // att.block) * (att.block // att.cell)]
+        last_block = (length - 2) // att.block
+        target_cells = target_cells[cells.first_eligible_block(target_cells, cell=att.cell, block=att.block)
+                                    <= last_block]
         if target_cells.size:
           retained.append(available[:, :, target_cells].mean())
     selections[name] = np.stack(recorded)
-  hits, eligible = {}, None
+  # A model need not read the next token's own cell (the CPU pilot of docs/results.md read two cells later), so
+  # the cells around it are scored too. Per name and offset: the rate per (layer, head) over the scored (sample,
+  # query) pairs whose target is eligible, None where none is.
+  rates, eligible = {}, None
   for name in selections:
-    hits[name], eligible = copy_target_hits(selections[name], sources, span=span, cue=cue, cell=att.cell,
-                                            block=att.block)
-  rate = lambda h, axis: h[eligible].mean(axis=axis) if eligible.any() else np.full(h.shape[2:], np.nan)
-  # A model need not read the next token's own cell (the CPU pilot of docs/results.md read two cells later):
-  # the selection rate per layer, in copies and controls, of the cells around it.
-  profile = {}
-  for offset in OFFSET_CELLS:
-    for name in selections:
-      shifted, ok = copy_target_hits(selections[name], sources, span=span, cue=cue, cell=att.cell, block=att.block,
-                                     offset=offset * att.cell)
-      profile.setdefault(name, []).append(shifted[ok].mean(axis=(0, 2)).round(4).tolist() if ok.any() else None)
+    for offset in OFFSET_CELLS:
+      hits, ok = copy_target_hits(selections[name], sources, span=span, cue=cue, cell=att.cell, block=att.block,
+                                  offset=offset * att.cell)
+      rates[name, offset] = hits[ok].mean(axis=0) if ok.any() else None
+      if offset == 0:
+        eligible = ok
+  head_rate = lambda name: (rates[name, 0] if rates[name, 0] is not None
+                            else np.full(selections[name].shape[2:4], np.nan))
+  layer_rate = lambda name, offset: (None if rates[name, offset] is None
+                                    else rates[name, offset].mean(-1).round(4).tolist())
   return dict(length=int(length), samples=int(count), span=int(span), cue=int(cue),
               mean_distance=float(np.mean(length - span - sources)), target_eligible_rate=float(eligible.mean()),
               chance_rate=float(np.mean(chance)),
               target_retained_rate=float(np.mean(retained)) if retained else None,
-              copy_selected_rate=float(np.mean(rate(hits["copy"], 0))),
-              control_selected_rate=float(np.mean(rate(hits["control"], 0))),
-              copy_per_layer_head=rate(hits["copy"], 0).round(4).tolist(),
-              control_per_layer_head=rate(hits["control"], 0).round(4).tolist(),
-              offset_cells=list(OFFSET_CELLS), copy_by_offset_layer=profile["copy"],
-              control_by_offset_layer=profile["control"])
+              copy_selected_rate=float(np.mean(head_rate("copy"))),
+              control_selected_rate=float(np.mean(head_rate("control"))),
+              copy_per_layer_head=head_rate("copy").round(4).tolist(),
+              control_per_layer_head=head_rate("control").round(4).tolist(),
+              offset_cells=list(OFFSET_CELLS),
+              copy_by_offset_layer=[layer_rate("copy", offset) for offset in OFFSET_CELLS],
+              control_by_offset_layer=[layer_rate("control", offset) for offset in OFFSET_CELLS])
 
 
 def plot(out, distance, cell):
