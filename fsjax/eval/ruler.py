@@ -122,8 +122,12 @@ def plot(path, rows):
       ax.plot(*zip(*points), marker="o", label=model)
     ax.set_xscale("log", base=2)
     ax.set(title=task, xlabel="length (tokens)", ylabel="score (0-100)", ylim=(-5, 105))
-  axes[0][0].legend(fontsize="small")
-  figure.tight_layout()
+  # One legend right of the panels: inside a panel it hides the long-length points of a many-model plot.
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  legend_inches = 0.075 * max(map(len, labels)) + 0.6
+  figure.set_figwidth(figure.get_figwidth() + legend_inches)
+  figure.legend(handles, labels, loc="center right", fontsize="small", frameon=False)
+  figure.tight_layout(rect=(0, 0, 1 - legend_inches / figure.get_figwidth(), 1))
   figure.savefig(path, dpi=120)
   plt.close(figure)
 
