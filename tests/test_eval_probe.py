@@ -91,6 +91,13 @@ def test_copy_probe_rates_and_cli(micro_workdir, tmp_path, capsys):
   assert per_head.shape == (config.model.num_layers, config.model.num_heads)
   assert 0.0 <= per_head.min() and per_head.max() <= 1.0
   assert 0.0 < summary["chance_rate"] <= 1.0 and summary["target_retained_rate"] == 1.0  # FS keeps every cell
+  assert summary["retained_chance_rate"] == 1.0
+  fsl = dataclasses.replace(config.model, attention=dataclasses.replace(att, kind="fsl"))
+  pruned = probe.probe_copies(Transformer(fsl), {"params": params, **frozen}, stream, length=192, count=2, span=16,
+                              cue=2, seed=1, chunk=64)
+  eligible = (190 // att.block) * (att.block // att.cell)  # 20 cells, of which the pool keeps P to P + W
+  assert att.retain_top / eligible <= pruned["retained_chance_rate"] <= (att.retain_top + att.retain_recent) / eligible
+  assert 0.0 <= pruned["target_retained_rate"] < 1.0
   assert summary["target_eligible_rate"] == 1.0  # targets end by position 142, eligible from query 160 on
   assert summary["chance_rate"] == pytest.approx(att.top_k / ((190 // att.block) * (att.block // att.cell)))
   assert probe.main(["--checkpoint", str(micro_workdir), "--length", "176", "--copies", "1", "--span", "24",

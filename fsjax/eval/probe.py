@@ -155,7 +155,8 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
     A dict: per layer and head the selection rate of the target cell over the scored (sample, query) pairs whose
     target is eligible, in the copies and in their controls; the same rates over all layers and heads; the
     chance rate of a uniform choice among the available cells; the share of eligible targets; the share of
-    (eligible target cell, layer, head) still available at the last scored query (below 1 only for FS-L); and
+    (eligible target cell, layer, head) still available at the last scored query (below 1 only for FS-L) and the
+    share a pool of the same size drawn uniformly from the eligible cells would keep (`retained_chance_rate`); and
     per offset in `OFFSET_CELLS` (cells from the target's), the rate per layer in copies and controls
     (`copy_by_offset_layer`, `control_by_offset_layer`: `[offsets][layers]`, None where no target is eligible).
   """
@@ -163,7 +164,10 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
   att = config.attention
   check_freesolo(config)
   copies, controls, sources = copy_recall.make_samples(stream, length, count, span, seed)
-  selections, chance, retained = {}, [], []
+  last_block = (length - 2) // att.block
+  all_cells = np.arange(length // att.cell)
+  eligible_cells = int(np.sum(cells.first_eligible_block(all_cells, cell=att.cell, block=att.block) <= last_block))
+  selections, chance, retained, retained_chance = {}, [], [], []
   for name, rows in (("copy", copies), ("control", controls)):
     recorded = []
     for row, source in zip(rows, sources):
@@ -173,8 +177,8 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
         available = availability_at(cache, config, length - 2)  # [layers, heads, M]
         counts = available.sum(-1)
         chance.append(np.minimum(att.top_k, counts) / np.maximum(counts, 1))
+        retained_chance.append(counts / max(eligible_cells, 1))  # a uniform pool of the same size
         target_cells = np.arange(source + cue, source + span) // att.cell
-        last_block = (length - 2) // att.block
         target_cells = target_cells[cells.first_eligible_block(target_cells, cell=att.cell, block=att.block)
                                     <= last_block]
         if target_cells.size:
@@ -199,6 +203,7 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
               mean_distance=float(np.mean(length - span - sources)), target_eligible_rate=float(eligible.mean()),
               chance_rate=float(np.mean(chance)),
               target_retained_rate=float(np.mean(retained)) if retained else None,
+              retained_chance_rate=float(np.mean(retained_chance)),
               copy_selected_rate=float(np.mean(head_rate("copy"))),
               control_selected_rate=float(np.mean(head_rate("control"))),
               copy_per_layer_head=head_rate("copy").round(4).tolist(),
@@ -276,8 +281,10 @@ def print_copies(summary):
   for layer, (copy, control) in enumerate(zip(summary["copy_per_layer_head"], summary["control_per_layer_head"])):
     print(f"| {layer} | {' '.join(f'{a:.2f}/{b:.2f}' for a, b in zip(copy, control))} |")
   print(f"selected: {summary['copy_selected_rate']:.3f} in copies, {summary['control_selected_rate']:.3f} in "
-        f"controls, {summary['chance_rate']:.3f} by a uniform choice; eligible targets retained: "
-        f"{summary['target_retained_rate']}")
+        f"controls, {summary['chance_rate']:.3f} by a uniform choice")
+  if summary["target_retained_rate"] is not None:
+    print(f"eligible targets retained: {summary['target_retained_rate']:.3f}, by a uniform pool of the same size: "
+          f"{summary['retained_chance_rate']:.3f}")
   print("| cells past the next token's | " + " | ".join(f"layer {i}, copy / control"
                                                       for i in range(len(summary["copy_per_layer_head"]))) + " |")
   print("|---|" + "---|" * len(summary["copy_per_layer_head"]))
