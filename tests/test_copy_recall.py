@@ -24,6 +24,23 @@ def test_samples_end_in_a_copy_of_an_early_span_and_controls_differ_only_there()
   np.testing.assert_array_equal(again[0], copies)
 
 
+def test_needle_samples_plant_random_ids_as_the_source_in_the_same_windows():
+  stream = np.random.default_rng(0).integers(1000, 2000, 5000).astype(np.int32)
+  plain, _, plain_sources = copy_recall.make_samples(stream, 400, 6, span=16, seed=1)
+  copies, controls, sources = copy_recall.make_samples(stream, 400, 6, span=16, seed=1, needle_ids=(3, 50))
+  np.testing.assert_array_equal(sources, plain_sources)
+  for row, s in enumerate(sources):
+    needle, decoy = copies[row, s:s + 16], controls[row, s:s + 16]
+    assert needle.min() >= 3 and needle.max() < 50 and decoy.min() >= 3 and decoy.max() < 50
+    assert not np.array_equal(needle, decoy)
+    np.testing.assert_array_equal(copies[row, -16:], needle)
+    np.testing.assert_array_equal(controls[row, -16:], needle)
+    outside = np.ones(400, bool)
+    outside[s:s + 16] = outside[-16:] = False
+    np.testing.assert_array_equal(copies[row, outside], plain[row, outside])  # the haystack is the plain window
+    np.testing.assert_array_equal(controls[row, outside], plain[row, outside])
+
+
 class _NextTokenModel:
   """Logits peaked on a chosen next token: the sequence's true continuation, or a token it never holds."""
 
@@ -52,6 +69,8 @@ def test_scores_count_only_the_copy_tokens_after_the_cue(right):
     (["--lengths", "1024", "--samples", "0"], "--samples"),
     (["--lengths", "1024", "--random-ids", "9,9"], "--random-ids must be MIN,MAX with 0 <= MIN < MAX"),
     (["--lengths", "1024", "--random-ids", "3,99", "--data", "x.txt"], "--random-ids and --data"),
+    (["--lengths", "1024", "--needle-ids", "9"], "--needle-ids must be MIN,MAX with 0 <= MIN < MAX"),
+    (["--lengths", "1024", "--needle-ids", "3,99", "--random-ids", "3,99"], "no needle stands out"),
 ])
 def test_bad_arguments_get_one_clear_error(argv, message, capsys):
   assert copy_recall.main(["--checkpoint", "nowhere", *argv]) == 2
@@ -63,7 +82,7 @@ def test_cli_scores_each_length_and_writes_csv(micro_workdir, tmp_path, capsys):
   assert copy_recall.main(["--checkpoint", str(micro_workdir), "--lengths", "160", "--samples", "3", "--span", "8",
                            "--cue", "2", "--out", str(out)]) == 0
   (row,) = list(csv.DictReader(out.open()))
-  assert row["length"] == "160" and int(row["distance"]) < 160 - 8
+  assert row["length"] == "160" and row["source"] == "text" and int(row["distance"]) < 160 - 8
   assert float(row["recall"]) == pytest.approx(float(row["copy_accuracy"]) - float(row["control_accuracy"]))
   assert f"| {micro_workdir.name}@2 | 160 |" in capsys.readouterr().out
 
@@ -78,6 +97,16 @@ def test_random_id_samples_and_their_vocabulary_check(micro_workdir, tmp_path, c
   args = ["--checkpoint", str(micro_workdir), "--lengths", "160", "--samples", "2", "--span", "8", "--cue", "2"]
   assert copy_recall.main([*args, "--random-ids", "3,40", "--out", str(out)]) == 0
   (row,) = list(csv.DictReader(out.open()))
-  assert row["length"] == "160"
+  assert row["length"] == "160" and row["source"] == "random ids"
   assert copy_recall.main([*args, "--random-ids", "3,100000"]) == 2
   assert "--random-ids must lie below the model's vocab_size=" in capsys.readouterr().err
+  assert copy_recall.main([*args, "--needle-ids", "3,100000"]) == 2
+  assert "--needle-ids must lie below the model's vocab_size=" in capsys.readouterr().err
+
+
+def test_needle_samples_from_the_cli(micro_workdir, tmp_path):
+  out = tmp_path / "copy.csv"
+  assert copy_recall.main(["--checkpoint", str(micro_workdir), "--lengths", "160", "--samples", "2", "--span", "8",
+                           "--cue", "2", "--needle-ids", "3,40", "--out", str(out)]) == 0
+  (row,) = list(csv.DictReader(out.open()))
+  assert row["source"] == "needle ids" and row["length"] == "160"

@@ -109,7 +109,11 @@ def test_copy_probe_rates_and_cli(micro_workdir, tmp_path, capsys):
   assert probe.main(["--checkpoint", str(micro_workdir), "--length", "176", "--copies", "1", "--random-ids", "3,99",
                      "--out", str(tmp_path / "ids")]) == 0
   assert json.loads((tmp_path / "ids" / "copies.json").read_text())["samples"] == 1
+  assert probe.main(["--checkpoint", str(micro_workdir), "--length", "176", "--copies", "1", "--needle-ids", "3,99",
+                     "--out", str(tmp_path / "needles")]) == 0
+  assert "target cell selected, copy / control" in capsys.readouterr().out
   for bad, message in ((["--random-ids", "3,99"], "--random-ids needs --copies"),
+                       (["--needle-ids", "3,99"], "--needle-ids needs --copies"),
                        (["--copies", "1", "--random-ids", "3,99", "--data", "x.txt"], "--random-ids and --data"),
                        (["--copies", "1", "--random-ids", "3,100000"], "below the model's vocab_size")):
     capsys.readouterr()

@@ -1,8 +1,8 @@
 """Long-range copy recall by distance: does a model copy a span it read far back? A generic retrieval probe.
 
     python -m fsjax.eval.copy_recall --checkpoint runs/repro_fs [more ...] --lengths 1024,4096,16384
-        [--samples 50] [--span 24] [--cue 4] [--batch-size 2] [--random-ids 3,2051] [--set KEY=VALUE ...]
-        [--out copy_recall.csv]
+        [--samples 50] [--span 24] [--cue 4] [--batch-size 2] [--random-ids 3,2051 | --needle-ids 3,32000]
+        [--set KEY=VALUE ...] [--out copy_recall.csv]
 
 RULER's NIAH needs a model that follows its question format; a small model can retrieve long before it can do
 that. This probe asks only for retrieval, in the form the copy curriculum (`fsjax.data.copies`) trains, on
@@ -18,7 +18,13 @@ local context alone gives. `recall = accuracy(copy) - accuracy(control)` is the 
 random-row copying warm-up (`data.source: random`), at any distance. There the control's accuracy is chance, so
 recall is all retrieval.
 
-Prints a table (model x length: recall, copy and control accuracy); writes a CSV.
+`--needle-ids MIN,MAX` keeps the held-out text but plants random ids in `[MIN, MAX)` as the source span (and so as
+the copy), and other random ids at the control's source: a needle that stands out of its haystack, as RULER's
+do. The arbitrary text span of the default form gives a model no reason to mark it before the copy begins, so a
+query-independent retention rule (FS-L's key norm, FS Eq. 8) can keep it only by chance; a needle it can.
+
+Prints a table (model x length: recall, copy and control accuracy); writes a CSV (its `source` column: text,
+random ids or needle ids).
 """
 
 import argparse
@@ -52,8 +58,12 @@ def random_stream(ids, length, seed):
   return np.random.default_rng([seed, length]).integers(ids[0], ids[1], 4 * length, dtype=np.int32)
 
 
-def make_samples(stream, length, count, span, seed):
+def make_samples(stream, length, count, span, seed, needle_ids=None):
   """`count` copy samples of `length` tokens and their controls.
+
+  Args:
+    needle_ids: None, or `(MIN, MAX)`: the source span is planted as random ids in `[MIN, MAX)`, and the
+      control's source as other random ids. The windows and source positions are those drawn without it.
 
   Returns:
     (copies, controls, sources): int32 `[count, length]` twice (equal except over each copy's source span) and
@@ -68,11 +78,17 @@ def make_samples(stream, length, count, span, seed):
   sources = rng.integers(0, SOURCE_RANGE, count)
   fillers = rng.integers(0, stream.size - span + 1, count)
   copies = np.stack([stream[a:a + length] for a in starts])
+  if needle_ids is None:
+    replacements = np.stack([stream[f:f + span] for f in fillers])
+  else:
+    needles, replacements = rng.integers(*needle_ids, (2, count, span), dtype=np.int32)
+    for row, s in enumerate(sources):
+      copies[row, s:s + span] = needles[row]
   for row, s in enumerate(sources):
     copies[row, length - span:] = copies[row, s:s + span]
   controls = copies.copy()
-  for row, (s, f) in enumerate(zip(sources, fillers)):
-    controls[row, s:s + span] = stream[f:f + span]
+  for row, s in enumerate(sources):
+    controls[row, s:s + span] = replacements[row]
   return copies, controls, sources
 
 
@@ -114,24 +130,39 @@ def parse_args(argv):
   parser.add_argument("--batch-size", type=int, default=2)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--data", default=None, help="held-out jsonl/txt file or directory (default: packaged)")
-  parser.add_argument("--random-ids", default=None, type=lambda s: tuple(int(n) for n in s.split(",")),
+  parser.add_argument("--random-ids", default=None, type=id_range,
                       help="MIN,MAX: samples of random ids in [MIN, MAX) instead of held-out text")
+  parser.add_argument("--needle-ids", default=None, type=id_range,
+                      help="MIN,MAX: held-out text whose copied span is random ids in [MIN, MAX) (a needle)")
   parser.add_argument("--out", default=None, help="CSV path, rewritten after every length (default: none)")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a model config field of every checkpoint, e.g. --set attention.kind=fsb")
   return parser.parse_args(argv)
 
 
-def check_random_ids(random_ids, data, vocab_size=None):
-  """The `--random-ids MIN,MAX` rules: a range `0 <= MIN < MAX` (below `vocab_size` when given), not with `--data`."""
-  if random_ids is None:
+def id_range(text):
+  return tuple(int(n) for n in text.split(","))
+
+
+def check_id_range(flag, ids, vocab_size=None):
+  """A `MIN,MAX` id range: `0 <= MIN < MAX`, and `MAX <= vocab_size` when given."""
+  if ids is None:
     return
-  if len(random_ids) != 2 or not 0 <= random_ids[0] < random_ids[1]:
-    raise ConfigError(f"--random-ids must be MIN,MAX with 0 <= MIN < MAX, got {random_ids}")
-  if data is not None:
+  if len(ids) != 2 or not 0 <= ids[0] < ids[1]:
+    raise ConfigError(f"{flag} must be MIN,MAX with 0 <= MIN < MAX, got {ids}")
+  if vocab_size is not None and ids[1] > vocab_size:
+    raise ConfigError(f"{flag} must lie below the model's vocab_size={vocab_size}, got {ids}")
+
+
+def check_sample_source(random_ids, needle_ids, data, vocab_size=None):
+  """The rules of `--random-ids`, `--needle-ids` and `--data`, shared by this CLI and the probe's `--copies`."""
+  check_id_range("--random-ids", random_ids, vocab_size)
+  check_id_range("--needle-ids", needle_ids, vocab_size)
+  if random_ids is not None and data is not None:
     raise ConfigError("--random-ids and --data both name the samples' source: give one")
-  if vocab_size is not None and random_ids[1] > vocab_size:
-    raise ConfigError(f"--random-ids must lie below the model's vocab_size={vocab_size}, got {random_ids}")
+  if random_ids is not None and needle_ids is not None:
+    raise ConfigError("--needle-ids plants random ids in held-out text; with --random-ids the whole sample is "
+                      "random and no needle stands out: give one")
 
 
 def check_args(args):
@@ -143,7 +174,7 @@ def check_args(args):
   for length in args.lengths:
     if length < SOURCE_RANGE + 2 * args.span:
       raise ConfigError(f"--lengths: {length} is below {SOURCE_RANGE + 2 * args.span} (source range + 2 spans)")
-  check_random_ids(args.random_ids, args.data)
+  check_sample_source(args.random_ids, args.needle_ids, args.data)
   for assignment in args.set:
     override_model(ModelConfig(), [assignment])
 
@@ -163,22 +194,24 @@ def main(argv=None):
     from fsjax.data.pipeline import default_corpus_path
     from fsjax.eval.loading import load_for_eval
     rows, streams = [], {}
+    source = "random ids" if args.random_ids else "needle ids" if args.needle_ids else "text"
     for path in args.checkpoint:
       name, config, model, variables = load_for_eval(path, args.set)
-      check_random_ids(args.random_ids, args.data, config.model.vocab_size)
+      check_sample_source(args.random_ids, args.needle_ids, args.data, config.model.vocab_size)
       key = config.data.tokenizer
       if args.random_ids is None and key not in streams:
         streams[key] = heldout_stream(args.data or default_corpus_path("valid"), key)
       for length in args.lengths:
         stream = (streams[key] if args.random_ids is None else
                   random_stream(args.random_ids, length, args.seed))
-        copies, controls, sources = make_samples(stream, length, args.samples, args.span, args.seed)
+        copies, controls, sources = make_samples(stream, length, args.samples, args.span, args.seed,
+                                                 args.needle_ids)
         # Copies and controls in one call: `score_copies` compiles once per call and length.
         hits, losses = score_copies(model, variables, np.concatenate([copies, controls]), args.span, args.cue,
                                     args.batch_size)
         (copy_hits, control_hits), copy_losses = np.split(hits, 2), losses[:args.samples]
-        rows.append(dict(model=name, train_length=config.data.seq_len, length=length, samples=args.samples,
-                         distance=int(np.mean(length - args.span - sources)),
+        rows.append(dict(model=name, source=source, train_length=config.data.seq_len, length=length,
+                         samples=args.samples, distance=int(np.mean(length - args.span - sources)),
                          recall=float(copy_hits.mean() - control_hits.mean()), copy_accuracy=float(copy_hits.mean()),
                          control_accuracy=float(control_hits.mean()), copy_loss=float(copy_losses.mean())))
         print(rows[-1], file=sys.stderr, flush=True)

@@ -3,7 +3,7 @@
     python -m fsjax.eval.probe --checkpoint runs/tiny_fs --length 1024 [--task niah_single_2] [--seed 0]
         [--out runs/probe]
     python -m fsjax.eval.probe --checkpoint runs/tiny_fs --length 1024 --copies 20 [--span 24] [--cue 4]
-        [--data FILE | --random-ids MIN,MAX] [--out runs/probe]
+        [--data FILE | --random-ids MIN,MAX] [--needle-ids MIN,MAX] [--out runs/probe]
 
 One RULER NIAH prompt is run through the full-history masked path (the FS archive, also for FS-L, as the paper's
 probes do), chunk by chunk, recording the cells every layer and head selected for every query. Outputs:
@@ -143,13 +143,13 @@ def copy_target_hits(selections, sources, *, span, cue, cell, block, offset=0):
   return hits, eligible
 
 
-def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, seed=0, chunk=2048):
+def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, seed=0, chunk=2048, needle_ids=None):
   """The copy-sample probe (`--copies`): how often the scored queries select the copy's next source cell.
 
   Args:
     stream: int32 `[N]` held-out tokens (`fsjax.eval.copy_recall.heldout_stream`, or `random_stream`).
-    length, count, span, cue, seed: as in `fsjax.eval.copy_recall` (`count` is its `--samples`: the same
-      arguments draw the same samples).
+    length, count, span, cue, seed, needle_ids: as in `fsjax.eval.copy_recall` (`count` is its `--samples`:
+      the same arguments draw the same samples).
 
   Returns:
     A dict: per layer and head the selection rate of the target cell over the scored (sample, query) pairs whose
@@ -163,7 +163,7 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
   config = model.config
   att = config.attention
   check_freesolo(config)
-  copies, controls, sources = copy_recall.make_samples(stream, length, count, span, seed)
+  copies, controls, sources = copy_recall.make_samples(stream, length, count, span, seed, needle_ids)
   last_block = (length - 2) // att.block
   all_cells = np.arange(length // att.cell)
   eligible_cells = int(np.sum(cells.first_eligible_block(all_cells, cell=att.cell, block=att.block) <= last_block))
@@ -255,8 +255,10 @@ def parse_args(argv):
   parser.add_argument("--span", type=int, default=24, help="copy samples: tokens per copy")
   parser.add_argument("--cue", type=int, default=4, help="copy samples: leading copy tokens left unscored")
   parser.add_argument("--data", default=None, help="copy samples: held-out jsonl/txt (default: packaged)")
-  parser.add_argument("--random-ids", default=None, type=lambda s: tuple(int(n) for n in s.split(",")),
+  parser.add_argument("--random-ids", default=None, type=copy_recall.id_range,
                       help="copy samples: MIN,MAX: random ids in [MIN, MAX) instead of held-out text")
+  parser.add_argument("--needle-ids", default=None, type=copy_recall.id_range,
+                      help="copy samples: MIN,MAX: the copied span is random ids in [MIN, MAX) planted in the text")
   return parser.parse_args(argv)
 
 
@@ -269,9 +271,10 @@ def check_copy_args(args):
   if args.copies and args.length < copy_recall.SOURCE_RANGE + 2 * args.span:
     raise ConfigError(f"--length: {args.length} is below {copy_recall.SOURCE_RANGE + 2 * args.span} (copy "
                       "samples: source range + 2 spans)")
-  if args.random_ids is not None and not args.copies:
-    raise ConfigError("--random-ids needs --copies (it draws copy samples)")
-  copy_recall.check_random_ids(args.random_ids, args.data)
+  for flag, value in (("--random-ids", args.random_ids), ("--needle-ids", args.needle_ids)):
+    if value is not None and not args.copies:
+      raise ConfigError(f"{flag} needs --copies (it draws copy samples)")
+  copy_recall.check_sample_source(args.random_ids, args.needle_ids, args.data)
 
 
 def print_copies(summary):
@@ -306,14 +309,14 @@ def main(argv=None):
     model, variables = Transformer(config.model), {"params": params, **frozen}
     check_freesolo(config.model)
     if args.copies:
+      copy_recall.check_sample_source(args.random_ids, args.needle_ids, None, config.model.vocab_size)
       if args.random_ids is not None:
-        copy_recall.check_random_ids(args.random_ids, None, config.model.vocab_size)
         stream = copy_recall.random_stream(args.random_ids, args.length, args.seed)
       else:
         from fsjax.data.pipeline import default_corpus_path
         stream = copy_recall.heldout_stream(args.data or default_corpus_path("valid"), config.data.tokenizer)
       summary = probe_copies(model, variables, stream, length=args.length, count=args.copies, span=args.span,
-                             cue=args.cue, seed=args.seed, chunk=args.chunk)
+                             cue=args.cue, seed=args.seed, chunk=args.chunk, needle_ids=args.needle_ids)
     else:
       summary, distance = probe(model, variables, load_tokenizer(config.data.tokenizer), task=args.task,
                                 length=args.length, seed=args.seed, chunk=args.chunk)
