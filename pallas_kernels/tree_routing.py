@@ -91,7 +91,8 @@ def score_candidates(q, node_keys, node_bias, index, *, position=None, span=None
   Args:
     q: `[batch, heads, d]` rotated queries (one decode token).
     node_keys: `[batch, N, heads, R, d]`; node_bias: `[batch, N, heads, R]` (one tree level).
-    index: `[batch, heads, K]` int32 node indices, NO_NODE for none.
+    index: `[batch, heads, K]` int32 node indices, NO_NODE for none; or `[K]`, one list for every row and head
+      (the top level's, read by every program from one array: broadcasting it would be a kernel of its own).
     position, span: with `position` `[batch]` int32 and `span` the level's keys per node (C^ℓ), nodes not yet
       complete at the position (last key `(node + 1)·span` after it) score −inf too. The top level lists every
       node, so its list is then a constant and needs no masking kernel of its own.
@@ -114,7 +115,9 @@ def score_candidates(q, node_keys, node_bias, index, *, position=None, span=None
     block = min(max(1, _SCORE_ENTRIES // (refs * width)), pl.next_power_of_2(count))
   _power_of_two("block", block, interpret)
   padded = -(-count // block) * block
-  index = pad_axis(index.astype(jnp.int32), 2, padded, NO_NODE)
+  index = pad_axis(index.astype(jnp.int32), index.ndim - 1, padded, NO_NODE)
+  index_spec = (pl.BlockSpec((block,), lambda b, h, c: (c,)) if index.ndim == 1 else
+                pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c)))
   if (position is None) != (span is None):
     raise ValueError("position and span go together: give both or neither")
   position = jnp.zeros((batch,), jnp.int32) if position is None else position.astype(jnp.int32)
@@ -124,7 +127,7 @@ def score_candidates(q, node_keys, node_bias, index, *, position=None, span=None
       in_specs=[pl.BlockSpec((None, None, width), lambda b, h, c: (b, h, 0)),
                 pl.BlockSpec((layers, None, nodes, None, refs, width), lambda b, h, c: (0, b, 0, h, 0, 0)),
                 pl.BlockSpec((layers, None, nodes, None, refs), lambda b, h, c: (0, b, 0, h, 0)),
-                pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c)),
+                index_spec,
                 pl.BlockSpec((1,), lambda b, h, c: (b,)),
                 pl.BlockSpec((1,), lambda b, h, c: (0,))],
       out_specs=pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c)),
@@ -192,7 +195,7 @@ def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, interpret=None):
 
   Args:
     scores: `[batch, heads, K]` float32, −inf where there is no candidate (as `score_candidates` gives).
-    index: `[batch, heads, K]` int32 node of each candidate.
+    index: `[batch, heads, K]` int32 node of each candidate, or `[K]` shared by every row and head.
     p: the level's top-p threshold in (0, 1]; max_nodes: the cap.
     num_warps: warps per (batch, head) program (default: one per 512 candidates, 4 to 8; the H200 sweep is in
       docs/notes.md, ZHA).
@@ -209,18 +212,20 @@ def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, interpret=None):
   if max_nodes < 1:
     raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
   if count == 0:
-    return index
+    return jnp.zeros((batch, heads, 0), jnp.int32)
   width = pl.next_power_of_2(count)
+  row_spec = pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0))
   kept = pl.pallas_call(
       functools.partial(_keep_top_kernel, p=p, max_nodes=max_nodes),
       grid=(batch, heads),
-      in_specs=[pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0))] * 2,
+      in_specs=[row_spec, pl.BlockSpec((width,), lambda b, h: (0,)) if index.ndim == 1 else row_spec],
       out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
       out_shape=jax.ShapeDtypeStruct((batch, heads, width), jnp.int32),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps or min(8, max(4, width // 512)), num_stages=1),
       interpret=interpret,
       name="zha_keep_top_p",
-  )(pad_axis(scores.astype(jnp.float32), 2, width, -jnp.inf), pad_axis(index.astype(jnp.int32), 2, width, NO_NODE))
+  )(pad_axis(scores.astype(jnp.float32), 2, width, -jnp.inf),
+    pad_axis(index.astype(jnp.int32), index.ndim - 1, width, NO_NODE))
   return kept[..., :min(max_nodes, count)]
 
 

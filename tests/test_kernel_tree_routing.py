@@ -126,6 +126,30 @@ def test_keep_top_p(rng, interpret, count, p, max_nodes):
   assert np.all(kept[1, 2] == tree_routing.NO_NODE) and np.any(kept[0, 1] >= 0)
 
 
+@pytest.mark.parametrize("interpret", kernel_modes())
+def test_a_shared_list_equals_its_broadcast(rng, interpret):
+  """Both kernels take one `[K]` list for every row and head (the top level's): the same as the list broadcast
+  to `[batch, heads, K]`, with NO_NODE entries and the completeness test."""
+  batch, nodes, heads, refs, dim, count = 2, 40, 3, 4, 32, 64
+  q = jnp.asarray(rng.standard_normal((batch, heads, dim)), jnp.float32)
+  keys = jnp.asarray(rng.standard_normal((batch, nodes, heads, refs, dim)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal((batch, nodes, heads, refs)), jnp.float32)
+  shared = np.where(np.arange(count) < nodes, np.arange(count), tree_routing.NO_NODE).astype(np.int32)
+  broadcast = jnp.broadcast_to(shared, (batch, heads, count))
+  complete_only = dict(position=jnp.asarray([4 * nodes - 1, 70]), span=4)
+  scores = tree_routing.score_candidates(q, keys, bias, jnp.asarray(shared), interpret=interpret, **complete_only)
+  np.testing.assert_array_equal(scores, tree_routing.score_candidates(q, keys, bias, broadcast, interpret=interpret,
+                                                                      **complete_only))
+  complete = np.asarray([nodes - 1, 17])  # (node + 1)·4 <= position: nodes 0-38 at 159, 0-16 at 70
+  for row, first_missing in enumerate(complete):
+    assert np.isfinite(np.asarray(scores)[row, :, :first_missing]).all()
+    assert np.isneginf(np.asarray(scores)[row, :, first_missing:]).all()
+  kept = tree_routing.keep_top_p(scores, jnp.asarray(shared), p=0.8, max_nodes=8, interpret=interpret)
+  np.testing.assert_array_equal(kept, tree_routing.keep_top_p(scores, broadcast, p=0.8, max_nodes=8,
+                                                              interpret=interpret))
+  assert kept.shape == (batch, heads, 8) and np.any(np.asarray(kept) >= 0)
+
+
 def test_keep_top_p_rejects_a_threshold_outside_0_1_and_an_empty_cap():
   with pytest.raises(ValueError, match=r"p must be in \(0, 1\], got 1.5"):
     tree_routing.keep_top_p(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1, 4), jnp.int32), p=1.5, max_nodes=2)

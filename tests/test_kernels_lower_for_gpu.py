@@ -39,9 +39,15 @@ def test_zha_scoring_and_selection_lower():
                                                                          interpret=False),
                    q, shape((1, 12, 2, 1, 64), bf16), shape((1, 12, 2, 1), bf16), index, shape((1,), i32),
                    kernels=["zha_score_candidates"])
+  _lowers_for_cuda(lambda q, k, b, i, pos: tree_routing.score_candidates(q, k, b, i, position=pos, span=64,
+                                                                         interpret=False),
+                   q, shape((1, 12, 2, 4, 64), bf16), shape((1, 12, 2, 4), bf16), shape((32,), i32),
+                   shape((1,), i32), kernels=["zha_score_candidates"])  # the top level's shared list
   for width in (16, 4096):
     _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=0.9, max_nodes=8, interpret=False),
                      shape((1, 2, width), f32), shape((1, 2, width), i32), kernels=["zha_keep_top_p"])
+    _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=0.9, max_nodes=8, interpret=False),
+                     shape((1, 2, width), f32), shape((width,), i32), kernels=["zha_keep_top_p"])
   _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=1.0, max_nodes=8, interpret=False),
                    shape((1, 2, 64), f32), shape((1, 2, 64), i32), kernels=["zha_keep_top_p"])
 

@@ -192,10 +192,9 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
 
   top = cache.keys[-1].shape[1]
   candidates = top
-  if kernels:  # a constant list: the scoring kernel drops the nodes not complete at the position
+  if kernels:  # one constant list for every row and head: the scoring kernel drops nodes not complete at the position
     nodes = jnp.arange(tree_routing.list_width(top))
-    index = jnp.broadcast_to(jnp.where(nodes < top, nodes, tree_routing.NO_NODE), (batch, heads, nodes.size))
-    valid = None
+    index, valid = jnp.where(nodes < top, nodes, tree_routing.NO_NODE), None
   else:
     index = jnp.broadcast_to(jnp.arange(top), (batch, heads, top))
     valid = zha.node_last_key(index, chunk, levels) <= i
