@@ -60,22 +60,45 @@ def _stack(array, layer, axes):
   return array, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
-def _score_kernel(q_ref, keys_ref, bias_ref, index_ref, position_ref, layer_ref, out_ref, *, scale, span):
-  """q_ref `[d]`, keys_ref `[L, N, R, d]`, bias_ref `[L, N, R]` of which layer `layer_ref[0]` is read,
-  index_ref `[BK]`, position_ref `[1]` → out_ref `[BK]` (−inf for NO_NODE, and with `span` for nodes whose last
-  key `(node + 1)·span` is after the position). The block's nodes are read as one gather `[BK, R, d]`: a loop
-  over them made each program a chain of dependent loads (6.4 µs for 1,024 candidates on an H200)."""
+def _node_scores(q_ref, keys_ref, bias_ref, layer_ref, index, valid, *, scale):
+  """`[BK]` scores of nodes `index` (−inf where not `valid`). The block's nodes are read as one gather
+  `[BK, R, d]`: a loop over them made each program a chain of dependent loads (6.4 µs for 1,024 candidates on
+  an H200)."""
   q = q_ref[...].astype(jnp.float32)
-  index = index_ref[...]
   layer = layer_ref[0]
   node = jnp.maximum(index, 0)
   keys = keys_ref[layer, node, :, :].astype(jnp.float32)  # [BK, R, d]
   bias = bias_ref[layer, node, :].astype(jnp.float32)  # [BK, R]
   scores = jnp.max(jnp.sum(keys * q[None, None, :], axis=2) * scale + bias, axis=1)
+  return jnp.where(valid, scores, -jnp.inf)
+
+
+def _score_kernel(q_ref, keys_ref, bias_ref, index_ref, position_ref, layer_ref, out_ref, *, scale, span):
+  """q_ref `[d]`, keys_ref `[L, N, R, d]`, bias_ref `[L, N, R]` of which layer `layer_ref[0]` is read,
+  index_ref `[BK]`, position_ref `[1]` → out_ref `[BK]` (−inf for NO_NODE, and with `span` for nodes whose last
+  key `(node + 1)·span` is after the position)."""
+  index = index_ref[...]
   valid = index >= 0
   if span is not None:
     valid &= (index + 1) * span <= position_ref[0]
-  out_ref[...] = jnp.where(valid, scores, -jnp.inf)
+  out_ref[...] = _node_scores(q_ref, keys_ref, bias_ref, layer_ref, index, valid, scale=scale)
+
+
+def _score_children_kernel(q_ref, keys_ref, bias_ref, parents_ref, position_ref, layer_ref, out_ref, index_ref,
+                           *, scale, chunk, span, parents, block):
+  """As `_score_kernel`, for the list `score_children` describes, built here from parents_ref `[W]` (the kept
+  parents first, then NO_NODE): candidate j < parents·C is child j % C of parent j // C; the next C − 1 are the
+  complete nodes after the last parent-level node (ZHA III-C's parentless nodes); the rest are NO_NODE. The
+  list goes to index_ref `[BK]`, for the selection."""
+  j = pl.program_id(2) * block + jnp.arange(block)
+  parent = parents_ref[jnp.minimum(j // chunk, parents - 1)]
+  orphan = chunk * (position_ref[0] // (span * chunk)) + j - parents * chunk
+  is_child = j < parents * chunk
+  is_orphan = ~is_child & (j < parents * chunk + chunk - 1)
+  valid = (is_child & (parent >= 0)) | (is_orphan & ((orphan + 1) * span <= position_ref[0]))
+  index = jnp.where(valid, jnp.where(is_child, parent * chunk + j % chunk, orphan), NO_NODE)  # reads stay in bounds
+  index_ref[...] = index
+  out_ref[...] = _node_scores(q_ref, keys_ref, bias_ref, layer_ref, index, valid, scale=scale)
 
 
 # Node-key entries one scoring program gathers: large enough to hide the loads' latency, small enough to stay in
@@ -139,6 +162,62 @@ def score_candidates(q, node_keys, node_bias, index, *, position=None, span=None
   return scores[..., :count]
 
 
+@functools.partial(jax.jit, static_argnames=("parents_kept", "chunk", "span", "block", "interpret"))
+def score_children(q, node_keys, node_bias, parents, position, *, parents_kept, chunk, span, layer=None, block=None,
+                   interpret=None):
+  """`score_candidates` over a lower level's list, built in the kernel from the level above's kept nodes: the
+  children of each kept parent, in parent order, then the C − 1 complete nodes after the last complete
+  parent-level node (ZHA III-C: their parent is not complete, so no parent passed them down). Building the list
+  in the kernel saves the XLA kernels that would build it between the selection and the scoring.
+
+  Args:
+    q, node_keys, node_bias, layer, block: as `score_candidates` (one tree level).
+    parents: `[batch, heads, W]` int32, the level above's kept nodes first, then NO_NODE (`keep_top_p` with
+      `full_row=True`); its first `parents_kept` entries are read.
+    position: `[batch]` int32 query positions; chunk: C; span: keys per node at this level (C^ℓ).
+
+  Returns:
+    (scores `[batch, heads, K]` float32, index `[batch, heads, K]` int32) with `K = list_width(parents_kept·C +
+    C − 1)`: the list's nodes (NO_NODE for a dropped parent's children, an incomplete parentless node, and
+    after the list) and their scores (−inf there).
+  """
+  interpret = default_interpret() if interpret is None else interpret
+  batch, heads, dim = q.shape
+  (node_keys, layer_index), (node_bias, _) = _stack(node_keys, layer, 5), _stack(node_bias, layer, 4)
+  layers, _, nodes, _, refs, _ = node_keys.shape
+  _power_of_two("refs", refs, interpret)
+  _power_of_two("chunk", chunk, interpret)
+  if not 1 <= parents_kept <= parents.shape[-1]:
+    raise ValueError(f"parents_kept must be in [1, {parents.shape[-1]}] (the parents row's width), got "
+                     f"{parents_kept}")
+  count = list_width(parents_kept * chunk + chunk - 1)
+  width = pl.next_power_of_2(dim)
+  if block is None:
+    block = min(max(1, _SCORE_ENTRIES // (refs * width)), count)
+  _power_of_two("block", block, interpret)
+  row = parents.shape[-1]
+  block_spec = pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c))
+  scores, index = pl.pallas_call(
+      functools.partial(_score_children_kernel, scale=1.0 / math.sqrt(dim), chunk=chunk, span=span,
+                        parents=parents_kept, block=block),
+      grid=(batch, heads, count // block),
+      in_specs=[pl.BlockSpec((None, None, width), lambda b, h, c: (b, h, 0)),
+                pl.BlockSpec((layers, None, nodes, None, refs, width), lambda b, h, c: (0, b, 0, h, 0, 0)),
+                pl.BlockSpec((layers, None, nodes, None, refs), lambda b, h, c: (0, b, 0, h, 0)),
+                pl.BlockSpec((None, None, row), lambda b, h, c: (b, h, 0)),
+                pl.BlockSpec((1,), lambda b, h, c: (b,)),
+                pl.BlockSpec((1,), lambda b, h, c: (0,))],
+      out_specs=[block_spec, block_spec],
+      out_shape=[jax.ShapeDtypeStruct((batch, heads, count), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, heads, count), jnp.int32)],
+      compiler_params=plgpu.CompilerParams(num_warps=4 if block * refs * width >= 4096 else 1, num_stages=1),
+      interpret=interpret,
+      name="zha_score_children",
+  )(pad_head_dim(q), pad_head_dim(node_keys), node_bias, parents.astype(jnp.int32), position.astype(jnp.int32),
+    layer_index)
+  return scores, index
+
+
 def _sortable(scores):
   """float32 → int32 keys whose signed order is the scores' order (negative floats have their magnitude bits
   flipped)."""
@@ -189,21 +268,24 @@ def _keep_top_kernel(scores_ref, index_ref, out_ref, *, p, max_nodes):
   out_ref[dest] = jnp.where(kept, index, NO_NODE)
 
 
-@functools.partial(jax.jit, static_argnames=("p", "max_nodes", "num_warps", "interpret"))
-def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, interpret=None):
+@functools.partial(jax.jit, static_argnames=("p", "max_nodes", "full_row", "num_warps", "interpret"))
+def keep_top_p(scores, index, *, p, max_nodes, full_row=False, num_warps=None, interpret=None):
   """Capped top-p selection over candidate lists: the nodes `fsjax.cache.zha._keep_top` keeps, in list order.
 
   Args:
     scores: `[batch, heads, K]` float32, −inf where there is no candidate (as `score_candidates` gives).
     index: `[batch, heads, K]` int32 node of each candidate, or `[K]` shared by every row and head.
     p: the level's top-p threshold in (0, 1]; max_nodes: the cap.
+    full_row: return the kernel's whole power-of-two row instead of its first `min(max_nodes, K)` entries (the
+      rest are NO_NODE). For `score_children`: a slice that feeds another kernel is a copy kernel of its own.
     num_warps: warps per (batch, head) program (default: one per 512 candidates, 4 to 8; the H200 sweep is in
       docs/notes.md, ZHA).
 
   Returns:
-    `[batch, heads, min(max_nodes, K)]` int32 kept nodes in list order, then NO_NODE. Ties rank the earlier
-    candidate first, as `lax.top_k`. The mass above each candidate is summed in another order than the jnp
-    path's running sum, so a candidate whose mass lies within float32 rounding of p·total may go either way.
+    `[batch, heads, min(max_nodes, K)]` int32 kept nodes in list order, then NO_NODE (with `full_row`, `[batch,
+    heads, next_power_of_2(K)]`). Ties rank the earlier candidate first, as `lax.top_k`. The mass above each
+    candidate is summed in another order than the jnp path's running sum, so a candidate whose mass lies within
+    float32 rounding of p·total may go either way.
   """
   interpret = default_interpret() if interpret is None else interpret
   batch, heads, count = scores.shape
@@ -226,7 +308,7 @@ def keep_top_p(scores, index, *, p, max_nodes, num_warps=None, interpret=None):
       name="zha_keep_top_p",
   )(pad_axis(scores.astype(jnp.float32), 2, width, -jnp.inf),
     pad_axis(index.astype(jnp.int32), index.ndim - 1, width, NO_NODE))
-  return kept[..., :min(max_nodes, count)]
+  return kept if full_row else kept[..., :min(max_nodes, count)]
 
 
 def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, layer_ref, out_ref, lse_ref, *, chunk,

@@ -150,6 +150,52 @@ def test_a_shared_list_equals_its_broadcast(rng, interpret):
   assert kept.shape == (batch, heads, 8) and np.any(np.asarray(kept) >= 0)
 
 
+@pytest.mark.parametrize("interpret", kernel_modes())
+@pytest.mark.parametrize("chunk,parents_kept", [(4, 5), (8, 3), (2, 1)])
+def test_score_children_builds_the_list_below_the_kept_parents(rng, interpret, chunk, parents_kept):
+  """The list a lower level scores, built in the kernel from the kept row above (kept parents first, dropped
+  ones and the row's tail NO_NODE): each kept parent's C children in parent order, then the C − 1 nodes after the
+  last complete parent-level node where they are complete, then NO_NODE; scores as `score_candidates` gives."""
+  batch, heads, refs, dim, nodes = 2, 3, 4, 32, 64
+  span = chunk  # scoring level 1; its parents are level-2 nodes of C² keys
+  q = jnp.asarray(rng.standard_normal((batch, heads, dim)), jnp.float32)
+  keys = jnp.asarray(rng.standard_normal((batch, nodes, heads, refs, dim)), jnp.float32)
+  bias = jnp.asarray(rng.standard_normal((batch, nodes, heads, refs)), jnp.float32)
+  position = np.array([chunk * chunk * 5 + 2 * chunk + 1, chunk * chunk * 3 + chunk - 1])  # 2 and 0 parentless
+  complete_parents = position // chunk**2
+  row = np.full((batch, heads, 16), tree_routing.NO_NODE, np.int32)
+  for b in range(batch):
+    for h in range(heads):
+      kept = np.sort(rng.choice(complete_parents[b], min(parents_kept, complete_parents[b]), replace=False))
+      kept = kept[rng.random(kept.size) < 0.8]  # some heads keep fewer than the cap
+      row[b, h, :kept.size] = kept
+  scores, index = tree_routing.score_children(q, keys, bias, jnp.asarray(row), jnp.asarray(position),
+                                              parents_kept=parents_kept, chunk=chunk, span=span,
+                                              interpret=interpret)
+  width = tree_routing.list_width(parents_kept * chunk + chunk - 1)
+  assert scores.shape == index.shape == (batch, heads, width)
+  for b in range(batch):
+    parentless = chunk * complete_parents[b] + np.arange(chunk - 1)
+    parentless = np.where((parentless + 1) * span <= position[b], parentless, tree_routing.NO_NODE)
+    for h in range(heads):
+      parents = row[b, h, :parents_kept]
+      children = np.where(parents[:, None] >= 0, parents[:, None] * chunk + np.arange(chunk), tree_routing.NO_NODE)
+      expected = np.concatenate([children.ravel(), parentless])
+      expected = np.pad(expected, (0, width - expected.size), constant_values=tree_routing.NO_NODE)
+      np.testing.assert_array_equal(np.asarray(index)[b, h], expected, err_msg=f"row {b}, head {h}")
+  assert (np.asarray(index)[1, :, parents_kept * chunk:] == tree_routing.NO_NODE).all()  # no parentless at row 1
+  listed = tree_routing.score_candidates(q, keys, bias, index, interpret=interpret)
+  np.testing.assert_array_equal(scores, listed)
+  assert np.isneginf(np.asarray(scores)[np.asarray(index) < 0]).all()
+
+
+def test_score_children_rejects_a_count_outside_the_parents_row():
+  with pytest.raises(ValueError, match=r"parents_kept must be in \[1, 16\]"):
+    tree_routing.score_children(jnp.zeros((1, 1, 8)), jnp.zeros((1, 4, 1, 2, 8)), jnp.zeros((1, 4, 1, 2)),
+                                jnp.zeros((1, 1, 16), jnp.int32), jnp.zeros((1,), jnp.int32), parents_kept=17,
+                                chunk=2, span=2)
+
+
 def test_keep_top_p_rejects_a_threshold_outside_0_1_and_an_empty_cap():
   with pytest.raises(ValueError, match=r"p must be in \(0, 1\], got 1.5"):
     tree_routing.keep_top_p(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1, 4), jnp.int32), p=1.5, max_nodes=2)

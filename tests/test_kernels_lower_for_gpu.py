@@ -50,6 +50,13 @@ def test_zha_scoring_and_selection_lower():
                      shape((1, 2, width), f32), shape((width,), i32), kernels=["zha_keep_top_p"])
   _lowers_for_cuda(lambda s, i: tree_routing.keep_top_p(s, i, p=1.0, max_nodes=8, interpret=False),
                    shape((1, 2, 64), f32), shape((1, 2, 64), i32), kernels=["zha_keep_top_p"])
+  for stacked in (False, True):  # a lower level's list, built in the kernel from the kept row above
+    layer = dict(layer=jnp.int32(1)) if stacked else {}
+    _lowers_for_cuda(lambda q, k, b, parents, pos: tree_routing.score_children(
+        q, k, b, parents, pos, parents_kept=8, chunk=8, span=8, interpret=False, **layer),
+        q, shape((3, 1, 64, 2, 4, 64) if stacked else (1, 64, 2, 4, 64), bf16),
+        shape((3, 1, 64, 2, 4) if stacked else (1, 64, 2, 4), bf16), shape((1, 2, 16), i32), shape((1,), i32),
+        kernels=["zha_score_children"])
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["plain", "stacked"])

@@ -166,15 +166,13 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
     kept leaves `[batch, heads, M]` (M = min(max_nodes, candidates)), their keep mask, and the fraction of
     visible keys read, `[batch, heads]`.
   """
+  if kernels:
+    return _route_with_kernels(cache, q, position, chunk=chunk, top_p=top_p, max_nodes=max_nodes)
   batch, heads, dim = q.shape
   i = position[:, None, None]
   levels = len(cache.keys)
 
-  def scores_of(level, index, valid):
-    if kernels:  # `index` holds NO_NODE where not valid; the top level's list is every node (see below)
-      (level_keys, layer), (level_bias, _) = _in_place(cache.keys[level - 1]), _in_place(cache.bias[level - 1])
-      complete_only = dict(position=position, span=chunk**level) if level == levels else {}
-      return tree_routing.score_candidates(q, level_keys, level_bias, index, layer=layer, **complete_only)
+  def scores_of(level, index):
     level_keys, level_bias = read(cache.keys[level - 1]), read(cache.bias[level - 1])
     dtype = jnp.promote_types(q.dtype, jnp.float32)  # as the kernel: half-precision scores tie and reorder nodes
     keys = _gather_nodes(level_keys, index).astype(dtype)  # [batch, heads, K, R, d]
@@ -182,48 +180,52 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
     return jnp.max(jnp.einsum("bhd,bhkrd->bhkr", q.astype(dtype), keys, precision=PRECISION) / math.sqrt(dim)
                    + bias, -1)
 
-  def listed(index, valid):
-    """The kernels' lists: NO_NODE where not valid, at the width they tile, so that no kernel pads them."""
-    if not kernels:
-      return index, valid
-    extra = ((0, 0), (0, 0), (0, tree_routing.list_width(index.shape[-1]) - index.shape[-1]))
-    nodes = jnp.pad(jnp.where(valid, index, tree_routing.NO_NODE), extra, constant_values=tree_routing.NO_NODE)
-    return nodes, jnp.pad(valid, extra)
-
   top = cache.keys[-1].shape[1]
-  candidates = top
-  if kernels:  # one constant list for every row and head: the scoring kernel drops nodes not complete at the position
-    nodes = jnp.arange(tree_routing.list_width(top))
-    index, valid = jnp.where(nodes < top, nodes, tree_routing.NO_NODE), None
-  else:
-    index = jnp.broadcast_to(jnp.arange(top), (batch, heads, top))
-    valid = zha.node_last_key(index, chunk, levels) <= i
+  index = jnp.broadcast_to(jnp.arange(top), (batch, heads, top))
+  valid = zha.node_last_key(index, chunk, levels) <= i
   for level in range(levels, 0, -1):
-    scores = scores_of(level, index, valid)
-    if kernels:  # kept nodes in list order, which is node order
-      kept = tree_routing.keep_top_p(scores, index, p=top_p[level - 1], max_nodes=min(max_nodes, candidates))
-      keep = kept != tree_routing.NO_NODE
-      kept = jnp.maximum(kept, 0)
-    else:
-      kept, keep = _keep_top(scores, index, valid, top_p[level - 1], max_nodes)
-      if level > 1:  # the leaves are a set: their order does not matter
-        kept = jnp.sort(jnp.where(keep, kept, jnp.iinfo(jnp.int32).max), axis=-1)
-        keep = kept != jnp.iinfo(jnp.int32).max
-        kept = jnp.where(keep, kept, 0)
+    kept, keep = _keep_top(scores_of(level, index), index, valid, top_p[level - 1], max_nodes)
     if level == 1:
       break
     # The next list is the kept nodes' children, then the complete nodes whose parent is not. Putting the ≤
     # max_nodes kept nodes in node order (dropped ones last) keeps every valid candidate of that list in order.
+    kept = jnp.sort(jnp.where(keep, kept, jnp.iinfo(jnp.int32).max), axis=-1)
+    keep = kept != jnp.iinfo(jnp.int32).max
+    kept = jnp.where(keep, kept, 0)
     children = (kept[..., None] * chunk + jnp.arange(chunk)).reshape(batch, heads, -1)
     parentless = chunk * (i // chunk**level) + jnp.arange(chunk - 1)
-    candidates = children.shape[-1] + chunk - 1
-    index, valid = listed(
-        jnp.concatenate([children, jnp.broadcast_to(parentless, (batch, heads, chunk - 1))], axis=-1),
-        jnp.concatenate([jnp.repeat(keep, chunk, axis=-1),
-                         jnp.broadcast_to(zha.node_last_key(parentless, chunk, level - 1) <= i,
-                                          (batch, heads, chunk - 1))], axis=-1))
+    index = jnp.concatenate([children, jnp.broadcast_to(parentless, (batch, heads, chunk - 1))], axis=-1)
+    valid = jnp.concatenate([jnp.repeat(keep, chunk, axis=-1),
+                             jnp.broadcast_to(zha.node_last_key(parentless, chunk, level - 1) <= i,
+                                              (batch, heads, chunk - 1))], axis=-1)
   reached = jnp.sum(keep, axis=-1) * chunk + 1 + i[..., 0] % chunk  # key 0, kept leaves, 1 + C⌊i/C⌋ … i
   return kept, keep, reached / (i[..., 0] + 1)
+
+
+def _route_with_kernels(cache: ZHACache, q, position, *, chunk, top_p, max_nodes):
+  """`route_gathered` on `pallas_kernels.tree_routing`, two launches per level: the top level scores one
+  constant list for every row and head (the kernel drops nodes not complete at the position), each level below
+  the list `score_children` builds in the kernel from the kept row above, and `keep_top_p` keeps each level's
+  nodes in list order, which is node order, so the children's list is in node order too. (The leaves are a
+  set; they stay in list order.)"""
+  top = cache.keys[-1].shape[1]
+  nodes = jnp.arange(tree_routing.list_width(top))
+  index, kept, count = jnp.where(nodes < top, nodes, tree_routing.NO_NODE), None, top
+  for level in range(len(cache.keys), 0, -1):
+    (level_keys, layer), (level_bias, _) = _in_place(cache.keys[level - 1]), _in_place(cache.bias[level - 1])
+    if kept is None:
+      scores = tree_routing.score_candidates(q, level_keys, level_bias, index, position=position,
+                                             span=chunk**level, layer=layer)
+    else:
+      scores, index = tree_routing.score_children(q, level_keys, level_bias, kept, position, parents_kept=cap,
+                                                  chunk=chunk, span=chunk**level, layer=layer)
+      count = cap * chunk + chunk - 1
+    cap = min(max_nodes, count)
+    kept = tree_routing.keep_top_p(scores, index, p=top_p[level - 1], max_nodes=cap, full_row=level > 1)
+  keep = kept != tree_routing.NO_NODE
+  i = position[:, None]
+  reached = jnp.sum(keep, axis=-1) * chunk + 1 + i % chunk  # key 0, kept leaves, 1 + C⌊i/C⌋ … i
+  return jnp.maximum(kept, 0), keep, reached / (i + 1)
 
 
 def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_nodes, kernels=False):
