@@ -21,7 +21,8 @@ recall is all retrieval.
 `--needle-ids MIN,MAX` keeps the held-out text but plants random ids in `[MIN, MAX)` as the source span (and so as
 the copy), and other random ids at the control's source: a needle that stands out of its haystack, as RULER's
 do. The arbitrary text span of the default form gives a model no reason to mark it before the copy begins, so a
-query-independent retention rule (FS-L's key norm, FS Eq. 8) can keep it only by chance; a needle it can.
+query-independent retention rule (FS-L's key norm, FS Eq. 8) favors it only as it favors any span like it; a
+needle it can single out.
 
 Prints a table (model x length: recall, copy and control accuracy); writes a CSV (its `source` column: text,
 random ids or needle ids).
