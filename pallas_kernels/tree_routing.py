@@ -1,5 +1,5 @@
-"""ZHA decode kernels (ZHA III-C): node scoring over a gathered candidate list, the capped top-p selection of
-each level, and the final attention over the keys the routing reached (key 0, the kept leaves' chunks, the
+"""ZHA decode kernels (ZHA III-C): node scoring over a candidate list (given, or built in the kernel from the
+kept nodes of the level above), the capped top-p selection of each level, and the final attention over the keys the routing reached (key 0, the kept leaves' chunks, the
 current chunk). `fsjax.cache.zha.attend_gathered` is their jnp specification.
 
 The selection replaces `lax.top_k`, which XLA lowers on a GPU to a full sort of every candidate list (at 256k
@@ -166,9 +166,9 @@ def score_candidates(q, node_keys, node_bias, index, *, position=None, span=None
 def score_children(q, node_keys, node_bias, parents, position, *, parents_kept, chunk, span, layer=None, block=None,
                    interpret=None):
   """`score_candidates` over a lower level's list, built in the kernel from the level above's kept nodes: the
-  children of each kept parent, in parent order, then the C − 1 complete nodes after the last complete
-  parent-level node (ZHA III-C: their parent is not complete, so no parent passed them down). Building the list
-  in the kernel saves the XLA kernels that would build it between the selection and the scoring.
+  children of each kept parent, in parent order, then the C − 1 nodes after the last complete parent-level
+  node's children, where complete (ZHA III-C: their parent is not complete, so no parent passed them down).
+  Building the list in the kernel saves the XLA kernels that would build it between selection and scoring.
 
   Args:
     q, node_keys, node_bias, layer, block: as `score_candidates` (one tree level).
