@@ -1,6 +1,7 @@
 """ZHA decode kernels (ZHA III-C): node scoring over a candidate list (given, or built in the kernel from the
-kept nodes of the level above), the capped top-p selection of each level, and the final attention over the keys the routing reached (key 0, the kept leaves' chunks, the
-current chunk). `fsjax.cache.zha.attend_gathered` is their jnp specification.
+kept nodes of the level above), the capped top-p selection of each level, and the final attention over the keys
+the routing reached (key 0, the kept leaves' chunks, the current chunk). `fsjax.cache.zha.attend_gathered` is
+their jnp specification.
 
 The selection replaces `lax.top_k`, which XLA lowers on a GPU to a full sort of every candidate list (at 256k
 tokens and C=8, L=2 that sort was a third of the decode step's kernel time). A cap of `max_nodes` over a top-p
