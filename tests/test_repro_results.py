@@ -41,6 +41,25 @@ def test_results_page_tables_are_the_raw_files(collector, tmp_path):
     assert row.replace(f"| {name} |", f"| {WORKDIR_NAMES[name]} |", 1) in page
 
 
+RUN13 = REPO / "docs" / "results" / "h200_run13"
+RUN13_NAMES = {"repro_tfpp@3500": "TF++ (run 12, 3,500 steps)", "fs7k@7000": "FS (7,000 steps)",
+               "fs7k@7000[top_k=16]": "FS read with K = 16 (`--set attention.top_k=16`)",
+               "fs7k@7000[kind=fsb]": "FS-B (FS weights, τ median 16.5)",
+               "fsl7k@200": "FS-L (200 CPT steps, P = 32 cells)", "fsl7k800@800": "FS-L, 800 CPT steps",
+               "fsl7k@200[retain_top=64]": "FS-L (200 steps) read with P = 64",
+               "fsl7k@200[retain_top=128]": "FS-L (200 steps) read with P = 128"}
+
+
+def test_run13_copy_table_is_the_raw_files(collector):
+  """Run 13's copy-recall table on the page (its names, and − for a negative sign) is the collector's."""
+  page = (REPO / "docs" / "results.md").read_text().replace("−", "-")
+  rows = _rows(collector.copy_table(collector.copy_rows(RUN13 / "repro_eval")))
+  assert len(rows) == len(RUN13_NAMES)
+  for row in rows:
+    name = row.split(" | ")[0][2:]
+    assert row.replace(f"| {name} |", f"| {RUN13_NAMES[name]} |", 1) in page
+
+
 def test_collector_writes_both_plots(collector, tmp_path, capsys):
   collector.main(["--runs", str(RUN), "--plot", str(tmp_path / "r.png"), "--loss-plot", str(tmp_path / "l.png")])
   assert (tmp_path / "r.png").stat().st_size > 0 and (tmp_path / "l.png").stat().st_size > 0
