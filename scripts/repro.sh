@@ -11,6 +11,7 @@
 # one documented CLI call (the commands are printed), so any of them can be rerun alone. Outputs:
 #   runs/repro_<model>/            checkpoints, metrics.jsonl, eval.json (held-out loss at 1x)
 #   runs/repro_eval/copy_<model>.csv long-range copy recall by distance (fsjax.eval.copy_recall)
+#   runs/repro_eval/needles_<model>.csv the same with random-id needles as the copied span (--needle-ids)
 #   runs/repro_eval/ruler_<model>/ RULER S-NIAH-1/2/3 scores.csv and every prediction (ruler_long_<model>/
 #                                  for lengths beyond 8k)
 #   runs/repro_eval/ppl_<model>.csv held-out loss (and ZHA keys attended) by position at 16x
@@ -50,14 +51,17 @@ train() { step "train_$1" python train.py --config "configs/repro/repro_$1.yaml"
 lengths_between() { tr , '\n' <<<"$1" | awk -v low="$2" -v high="$3" '$1 >= low && $1 <= high' | paste -sd,; }
 
 # evaluate MODEL CHECKPOINT BATCH MAX_PROBE_LENGTH [--set ...]: the copy-recall probe at every probe length up
-# to MAX_PROBE_LENGTH, held-out loss by position, then S-NIAH-1/2/3 at every length: up to 8k at BATCH prompts
+# to MAX_PROBE_LENGTH, in its text and its needle form (the copied span is random ids of the 32k vocabulary, past
+# its 3 special tokens), held-out loss by position, then S-NIAH-1/2/3 at every length: up to 8k at BATCH prompts
 # per call, beyond at 5 (at 25, three evaluations sharing a GPU ran out of memory from 4k to 32k).
 evaluate() {
   local model=$1 checkpoint=$2 batch=$3 max_probe=$4
   shift 4
-  step "copy_$model" python -m fsjax.eval.copy_recall --checkpoint "$checkpoint" \
-      --lengths "$(lengths_between "$probe_lengths" 0 "$max_probe")" --samples "$samples" --batch-size 1 \
-      --out "$eval_dir/copy_$model.csv" "$@"
+  local probe=$(lengths_between "$probe_lengths" 0 "$max_probe")
+  step "copy_$model" python -m fsjax.eval.copy_recall --checkpoint "$checkpoint" --lengths "$probe" \
+      --samples "$samples" --batch-size 1 --out "$eval_dir/copy_$model.csv" "$@"
+  step "needles_$model" python -m fsjax.eval.copy_recall --checkpoint "$checkpoint" --lengths "$probe" \
+      --samples "$samples" --batch-size 1 --needle-ids 3,32000 --out "$eval_dir/needles_$model.csv" "$@"
   step "ppl_$model" python -m fsjax.eval.perplexity --checkpoint "$checkpoint" --length "$ppl_length" \
       --buckets 16 --batches 8 --batch-size 1 --out "$eval_dir/ppl_$model.csv" "$@"
   local short=$(lengths_between "$lengths" 0 8192) long=$(lengths_between "$lengths" 8193 1000000000)

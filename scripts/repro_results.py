@@ -2,11 +2,11 @@
 
     python scripts/repro_results.py [--runs runs] [--plot docs/results_ruler.png] [--loss-plot docs/results_loss.png]
 
-Reads `runs/repro_<model>/{eval.json,metrics.jsonl}` and `runs/repro_eval/{copy_*.csv, ruler_*/scores.csv,
-ppl_*.csv, steps_*.tsv}`; prints markdown: training (steps, tokens, tokens/s, held-out loss at 1x), copy recall
-(model x length), RULER scores (model x task x length), loss by position at the perplexity length, and the wall
-time of every step. Writes the accuracy-vs-length plot: one panel per RULER task and one for copy recall (in
-percent), a line per model.
+Reads `runs/repro_<model>/{eval.json,metrics.jsonl}` and `runs/repro_eval/{copy_*.csv, needles_*.csv,
+ruler_*/scores.csv, ppl_*.csv, steps_*.tsv}`; prints markdown: training (steps, tokens, tokens/s, held-out loss at
+1x), copy recall in its text and needle forms (model x length), RULER scores (model x task x length), loss by
+position at the perplexity length, and the wall time of every step. Writes the accuracy-vs-length plot: one panel
+per RULER task and one per copy-recall form (in points), a line per model.
 """
 
 import argparse
@@ -59,9 +59,10 @@ def position_table(eval_dir):
   return "\n".join(lines)
 
 
-def copy_rows(eval_dir):
-  return [dict(r, length=int(r["length"])) for model in MODELS if (eval_dir / f"copy_{model}.csv").exists()
-          for r in read_csv(eval_dir / f"copy_{model}.csv")]
+def copy_rows(eval_dir, prefix="copy"):
+  """The rows of every `<prefix>_<model>.csv` (`copy`: text copies; `needles`: random-id needles)."""
+  return [dict(r, length=int(r["length"])) for model in MODELS if (eval_dir / f"{prefix}_{model}.csv").exists()
+          for r in read_csv(eval_dir / f"{prefix}_{model}.csv")]
 
 
 def copy_table(rows):
@@ -117,15 +118,18 @@ def main(argv=None):
   eval_dir = args.runs / "repro_eval"
   scores = [dict(r, length=int(r["length"]), score=float(r["score"]))
             for path in sorted(eval_dir.glob("ruler_*/scores.csv")) for r in read_csv(path)]
-  copies = copy_rows(eval_dir)
+  copies, needles = copy_rows(eval_dir), copy_rows(eval_dir, "needles")
   print("## Training\n\n" + training_table(args.runs))
   print("\n## Copy recall: points of greedy accuracy owed to retrieval (copy / control accuracy)\n\n"
         + (copy_table(copies) if copies else "(no copy-recall files)"))
+  print("\n## Needle copy recall: the copied span is random ids (copy / control accuracy)\n\n"
+        + (copy_table(needles) if needles else "(no needle files)"))
   print("\n## RULER (score 0-100)\n\n" + (format_table(scores) if scores else "(no RULER scores)"))
   print("\n## Held-out loss by position\n\n" + position_table(eval_dir))
   print("\n## Wall time per step\n\n" + steps_table(eval_dir))
-  panels = scores + [dict(model=r["model"], task="copy recall (points)", length=r["length"],
-                          score=100 * float(r["recall"])) for r in copies]
+  panels = scores + [dict(model=r["model"], task=task, length=r["length"], score=100 * float(r["recall"]))
+                     for task, rows in (("copy recall (points)", copies), ("needle copy recall (points)", needles))
+                     for r in rows]
   if panels:
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     plot(args.plot, panels)

@@ -1,6 +1,7 @@
 """docs/results.md against the raw files it was written from: `scripts/repro_results.py` regenerates its tables."""
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,15 @@ def test_collector_writes_both_plots(collector, tmp_path, capsys):
   assert (tmp_path / "r.png").stat().st_size > 0 and (tmp_path / "l.png").stat().st_size > 0
   printed = capsys.readouterr().out
   assert "| repro_tfpp@1000 | niah_single_1 | 0.0 | 0.0 | 0.0 |" in printed
+
+
+def test_needle_files_get_their_own_table_and_panel(collector, tmp_path, capsys):
+  eval_dir = tmp_path / "repro_eval"
+  eval_dir.mkdir()
+  shutil.copy(RUN13 / "repro_eval" / "copy_fs.csv", eval_dir / "needles_fs.csv")
+  collector.main(["--runs", str(tmp_path), "--plot", str(tmp_path / "r.png"), "--loss-plot", str(tmp_path / "l.png")])
+  printed = capsys.readouterr().out
+  assert "(no copy-recall files)" in printed
+  needles = printed.split("## Needle copy recall")[1].split("##")[0]
+  assert "| fs7k@7000 | **54.4** (83/28) |" in needles
+  assert (tmp_path / "r.png").stat().st_size > 0
