@@ -107,6 +107,44 @@ def _score_children_kernel(q_ref, keys_ref, bias_ref, parents_ref, position_ref,
 _SCORE_ENTRIES = 8192
 
 
+def _score_block(q, node_keys, count, block, interpret):
+  """Candidates per scoring program, a power of two: by default `_SCORE_ENTRIES` node-key entries, at most the
+  list's power-of-two width (so a list of `list_width` is not padded)."""
+  refs = node_keys.shape[-2]
+  _power_of_two("refs", refs, interpret)
+  if block is None:
+    block = min(max(1, _SCORE_ENTRIES // (refs * pl.next_power_of_2(q.shape[-1]))), pl.next_power_of_2(count))
+  _power_of_two("block", block, interpret)
+  return block
+
+
+def _scoring_call(kernel, q, node_keys, node_bias, layer, candidates, candidates_spec, position, *, programs, block,
+                  out_dtypes, interpret, name):
+  """Runs a scoring kernel `(q, keys, bias, candidates, position, layer, *outputs, scale)` on a grid of (batch,
+  head, block of candidates) over one tree level (or a scanned stack's `layer`); one output `[batch, heads,
+  programs·block]` per dtype of `out_dtypes`."""
+  batch, heads, dim = q.shape
+  (node_keys, layer_index), (node_bias, _) = _stack(node_keys, layer, 5), _stack(node_bias, layer, 4)
+  layers, _, nodes, _, refs, _ = node_keys.shape
+  width = pl.next_power_of_2(dim)
+  out_spec = pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c))
+  return pl.pallas_call(
+      functools.partial(kernel, scale=1.0 / math.sqrt(dim)),
+      grid=(batch, heads, programs),
+      in_specs=[pl.BlockSpec((None, None, width), lambda b, h, c: (b, h, 0)),
+                pl.BlockSpec((layers, None, nodes, None, refs, width), lambda b, h, c: (0, b, 0, h, 0, 0)),
+                pl.BlockSpec((layers, None, nodes, None, refs), lambda b, h, c: (0, b, 0, h, 0)),
+                candidates_spec,
+                pl.BlockSpec((1,), lambda b, h, c: (b,)),
+                pl.BlockSpec((1,), lambda b, h, c: (0,))],
+      out_specs=[out_spec] * len(out_dtypes),
+      out_shape=[jax.ShapeDtypeStruct((batch, heads, programs * block), dtype) for dtype in out_dtypes],
+      compiler_params=plgpu.CompilerParams(num_warps=4 if block * refs * width >= 4096 else 1, num_stages=1),
+      interpret=interpret,
+      name=name,
+  )(pad_head_dim(q), pad_head_dim(node_keys), node_bias, candidates, position.astype(jnp.int32), layer_index)
+
+
 @functools.partial(jax.jit, static_argnames=("span", "block", "interpret"))
 def score_candidates(q, node_keys, node_bias, index, *, position=None, span=None, layer=None, block=None,
                      interpret=None):
@@ -129,37 +167,18 @@ def score_candidates(q, node_keys, node_bias, index, *, position=None, span=None
     `[batch, heads, K]` float32 scores, −inf for NO_NODE.
   """
   interpret = default_interpret() if interpret is None else interpret
-  batch, heads, dim = q.shape
-  (node_keys, layer_index), (node_bias, _) = _stack(node_keys, layer, 5), _stack(node_bias, layer, 4)
-  layers, _, nodes, _, refs, _ = node_keys.shape
-  _power_of_two("refs", refs, interpret)
   count = index.shape[-1]
-  width = pl.next_power_of_2(dim)
-  if block is None:
-    block = min(max(1, _SCORE_ENTRIES // (refs * width)), pl.next_power_of_2(count))
-  _power_of_two("block", block, interpret)
+  block = _score_block(q, node_keys, count, block, interpret)
   padded = -(-count // block) * block
   index = pad_axis(index.astype(jnp.int32), index.ndim - 1, padded, NO_NODE)
   index_spec = (pl.BlockSpec((block,), lambda b, h, c: (c,)) if index.ndim == 1 else
                 pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c)))
   if (position is None) != (span is None):
     raise ValueError("position and span go together: give both or neither")
-  position = jnp.zeros((batch,), jnp.int32) if position is None else position.astype(jnp.int32)
-  scores = pl.pallas_call(
-      functools.partial(_score_kernel, scale=1.0 / math.sqrt(dim), span=span),
-      grid=(batch, heads, padded // block),
-      in_specs=[pl.BlockSpec((None, None, width), lambda b, h, c: (b, h, 0)),
-                pl.BlockSpec((layers, None, nodes, None, refs, width), lambda b, h, c: (0, b, 0, h, 0, 0)),
-                pl.BlockSpec((layers, None, nodes, None, refs), lambda b, h, c: (0, b, 0, h, 0)),
-                index_spec,
-                pl.BlockSpec((1,), lambda b, h, c: (b,)),
-                pl.BlockSpec((1,), lambda b, h, c: (0,))],
-      out_specs=pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c)),
-      out_shape=jax.ShapeDtypeStruct((batch, heads, padded), jnp.float32),
-      compiler_params=plgpu.CompilerParams(num_warps=4 if block * refs * width >= 4096 else 1, num_stages=1),
-      interpret=interpret,
-      name="zha_score_candidates",
-  )(pad_head_dim(q), pad_head_dim(node_keys), node_bias, index, position, layer_index)
+  position = jnp.zeros(q.shape[:1], jnp.int32) if position is None else position
+  (scores,) = _scoring_call(functools.partial(_score_kernel, span=span), q, node_keys, node_bias, layer, index,
+                            index_spec, position, programs=padded // block, block=block, out_dtypes=(jnp.float32,),
+                            interpret=interpret, name="zha_score_candidates")
   return scores[..., :count]
 
 
@@ -183,39 +202,17 @@ def score_children(q, node_keys, node_bias, parents, position, *, parents_kept, 
     after the list) and their scores (−inf there).
   """
   interpret = default_interpret() if interpret is None else interpret
-  batch, heads, dim = q.shape
-  (node_keys, layer_index), (node_bias, _) = _stack(node_keys, layer, 5), _stack(node_bias, layer, 4)
-  layers, _, nodes, _, refs, _ = node_keys.shape
-  _power_of_two("refs", refs, interpret)
   _power_of_two("chunk", chunk, interpret)
-  if not 1 <= parents_kept <= parents.shape[-1]:
-    raise ValueError(f"parents_kept must be in [1, {parents.shape[-1]}] (the parents row's width), got "
-                     f"{parents_kept}")
-  count = list_width(parents_kept * chunk + chunk - 1)
-  width = pl.next_power_of_2(dim)
-  if block is None:
-    block = min(max(1, _SCORE_ENTRIES // (refs * width)), count)
-  _power_of_two("block", block, interpret)
   row = parents.shape[-1]
-  block_spec = pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c))
-  scores, index = pl.pallas_call(
-      functools.partial(_score_children_kernel, scale=1.0 / math.sqrt(dim), chunk=chunk, span=span,
-                        parents=parents_kept, block=block),
-      grid=(batch, heads, count // block),
-      in_specs=[pl.BlockSpec((None, None, width), lambda b, h, c: (b, h, 0)),
-                pl.BlockSpec((layers, None, nodes, None, refs, width), lambda b, h, c: (0, b, 0, h, 0, 0)),
-                pl.BlockSpec((layers, None, nodes, None, refs), lambda b, h, c: (0, b, 0, h, 0)),
-                pl.BlockSpec((None, None, row), lambda b, h, c: (b, h, 0)),
-                pl.BlockSpec((1,), lambda b, h, c: (b,)),
-                pl.BlockSpec((1,), lambda b, h, c: (0,))],
-      out_specs=[block_spec, block_spec],
-      out_shape=[jax.ShapeDtypeStruct((batch, heads, count), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, heads, count), jnp.int32)],
-      compiler_params=plgpu.CompilerParams(num_warps=4 if block * refs * width >= 4096 else 1, num_stages=1),
-      interpret=interpret,
-      name="zha_score_children",
-  )(pad_head_dim(q), pad_head_dim(node_keys), node_bias, parents.astype(jnp.int32), position.astype(jnp.int32),
-    layer_index)
+  if not 1 <= parents_kept <= row:
+    raise ValueError(f"parents_kept must be in [1, {row}] (the parents row's width), got {parents_kept}")
+  count = list_width(parents_kept * chunk + chunk - 1)
+  block = _score_block(q, node_keys, count, block, interpret)
+  kernel = functools.partial(_score_children_kernel, chunk=chunk, span=span, parents=parents_kept, block=block)
+  scores, index = _scoring_call(kernel, q, node_keys, node_bias, layer, parents.astype(jnp.int32),
+                                pl.BlockSpec((None, None, row), lambda b, h, c: (b, h, 0)), position,
+                                programs=count // block, block=block, out_dtypes=(jnp.float32, jnp.int32),
+                                interpret=interpret, name="zha_score_children")
   return scores, index
 
 
