@@ -198,8 +198,14 @@ def route_gathered(cache: ZHACache, q, position, *, chunk, top_p, max_nodes, ker
     valid = jnp.concatenate([jnp.repeat(keep, chunk, axis=-1),
                              jnp.broadcast_to(zha.node_last_key(parentless, chunk, level - 1) <= i,
                                               (batch, heads, chunk - 1))], axis=-1)
-  reached = jnp.sum(keep, axis=-1) * chunk + 1 + i[..., 0] % chunk  # key 0, kept leaves, 1 + C⌊i/C⌋ … i
-  return kept, keep, reached / (i[..., 0] + 1)
+  return kept, keep, _fraction_read(keep, position, chunk)
+
+
+def _fraction_read(keep, position, chunk):
+  """Share of the visible keys a query at `position` `[batch]` reads with kept leaves `keep` `[batch, heads, M]`:
+  key 0, the kept leaves' chunks, and 1 + C⌊i/C⌋ … i."""
+  i = position[:, None]
+  return (jnp.sum(keep, axis=-1) * chunk + 1 + i % chunk) / (i + 1)
 
 
 def _route_with_kernels(cache: ZHACache, q, position, *, chunk, top_p, max_nodes):
@@ -223,9 +229,7 @@ def _route_with_kernels(cache: ZHACache, q, position, *, chunk, top_p, max_nodes
     cap = min(max_nodes, count)
     kept = tree_routing.keep_top_p(scores, index, p=top_p[level - 1], max_nodes=cap, full_row=level > 1)
   keep = kept != tree_routing.NO_NODE
-  i = position[:, None]
-  reached = jnp.sum(keep, axis=-1) * chunk + 1 + i % chunk  # key 0, kept leaves, 1 + C⌊i/C⌋ … i
-  return jnp.maximum(kept, 0), keep, reached / (i + 1)
+  return jnp.maximum(kept, 0), keep, _fraction_read(keep, position, chunk)
 
 
 def attend_gathered(cache: ZHACache, q_rot, positions, *, chunk, top_p, max_nodes, kernels=False):

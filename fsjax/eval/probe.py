@@ -77,6 +77,12 @@ def availability_at(cache, config, position):
       retain_recent=att.retain_recent, positions=jnp.array([[position]]))[0, 0]) for archive in archives])
 
 
+def eligible_cell_count(position, att):
+  """Cells in a query's eligible prefix at `position`: every cell of the blocks before its own, the count of c with
+  (c + 1)·s <= B⌊i/B⌋ (FS Eq. 6; B is a multiple of s)."""
+  return (position // att.block) * (att.block // att.cell)
+
+
 def check_freesolo(config):
   if config.attention.kind not in ("fs", "fsl"):
     raise ConfigError(f"routing probes need a FreeSolo model (fs or fsl), got {config.attention.kind!r}")
@@ -97,8 +103,7 @@ def probe(model, variables, tokenizer, *, task, length, seed, chunk=2048):
   question_start = len(tokenizer.encode(prompt[:question], add_special_tokens=False).ids)
   selections, cache = record_selections(model, variables, tokens, chunk)  # [T, layers, heads, K]
   available = availability_at(cache, config, len(tokens) - 1)  # [layers, heads, M]
-  eligible = ((len(tokens) - 1) // att.block) * (att.block // att.cell)
-  eta = available.sum(-1) / max(eligible, 1)
+  eta = available.sum(-1) / max(eligible_cell_count(len(tokens) - 1, att), 1)
   retained = available[:, :, sorted(needle_cells)].any(-1)
   positions = np.arange(len(tokens))[:, None, None, None]
   valid = selections >= 0
@@ -165,8 +170,7 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
   check_freesolo(config)
   copies, controls, sources = copy_recall.make_samples(stream, length, count, span, seed, needle_ids)
   last_block = (length - 2) // att.block
-  all_cells = np.arange(length // att.cell)
-  eligible_cells = int(np.sum(cells.first_eligible_block(all_cells, cell=att.cell, block=att.block) <= last_block))
+  eligible_cells = eligible_cell_count(length - 2, att)
   selections, chance, retained, retained_chance = {}, [], [], []
   for name, rows in (("copy", copies), ("control", controls)):
     recorded = []
