@@ -76,3 +76,22 @@ def test_task_files_written_offline_are_read_back_by_the_evaluator(micro_workdir
   assert ruler.main(["--checkpoint", str(micro_workdir), "--tasks", "niah_multikey_3,cwe", "--lengths", "1024",
                      "--num-samples", "2", "--ruler-data", str(data), "--out", str(tmp_path / "out")]) == 0
   assert make_data.main(["--tasks", "qa_1", "--out", str(data)]) == 2
+
+
+def test_plot_keeps_each_models_color_across_panels_and_lists_every_model():
+  """A model missing from the first panel is still in the legend, and no panel shifts another model's color."""
+  import matplotlib.pyplot as plt
+  rows = [dict(model="a", task="t1", length=1024, score=10.0), dict(model="a", task="t2", length=1024, score=20.0),
+          dict(model="b", task="t2", length=1024, score=30.0), dict(model="b", task="t2", length=4096, score=0.0)]
+  chart = ruler.figure(rows)
+  try:
+    colors = {}
+    for ax in chart.axes:
+      for line in ax.get_lines():
+        assert colors.setdefault(line.get_label(), line.get_color()) == line.get_color()
+    assert set(colors) == {"a", "b"} and colors["a"] != colors["b"]
+    legend = chart.legends[0]
+    assert [text.get_text() for text in legend.get_texts()] == ["a", "b"]
+    assert [handle.get_color() for handle in legend.legend_handles] == [colors["a"], colors["b"]]
+  finally:
+    plt.close(chart)

@@ -105,31 +105,43 @@ def write_csv(path, rows):
 
 
 def plot(path, rows):
-  """Accuracy vs length, one panel per task (four per row), one line per model (log2 length axis)."""
+  """Writes `figure(rows)` to `path`."""
+  import matplotlib.pyplot as plt
+  chart = figure(rows)
+  chart.savefig(path, dpi=120)
+  plt.close(chart)
+
+
+def figure(rows):
+  """Accuracy vs length, one panel per task (four per row), one line per model (log2 length axis). A model keeps
+  its color in every panel and is in the legend even where it has no points in the first panel."""
   import matplotlib
   matplotlib.use("Agg")
+  import matplotlib.lines
   import matplotlib.pyplot as plt
 
   names = sorted({r["task"] for r in rows})
+  models = sorted({r["model"] for r in rows})
+  colors = {model: f"C{i % 10}" for i, model in enumerate(models)}
   columns = min(4, len(names))
   grid_rows = -(-len(names) // columns)
-  figure, axes = plt.subplots(grid_rows, columns, figsize=(4 * columns, 3.2 * grid_rows), squeeze=False)
+  chart, axes = plt.subplots(grid_rows, columns, figsize=(4 * columns, 3.2 * grid_rows), squeeze=False)
   for ax in axes.flat[len(names):]:
     ax.set_visible(False)
   for ax, task in zip(axes.flat, names):
-    for model in sorted({r["model"] for r in rows}):
+    for model in models:
       points = sorted((r["length"], r["score"]) for r in rows if r["task"] == task and r["model"] == model)
-      ax.plot(*zip(*points), marker="o", label=model)
+      if points:
+        ax.plot(*zip(*points), marker="o", color=colors[model], label=model)
     ax.set_xscale("log", base=2)
     ax.set(title=task, xlabel="length (tokens)", ylabel="score (0-100)", ylim=(-5, 105))
   # One legend right of the panels: inside a panel it hides the long-length points of a many-model plot.
-  handles, labels = axes[0][0].get_legend_handles_labels()
-  legend_inches = 0.075 * max(map(len, labels)) + 0.6
-  figure.set_figwidth(figure.get_figwidth() + legend_inches)
-  figure.legend(handles, labels, loc="center right", fontsize="small", frameon=False)
-  figure.tight_layout(rect=(0, 0, 1 - legend_inches / figure.get_figwidth(), 1))
-  figure.savefig(path, dpi=120)
-  plt.close(figure)
+  handles = [matplotlib.lines.Line2D([], [], color=colors[model], marker="o") for model in models]
+  legend_inches = 0.075 * max(map(len, models)) + 0.6
+  chart.set_figwidth(chart.get_figwidth() + legend_inches)
+  chart.legend(handles, models, loc="center right", fontsize="small", frameon=False)
+  chart.tight_layout(rect=(0, 0, 1 - legend_inches / chart.get_figwidth(), 1))
+  return chart
 
 
 def format_table(rows):
