@@ -61,6 +61,30 @@ def test_run13_copy_table_is_the_raw_files(collector):
     assert row.replace(f"| {name} |", f"| {RUN13_NAMES[name]} |", 1) in page
 
 
+RUN14 = REPO / "docs" / "results" / "h200_run14" / "repro_eval"
+RUN14_NAMES = {"repro_fs@7000": "FS", "repro_fsl@200": "FS-L", "repro_fs@7000[kind=fsb]": "FS-B",
+               "repro_swa@3500": "SWA"}
+
+
+def test_run14_ruler_and_needle_tables_are_the_raw_files(collector):
+  """Run 14's RULER table (S-NIAH-1/2/3 per cell, – where not run) and needle table on the page are its CSVs."""
+  page = (REPO / "docs" / "results.md").read_text().replace("**", "")
+  scores = {(r["model"], int(r["length"]), r["task"]): float(r["score"])
+            for path in RUN14.glob("ruler_*/scores.csv") for r in collector.read_csv(path)}
+  assert {model for model, _, _ in scores} == set(RUN14_NAMES)
+  for model, name in RUN14_NAMES.items():
+    cells = []
+    for length in (1024 * 2 ** i for i in range(7)):
+      got = [scores.get((model, length, f"niah_single_{i}")) for i in (1, 2, 3)]
+      cells.append("–" if got == [None] * 3 else
+                   "/".join("–" if g is None else "0" if g == 0 else f"{g:.1f}" for g in got))
+    assert f"| {name} | S-NIAH-1/2/3 | " + " | ".join(cells) + " |" in page
+  for model, name in (("repro_fs@7000", "FS"), ("repro_fsl@200", "FS-L")):
+    rows = [r for r in collector.copy_rows(RUN14, "needles") if r["model"] == model]
+    assert [r["length"] for r in rows] == [1024, 4096, 16384]
+    assert f"| {name} | " + " | ".join(f"{100 * float(r['recall']):.1f}" for r in rows) + " |" in page
+
+
 def test_collector_writes_both_plots(collector, tmp_path, capsys):
   collector.main(["--runs", str(RUN), "--plot", str(tmp_path / "r.png"), "--loss-plot", str(tmp_path / "l.png")])
   assert (tmp_path / "r.png").stat().st_size > 0 and (tmp_path / "l.png").stat().st_size > 0
