@@ -1,10 +1,12 @@
 """Train a model from a config: `python train.py --config configs/NAME.yaml [--set key.sub=value ...]`.
 
-Re-running with the same --workdir resumes from its latest checkpoint (params, optimizer, data position).
+Re-running with the same --workdir resumes from its latest checkpoint (params, optimizer, data position). SIGTERM
+(a preemption notice, `timeout`) ends a single-process run after the step in flight, saved, with exit status 143.
 """
 
 import argparse
 import os
+import signal
 import sys
 
 from fsjax.config import ConfigError, load_config
@@ -26,9 +28,12 @@ def main(argv=None):
   try:
     config = load_config(args.config, args.set)
     workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
-    from fsjax.train.loop import TrainingStopped, train  # after validation: config errors come back fast
+    from fsjax.train.loop import TrainingInterrupted, TrainingStopped, train  # after validation: errors come fast
     try:
       train(config, workdir)
+    except TrainingInterrupted as e:
+      print(e, file=sys.stderr)
+      return 128 + signal.SIGTERM  # the shell's status for a process ended by SIGTERM
     except TrainingStopped as e:
       print(f"error: {e}", file=sys.stderr)
       return 1

@@ -80,6 +80,54 @@ def test_kill_after_checkpoint_then_resume_equals_uninterrupted_run(tmp_path):
   assert [actual[s] for s in range(1, 9)] == [expected[s] for s in range(1, 9)]  # bit-exact
 
 
+def test_sigterm_saves_the_step_in_flight_and_resuming_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+  """SIGTERM during step 5 (between checkpoints 4 and 6) ends the run after step 5 with step 5 saved; resuming
+  from it gives the uninterrupted run's losses bit for bit, and the previous SIGTERM handler is back."""
+  config = load_config(MICRO, ["train.steps=8"])
+  loop.train(config, str(tmp_path / "reference"))
+  real_iterator = loop._train_iterator
+
+  class SignalsAtBatch5:
+    def __init__(self, config):
+      self.data, self.batches = real_iterator(config), 0
+
+    def __next__(self):
+      self.batches += 1
+      if self.batches == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+      return next(self.data)
+
+    def get_state(self):
+      return self.data.get_state()
+
+    def set_state(self, state):
+      self.data.set_state(state)
+
+  handler = signal.getsignal(signal.SIGTERM)
+  with monkeypatch.context() as patch:
+    patch.setattr(loop, "_train_iterator", SignalsAtBatch5)
+    with pytest.raises(loop.TrainingInterrupted, match="after step 5; the latest checkpoint is step 5"):
+      loop.train(config, str(tmp_path / "run"))
+  assert signal.getsignal(signal.SIGTERM) is handler
+  assert ckpt_lib.resolve(str(tmp_path / "run"))[1] == 5
+  loop.train(config, str(tmp_path / "run"))
+  expected, actual = _losses(tmp_path / "reference"), _losses(tmp_path / "run")
+  assert sorted(actual) == list(range(1, 9)) and actual == expected
+
+
+def test_train_cli_exits_143_on_sigterm_with_the_reported_step_saved(tmp_path):
+  workdir = tmp_path / "run"
+  proc = _run(workdir, "train.steps=400", wait=False)
+  deadline = time.time() + 300
+  while not os.path.isdir(workdir / "checkpoints" / "2") and time.time() < deadline and proc.poll() is None:
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGTERM)
+  output = proc.communicate(timeout=120)[0]
+  assert proc.returncode == 143, output
+  stopped_at = int(output.split("stopped by SIGTERM after step ")[1].split(";")[0])
+  assert ckpt_lib.resolve(str(workdir))[1] == stopped_at >= 2
+
+
 def test_eight_simulated_devices_give_the_same_losses_as_one(tmp_path):
   _run(tmp_path / "one", "train.steps=3")
   _run(tmp_path / "eight", "train.steps=3", "mesh.data=4", "mesh.fsdp=2",

@@ -1,9 +1,12 @@
 """The training loop: build or resume, step, log, checkpoint, evaluate."""
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
+import threading
 import time
 
 import flax.traverse_util
@@ -22,6 +25,27 @@ from fsjax.train.step import create_state, make_eval_step, make_objective, make_
 
 class TrainingStopped(RuntimeError):
   """The run stopped early (too many consecutive non-finite steps); the last good checkpoint is intact."""
+
+
+class TrainingInterrupted(TrainingStopped):
+  """SIGTERM stopped the run after the step in flight, and that step was saved: rerunning resumes from it."""
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm():
+  """Yields a function that tells whether SIGTERM (a preemption notice, `timeout`) has arrived since entry, so the
+  loop can finish its step and save it instead of dying between checkpoints. Only a single-process run in the main
+  thread listens: several processes would first have to agree on the step to save, and Python delivers signals to
+  the main thread alone. The previous handler is restored on exit."""
+  if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+    yield lambda: False
+    return
+  received = []
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+  try:
+    yield lambda: bool(received)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def check_paths(config: Config):
@@ -189,29 +213,38 @@ def train(config: Config, workdir):
   step = int(state.step)
   tokens_per_step = config.train.batch_size * config.data.seq_len
   last_time, last_step = time.perf_counter(), step
-  while step < config.train.steps:
-    batch = sharding.global_batch(next(data), mesh)
-    state, metrics = train_step(state, batch)
-    step += 1
-    metrics = jax.device_get(metrics)
-    bad_steps = int(state.bad_steps)
-    if bad_steps >= config.train.max_bad_steps:
-      checkpoints.wait()
-      raise TrainingStopped(f"stopped at step {step}: {bad_steps} consecutive non-finite losses or gradients "
-                            f"(train.max_bad_steps={config.train.max_bad_steps}); the last good checkpoint "
-                            f"(step {checkpoints.latest_step()}) is kept unchanged")
-    if bad_steps == 0 and (step % config.checkpoint.every == 0 or step == config.train.steps):
-      checkpoints.save(step, state, data.get_state(), config)
-    if step % config.log.every == 0 or step == config.train.steps:
-      now = time.perf_counter()
-      extra = {name: value for name, value in metrics.items() if name.startswith("kl_level_")}
-      log.write(step, dict(loss=metrics["loss"], grad_norm=metrics["grad_norm"],
-                           learning_rate=metrics["learning_rate"], skipped=int(state.skipped),
-                           tokens_per_s=tokens_per_step * (step - last_step) / (now - last_time), **extra))
-      last_time, last_step = now, step
-    if config.eval.every and step % config.eval.every == 0:
-      result = evaluate(model, state.params, state.frozen, eval_batches, mesh)
-      print(f"step {step}: held-out loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}", flush=True)
+  with _stop_on_sigterm() as stop_requested:
+    while step < config.train.steps:
+      batch = sharding.global_batch(next(data), mesh)
+      state, metrics = train_step(state, batch)
+      step += 1
+      metrics = jax.device_get(metrics)
+      bad_steps = int(state.bad_steps)
+      if bad_steps >= config.train.max_bad_steps:
+        checkpoints.wait()
+        raise TrainingStopped(f"stopped at step {step}: {bad_steps} consecutive non-finite losses or gradients "
+                              f"(train.max_bad_steps={config.train.max_bad_steps}); the last good checkpoint "
+                              f"(step {checkpoints.latest_step()}) is kept unchanged")
+      stopping = stop_requested()
+      if bad_steps == 0 and (step % config.checkpoint.every == 0 or step == config.train.steps or stopping):
+        checkpoints.save(step, state, data.get_state(), config)
+      if step % config.log.every == 0 or step == config.train.steps or stopping:
+        now = time.perf_counter()
+        extra = {name: value for name, value in metrics.items() if name.startswith("kl_level_")}
+        log.write(step, dict(loss=metrics["loss"], grad_norm=metrics["grad_norm"],
+                             learning_rate=metrics["learning_rate"], skipped=int(state.skipped),
+                             tokens_per_s=tokens_per_step * (step - last_step) / (now - last_time), **extra))
+        last_time, last_step = now, step
+      if stopping:
+        checkpoints.wait()
+        saved = checkpoints.latest_step()
+        checkpoints.close()
+        raise TrainingInterrupted(f"stopped by SIGTERM after step {step}; the latest checkpoint is step {saved} (a "
+                                  "step with a non-finite loss is not saved): rerun the same command to resume")
+      if config.eval.every and step % config.eval.every == 0:
+        result = evaluate(model, state.params, state.frozen, eval_batches, mesh)
+        print(f"step {step}: held-out loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}",
+              flush=True)
   checkpoints.wait()
   checkpoints.close()
 
