@@ -33,6 +33,13 @@ def _run(workdir, *overrides, env=None, wait=True):
   return result.stdout
 
 
+def _wait_for_checkpoint(proc, workdir, step):
+  """Returns once `workdir` holds checkpoint `step` (or the run ended, or 300 s passed)."""
+  deadline = time.time() + 300
+  while not os.path.isdir(workdir / "checkpoints" / str(step)) and time.time() < deadline and proc.poll() is None:
+    time.sleep(0.02)
+
+
 def _losses(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return {r["step"]: r["loss"] for r in map(json.loads, f)}
@@ -65,9 +72,7 @@ def test_kill_after_checkpoint_then_resume_equals_uninterrupted_run(tmp_path):
   _run(reference, "train.steps=8")
   killed = tmp_path / "killed"
   proc = _run(killed, "train.steps=400", wait=False)  # long enough to still be running when killed
-  deadline = time.time() + 300
-  while not os.path.isdir(killed / "checkpoints" / "4") and time.time() < deadline and proc.poll() is None:
-    time.sleep(0.02)
+  _wait_for_checkpoint(proc, killed, 4)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert proc.returncode == -signal.SIGKILL, proc.stdout.read()
@@ -118,9 +123,7 @@ def test_sigterm_saves_the_step_in_flight_and_resuming_equals_the_uninterrupted_
 def test_train_cli_exits_143_on_sigterm_with_the_reported_step_saved(tmp_path):
   workdir = tmp_path / "run"
   proc = _run(workdir, "train.steps=400", wait=False)
-  deadline = time.time() + 300
-  while not os.path.isdir(workdir / "checkpoints" / "2") and time.time() < deadline and proc.poll() is None:
-    time.sleep(0.02)
+  _wait_for_checkpoint(proc, workdir, 2)
   proc.send_signal(signal.SIGTERM)
   output = proc.communicate(timeout=120)[0]
   assert proc.returncode == 143, output

@@ -106,8 +106,8 @@ def write_csv(path, rows):
 
 def plot(path, rows):
   """Writes `figure(rows)` to `path`."""
+  chart = figure(rows)  # selects the Agg backend before pyplot is imported
   import matplotlib.pyplot as plt
-  chart = figure(rows)
   chart.savefig(path, dpi=120)
   plt.close(chart)
 
