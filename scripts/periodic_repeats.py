@@ -1,5 +1,5 @@
 """Can a config's model learn to copy? Trains it on rows of random ids that repeat with one period (half the row)
-and prints the loss and the greedy accuracy on the repeat (issue #9's diagnosis, docs/results.md run 4).
+and prints the loss and the greedy accuracy on the repeat (docs/results.md, run 4, part 2).
 
     python scripts/periodic_repeats.py [--config configs/repro/repro_tfpp.yaml] [--ids 512] [--batch-size 16]
         [--set train.steps=600 --set train.warmup_steps=50 --set model.attention.impl=reference ...]
