@@ -12,7 +12,7 @@ length, and the device kernels (fusions and library calls) one compiled decode s
 is short enough for launches to matter.
 `--layers unrolled` decodes with one layer body per layer instead of `nn.scan` over stacked layers and caches.
 ZHA (the preset's tree, random reference queries) decodes through the capped routing, `--zha-max-nodes` per level,
-which runs the `tree_routing` kernels on a GPU; 0 keeps the uncapped reference routing, which masks the whole cache.
+which runs the `zha_routing` kernels on a GPU; 0 keeps the uncapped reference routing, which masks the whole cache.
 FS-B prefills with the prefill formulation and decodes through the streaming forest cache, τ calibrated on the
 first 4096 tokens; its per-block forest update is timed alone by `forest_update.py`. `--profile` traces one more
 decode loop per case and prints the device kernels that take the most time per token. A case prints its phases
@@ -25,7 +25,17 @@ import re
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+
+from fsjax import calibrate, decode, loading
+from fsjax.cache import init_cache
+from fsjax.config import model_preset
+from fsjax.decode import prefill
+from fsjax.model import Transformer, init_variables
+
 from cases import case_parser, run_cases
+from timing import copy_bandwidth, traced_kernels
 
 
 def kernels_per_step(compiled_text):
@@ -39,28 +49,18 @@ def progress(message):
 
 
 def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, profile=False):
-  import jax
-  import jax.numpy as jnp
-
-  from fsjax import decode
-  from fsjax.cache import init_cache
-  from fsjax.config import model_preset
-  from fsjax.decode import prefill
-  from fsjax.model import Transformer, init_variables
-  from timing import copy_bandwidth, traced_kernels
-
   config = dataclasses.replace(model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16",
                                scan_layers=layers == "scanned")
   if kind == "zha":
-    config = dataclasses.replace(config, attention=dataclasses.replace(config.attention,
-                                                                       zha_max_nodes=zha_max_nodes or None))
+    att = config.attention
+    config = dataclasses.replace(config, attention=dataclasses.replace(
+        att, zha=dataclasses.replace(att.zha, max_nodes=zha_max_nodes or None)))
   model = Transformer(config)
   variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, config.vocab_size)
   if kind == "fsb":  # τ as `fsjax.calibrate` computes it: the FS forward's median cell norm, first 4096 tokens
-    from fsjax import calibrate
     fs_model = Transformer(dataclasses.replace(config, attention=model_preset(preset, kind="fs").attention))
-    variables = calibrate.with_tau(config, variables, calibrate.calibrate(fs_model, variables, [tokens[:, :4096]]))
+    variables = loading.with_tau(config, variables, calibrate.calibrate(fs_model, variables, [tokens[:, :4096]]))
   max_len = length + decode_tokens
   fresh = lambda: init_cache(config, 1, max_len, dtype=jnp.bfloat16)
   state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(fresh()))

@@ -10,7 +10,7 @@ then `blocks` consecutive block admissions run in one jitted loop and the time p
 update's cost depends only on which chunk levels each block builds, and so on the forests' counts: forest 0's
 window crosses the same carries at every length, and with `--admission aligned` (the default) so does forest τ's,
 whose admissions are drawn (about half, the heads' counters out of step by the same offsets at every length; see
-`filled_cache`). With `--admission median` (τ = the median cell norm, as before 2026-12-02) each τ head starts
+`filled_cache`). With `--admission median` (τ = the median cell norm) each τ head starts
 near M/2 at an offset of its own draw, and a window's builds differ between lengths (19% more leaf cells at 128k
 than at 16k in one draw): time per block then mixes the cost of a build with the amount of building.
 
@@ -19,8 +19,8 @@ The rare builds beyond the window are timed alone: one build of a level for ever
 level (built once per M / (block / cell) blocks), so the amortized cost of the largest chunk is top-level ms ÷ that
 count. The same loop through the prefill formulation would rebuild every chunk tree at every block; its time is
 printed beside it (`fsb_select_from_summaries` for one query, the archive path's cost per block boundary and per
-token), and the beam search of one decode query over forest 0 in XLA and in the Pallas kernel (on a GPU). Target
-(FS-B issue): time per block flat in M (±20% from 16k to 128k). The block loop is timed as one synced call per
+token), and the beam search of one decode query over forest 0 in XLA and in the Pallas kernel (on a GPU). Target:
+time per block flat in M (±20% from 16k to 128k). The block loop is timed as one synced call per
 `--blocks`; the single builds, the rebuild and the beam search as calls queued back to back (`timing.queued_ms`),
 since a synced call of a sub-millisecond program carries the host round trip (~0.1 ms on the H200).
 
@@ -37,9 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsjax.attention.freesolo_step import forest_search
 from fsjax.cache import archive as archive_lib
 from fsjax.cache import forest as forest_cache
-from fsjax.ops import forest as ops_forest
+from fsjax.reference import forest as forest_ref
+from fsjax.reference.routing import Routing
+
 from timing import median_ms, queued_ms, traced_kernels
 
 
@@ -169,14 +172,16 @@ def main():
                 for k in (2, forest_cache.num_levels(start_cells) - 1)]
     archive = cache.archive
     q = jax.random.normal(jax.random.PRNGKey(1), (1, 1, args.heads, args.head_dim), jnp.float32)
-    rebuild = jax.jit(lambda a, q: ops_forest.fsb_select_from_summaries(
+    rebuild = jax.jit(lambda a, q: forest_ref.fsb_select_from_summaries(
         q, jnp.full((1, 1), length - 1), a.tokens.k.astype(q.dtype), a.mean_keys.astype(q.dtype),
         a.max_norms.astype(q.dtype), tau=tau, lam=jnp.ones(args.heads), sigma=jnp.full(args.heads, 4.0),
         cell=args.cell, block=args.block))
     rebuild_ms = queued_ms(rebuild, archive, q, calls=20)
-    routing = dict(lam=jnp.ones(args.heads), sigma=jnp.full(args.heads, 4.0), beam=16, bound_c=8.0)
+    geometry = Routing(variant="fsb", cell=args.cell, block=args.block, beam=16, bound_c=8.0)
     pos = jnp.full((1, 1), length - 1)
-    search = lambda kernels: jax.jit(lambda f, q: forest_cache.search(f, q, pos, kernels=kernels, **routing))
+    search = lambda kernels: jax.jit(lambda f, q: forest_search(f, q, pos, geometry, lam=jnp.ones(args.heads),
+                                                                sigma=jnp.full(args.heads, 4.0),
+                                                                impl="pallas" if kernels else "reference"))
     beam_ms = [queued_ms(search(k), cache.forest(0), q, calls=100) if k in (False, kernels) else None
                for k in (False, True)]
     shown = lambda ms: "–" if ms is None else f"{ms:.3f}"

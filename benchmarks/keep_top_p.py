@@ -1,4 +1,4 @@
-"""ZHA's capped top-p selection kernel (`pallas_kernels.tree_routing.keep_top_p`) by list width and warps per
+"""ZHA's capped top-p selection kernel (`pallas_kernels.zha_routing.keep_top_p`) by list width and warps per
 program.
 
     python benchmarks/keep_top_p.py [--widths 1024,4096,16384] [--warps 4,8,16] [--heads 16]
@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import tree_routing
+from pallas_kernels import zha_routing
+
 from timing import traced_kernels
 
 CALLS = 20
@@ -44,7 +45,7 @@ def main():
     index = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), scores.shape)
     expected, cells = None, []
     for warps in args.warps:
-      fn = lambda w=warps: tree_routing.keep_top_p(scores, index, p=0.9, max_nodes=64, num_warps=w)
+      fn = lambda w=warps: zha_routing.keep_top_p(scores, index, p=0.9, max_nodes=64, num_warps=w)
       kept = np.asarray(fn())
       expected = kept if expected is None else expected
       if not np.array_equal(kept, expected):

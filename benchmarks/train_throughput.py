@@ -14,17 +14,18 @@ import json
 import os
 import time
 
+import jax
+
+from fsjax.config import TrainConfig, model_preset
+from fsjax.model import Transformer, init_variables
+from fsjax.train import objectives
+from fsjax.train.optim import learning_rate_schedule, make_optimizer
+from fsjax.train.step import create_state, make_train_step
+
 from cases import case_parser, run_cases
 
 
 def run_case(kind, seq_len, tokens_per_step, steps, preset):
-  import jax
-
-  from fsjax.config import TrainConfig, model_preset
-  from fsjax.model import Transformer, init_variables
-  from fsjax.train.optim import learning_rate_schedule, make_optimizer
-  from fsjax.train.step import create_state, make_objective, make_train_step
-
   config = dataclasses.replace(model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="float32",
                                remat=True, scan_layers=True)
   batch = max(1, tokens_per_step // seq_len)
@@ -32,8 +33,8 @@ def run_case(kind, seq_len, tokens_per_step, steps, preset):
   optimizer = make_optimizer(train)
   model = Transformer(config)
   state = jax.jit(lambda: create_state(init_variables(config, jax.random.PRNGKey(0), 128), optimizer))()
-  step = jax.jit(make_train_step(make_objective(model, train), optimizer, learning_rate_schedule(train)),
-                 donate_argnums=0)
+  loss = objectives.get(train.objective).loss(model, train)
+  step = jax.jit(make_train_step(loss, optimizer, learning_rate_schedule(train)), donate_argnums=0)
   tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq_len + 1), 0, config.vocab_size)
   start = time.perf_counter()
   state, metrics = step(state, {"tokens": tokens})

@@ -5,17 +5,17 @@ tree geometries and routing thresholds.
         [--top-p 0.8,0.9,0.95] [--max-nodes 64] [--heads 16] [--head-dim 64] [--sharpness 4] [--calls 200]
         [--in-loop 24] [--profile]
 
-The capped decode step `fsjax.cache.zha.attend_gathered` (Pallas `tree_routing` kernels on a GPU) against
-dense attention of the same query over the whole bf16 cache (cuDNN where it accepts the shape, else XLA), in
-the same process. Rows: latency of ZHA and of its routing alone (candidate scoring + top-p, no final
-attention), the ratio to dense, the fraction of keys attended, and the fraction the paper's uncapped routing
-would attend (where it is larger, the cap binds and ZHA reads less than the paper's operator would). The tree
-is built from the cache's keys with random reference queries; keys are standard normal and the query is
-`sharpness` times a normal vector, so attention concentrates on few keys as in a trained model's retrieval heads
-(sharpness 1 spreads it almost uniformly, which makes top-p keep nearly everything up to the cap). Times are
+The capped decode step `fsjax.attention.zha_step.attend` (`fsjax.ops.zha.zha_decode` with impl="auto": the Pallas
+`zha_routing` kernels on a GPU) against dense attention of the same query over the whole bf16 cache (cuDNN where it
+accepts the shape, else XLA), in the same process. Rows: latency of ZHA and of its routing alone (candidate scoring
++ top-p, no final attention), the ratio to dense, the fraction of keys attended, and the fraction the paper's
+uncapped routing would attend (where it is larger, the cap binds and ZHA reads less than the paper's operator
+would). The tree is built from the cache's keys with random reference queries; keys are standard normal and the
+query is `sharpness` times a normal vector, so attention concentrates on few keys as in a trained model's retrieval
+heads (sharpness 1 spreads it almost uniformly, which makes top-p keep nearly everything up to the cap). Times are
 means over calls queued back to back with one sync at the end (`timing.queued_ms`): a decode loop never waits for
-the host, and a synced median adds a host round trip of about 0.1 ms to every call (cuDNN dense decode at 64k:
-0.21 ms synced, 0.074 ms queued, on an H200).
+the host, and a synced median adds a host round trip of about 0.1 ms to every call (cuDNN dense decode at 64k: 0.21
+ms synced, 0.074 ms queued, on an H200).
 
 `--in-loop N` times every program as N dependent calls inside one jitted `lax.fori_loop` (each call's query
 nudged by the previous output, so nothing is hoisted), per call: the way a scanned model runs its layers' attention
@@ -35,9 +35,13 @@ import concurrent.futures
 import jax
 import jax.numpy as jnp
 
+from fsjax.attention import zha_step
 from fsjax.cache import zha as zha_cache
 from fsjax.cache.store import KVStore
-from fsjax.ops import zha
+from fsjax.ops import dispatch
+from fsjax.ops import zha as zha_ops
+from fsjax.reference import zha
+
 from timing import profiled_kernels, queued_ms
 
 
@@ -49,7 +53,7 @@ def parse_geometry(text):
 
 def dense_decode(q, k, v):
   """`[1, 1, h, d]` over `[1, T, h, d]`: cuDNN on a GPU when it accepts the shape, else XLA."""
-  if jax.default_backend() == "gpu":
+  if dispatch.on_gpu():
     try:
       return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
     except Exception:  # noqa: BLE001 — cuDNN rejects some decode shapes; XLA's is the fallback baseline
@@ -128,9 +132,11 @@ def main():
   per_call = max(args.in_loop, 1)
   jobs_per_p = 4 if args.in_loop else 3  # a looped step returns its query: the fraction needs its own program
 
-  kernels = jax.default_backend() == "gpu"
+  on_gpu = dispatch.on_gpu()
+  routes = {f"R{refs}-C{chunk}-L{levels}": dispatch.resolve("zha_route", "auto", chunk=chunk, refs=refs)
+            for refs, chunk, levels in args.geometries}
   print(f"{jax.devices()[0].device_kind}, {args.heads} heads x {args.head_dim}, bf16 cache, "
-        f"max_nodes {args.max_nodes}, kernels {'compiled' if kernels else 'off (jnp path)'}, "
+        f"max_nodes {args.max_nodes}, routing impl={', '.join(f'{g}: {i}' for g, i in routes.items())}, "
         + (f"{args.in_loop} calls per jitted loop, times per call" if args.in_loop else "isolated calls"))
   print("Rows in measuring order (length by length; every geometry at a length before the next length); the same "
         "rows sorted by geometry follow the crossover lines.")
@@ -152,15 +158,17 @@ def main():
         dense_inputs = (q.astype(jnp.bfloat16), cache.store.k, cache.store.v)
         jobs = [(wrap(dense_decode, query_arg=0), dense_inputs)]
         for p in args.top_p:
-          routing = dict(chunk=chunk, top_p=zha.level_top_p(p, levels), max_nodes=args.max_nodes, kernels=kernels)
-          uncapped = dict(chunk=chunk, top_p=zha.level_top_p(p, levels))
-          jobs += [(wrap(lambda c, q, pos, r=routing: zha_cache.attend_gathered(c, q, pos, **r)), inputs),
-                   (wrap(lambda c, q, pos, r=routing: zha_cache.route_gathered(c, q[:, 0], pos[:, 0], **r)), inputs),
-                   (lambda c, q, pos, u=uncapped: zha_cache.attend(c, q, pos, **u)[1], inputs)]
+          tree = zha.ZHATree(refs=refs, chunk=chunk, levels=levels, top_p=(p,), max_nodes=args.max_nodes)
+          uncapped = zha.ZHATree(refs=refs, chunk=chunk, levels=levels, top_p=(p,))
+          decode = lambda c, q, pos, t=tree: zha_step.attend(c, q, pos, tree=t, impl="auto")
+          jobs += [(wrap(decode), inputs),
+                   (wrap(lambda c, q, pos, t=tree: zha_ops.zha_route(q[:, 0], pos[:, 0], c.keys, c.bias, tree=t,
+                                                                     impl="auto")), inputs),
+                   (lambda c, q, pos, t=uncapped: zha_step.attend(c, q, pos, tree=t)[1], inputs)]
           if args.in_loop:
-            jobs.append((lambda c, q, pos, r=routing: zha_cache.attend_gathered(c, q, pos, **r)[1], inputs))
+            jobs.append((lambda c, q, pos, d=decode: d(c, q, pos)[1], inputs))
         dense, *compiled = compile_all(jobs)
-        dense_kind = "cudnn" if kernels else "xla"
+        dense_kind = "cudnn" if on_gpu else "xla"
         if isinstance(dense, Exception):  # cuDNN refused the shape only at compile time: XLA's is the baseline
           dense_kind = "xla"
           dense, = compile_all([(wrap(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
@@ -201,7 +209,7 @@ def main():
             f"{name} p={p}: not faster than dense at any measured length")
   print("\nSorted by geometry, threshold and length:")
   print(header)
-  order = {f"R{r}-C{c}-L{l}": i for i, (r, c, l) in enumerate(args.geometries)}
+  order = {f"R{refs}-C{chunk}-L{levels}": i for i, (refs, chunk, levels) in enumerate(args.geometries)}
   for row in sorted(rows, key=lambda r: (order[r["geometry"]], r["p"], r["length"])):
     print(row["text"])
   print(flush=True)

@@ -11,13 +11,15 @@ import typing
 
 import yaml
 
+from fsjax import kinds
 from fsjax.data.copies import validate_copies
-from fsjax.ops.cells import validate_routing
-from fsjax.ops.zha import validate_zha
+from fsjax.reference.routing import Routing
+from fsjax.reference.zha import ZHATree
 
-FREESOLO_KINDS = ("fs", "fsl", "fsb")
-DENSE_KINDS = ("tfpp", "swa", "moba")
-ATTENTION_KINDS = FREESOLO_KINDS + DENSE_KINDS + ("zha",)
+FREESOLO_KINDS = kinds.names("freesolo")
+DENSE_KINDS = kinds.names("dense")
+ATTENTION_KINDS = kinds.names()
+
 IMPLS = ("reference", "auto", "pallas")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 SCHEDULES = ("cosine", "wsd")
@@ -42,12 +44,56 @@ def _one_of(obj, prefix, name, allowed):
 
 
 @dataclasses.dataclass(frozen=True)
+class MoBAConfig:
+  """MoBA's block routing (`fsjax.reference.dense.moba_attention`).
+
+  Attributes:
+    block: block size in tokens.
+    top_k: blocks read per query, the current one included.
+  """
+  block: int = 512
+  top_k: int = 3
+
+  def __post_init__(self):
+    _positive(self, "attention.moba.", "block", "top_k")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZHAConfig:
+  """ZHA's tree (ZHA Sec. III; `fsjax.reference.zha`).
+
+  Attributes:
+    refs: reference queries R per head.
+    chunk: chunk C: children per node, keys per leaf.
+    levels: tree levels L.
+    top_p: routing threshold p: one value for every level, or one per level (level 1, the raw-key chunks,
+      first); >= 1 reads every key.
+    max_nodes: cap on the nodes a query keeps per level (ours; null = the paper's routing). Decode then reads only
+      the routed candidate lists and keys, a cost independent of the context length below the top level.
+    distill: run the frozen dense (TF++) attention and sow each layer's ZHA KL loss instead of routing; set by the
+      ZHA objective (`train.objective: zha_kl`).
+  """
+  refs: int = 16
+  chunk: int = 8
+  levels: int = 2
+  top_p: tuple[float, ...] = (0.9,)
+  max_nodes: int | None = None
+  distill: bool = False
+
+  @property
+  def tree(self):
+    """The tree's geometry and routing as one frozen `ZHATree`."""
+    return ZHATree(refs=self.refs, chunk=self.chunk, levels=self.levels, top_p=self.top_p,
+                   max_nodes=self.max_nodes)
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """Which attention a model uses and its geometry (FS App. A defaults).
 
   Attributes:
-    kind: "fs" | "fsl" | "fsb" (FreeSolo variants), "tfpp" | "swa" | "moba" (baselines) or "zha" (TF++
-      weights read through a ZHA tree, ZHA Sec. III).
+    kind: an attention kind of `fsjax.kinds`: "fs" | "fsl" | "fsb" (FreeSolo variants), "tfpp" | "swa" | "moba"
+      (baselines) or "zha" (TF++ weights read through a ZHA tree, ZHA Sec. III).
     window: local radius w (FS Eq. 3-4) for FreeSolo; the window of SWA. Must be >= block - 1 for FreeSolo.
     cell: cell size s in tokens (FS Eq. 5).
     block: query block B in tokens, a multiple of cell (FS Eq. 6).
@@ -59,19 +105,13 @@ class AttentionConfig:
     lam: initial λ_h of the norm prior (Eq. 7), a buffer without gradient; >= 0.
     sigma: initial σ_h of the erf prior (Eq. 7), a buffer without gradient; > 0.
     rope_theta: RoPE base θ.
-    moba_block: MoBA block size in tokens.
-    moba_top_k: MoBA blocks read per query, the current one included.
-    impl: "reference" | "auto" | "pallas": kernel dispatch (auto: Pallas kernels and cuDNN on GPU).
-    zha_refs: ZHA reference queries R per head.
-    zha_chunk: ZHA chunk C: children per node, keys per leaf.
-    zha_levels: ZHA tree levels L.
-    zha_top_p: ZHA routing threshold p: one value for every level, or one per level (level 1, the raw-key
-      chunks, first); >= 1 reads every key.
-    zha_max_nodes: cap on the nodes a query keeps per level (ours; null = the paper's routing). Decode then
-      reads only the routed candidate lists and keys, a cost independent of the context length below the top
-      level.
-    zha_distill: run the frozen dense (TF++) attention and sow each layer's ZHA KL loss instead of routing; set
-      by the training loop when `train.objective` is "zha_kl".
+    impl: "reference" | "auto" | "pallas": kernel dispatch (`fsjax.ops.dispatch`; auto: Pallas kernels and
+      cuDNN on GPU).
+    moba: MoBA's section (`attention.moba.block`, `attention.moba.top_k`).
+    zha: ZHA's section (`attention.zha.refs`, `.chunk`, `.levels`, `.top_p`, `.max_nodes`, `.distill`).
+
+  The flat keys of earlier configs (`moba_block`, `moba_top_k`, `zha_refs`, `zha_chunk`, `zha_levels`,
+  `zha_top_p`, `zha_max_nodes`, `zha_distill`) still load, into their sections.
   """
   kind: str = "fs"
   window: int = 512
@@ -85,39 +125,33 @@ class AttentionConfig:
   lam: float = 1.0
   sigma: float = 4.0
   rope_theta: float = 10000.0
-  moba_block: int = 512
-  moba_top_k: int = 3
   impl: str = "auto"
-  zha_refs: int = 16
-  zha_chunk: int = 8
-  zha_levels: int = 2
-  zha_top_p: tuple[float, ...] = (0.9,)
-  zha_max_nodes: int | None = None
-  zha_distill: bool = False
+  moba: MoBAConfig = dataclasses.field(default_factory=MoBAConfig)
+  zha: ZHAConfig = dataclasses.field(default_factory=ZHAConfig)
 
   def __post_init__(self):
     p = "attention."
     _one_of(self, p, "kind", ATTENTION_KINDS)
     _one_of(self, p, "impl", IMPLS)
-    _positive(self, p, "window", "sigma", "rope_theta", "moba_block", "moba_top_k", "beam")
+    _positive(self, p, "window", "sigma", "rope_theta", "beam")
     if self.bound_c < 1:
       raise ConfigError(f"{p}bound_c must be >= 1 (U_v then bounds Eq. 7 for every cell below), got {self.bound_c}")
     if self.lam < 0:
       raise ConfigError(f"{p}lam must be >= 0, got {self.lam}")
-    if self.kind in FREESOLO_KINDS:
-      try:
-        validate_routing(cell=self.cell, block=self.block, window=self.window, top_k=self.top_k,
-                         retain_top=self.retain_top, retain_recent=self.retain_recent, prefix=p)
-      except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if self.kind == "zha":
-      try:
-        validate_zha(chunk=self.zha_chunk, levels=self.zha_levels, top_p=self.zha_top_p, refs=self.zha_refs,
-                     max_nodes=self.zha_max_nodes, prefix=f"{p}zha_")
-      except ValueError as e:
-        raise ConfigError(str(e)) from None
-    elif self.zha_distill:
-      raise ConfigError(f"{p}zha_distill needs {p}kind zha, got {self.kind!r}")
+    if self.zha.distill and self.kind != "zha":
+      raise ConfigError(f"{p}zha.distill needs {p}kind zha, got {self.kind!r}")
+    try:
+      kinds.get(self.kind).validate(self, p)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+
+  @property
+  def routing(self):
+    """The FreeSolo routing geometry as one frozen `Routing` (variant: the kind for FreeSolo kinds, else "fs";
+    the cell and block still size every kind's decode cache)."""
+    return Routing(variant=self.kind if self.kind in FREESOLO_KINDS else "fs", window=self.window, cell=self.cell,
+                   block=self.block, top_k=self.top_k, retain_top=self.retain_top,
+                   retain_recent=self.retain_recent, beam=self.beam, bound_c=self.bound_c)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +172,7 @@ class ModelConfig:
     remat: recompute each layer's activations in the backward pass (less memory, ~1/3 more compute).
     scan_layers: run the layers with `nn.scan` over parameters stacked `[num_layers, ...]` (under
       "layers/layer/..."): one compiled layer body instead of num_layers, so GPU compile time (and each Pallas
-      kernel's Triton compile) no longer grows with depth. Checkpoints of the two layouts do not mix.
+      kernel's Triton compile) does not grow with depth. Checkpoints of the two layouts do not mix.
     attention: the attention config.
   """
   vocab_size: int = 32000
@@ -474,6 +508,8 @@ def from_dict(cls, data, path=""):
   """
   if not isinstance(data, dict):
     raise ConfigError(f"{path or 'config'} must be a mapping, got {data!r}")
+  if cls is AttentionConfig:
+    data = _nest_flat_sections(data, path)
   fields = {f.name for f in dataclasses.fields(cls)}
   hints = typing.get_type_hints(cls)
   unknown = sorted(set(data) - fields)
@@ -486,6 +522,27 @@ def from_dict(cls, data, path=""):
     hint = hints[name]
     kwargs[name] = from_dict(hint, value, where) if dataclasses.is_dataclass(hint) else _check_type(value, hint, where)
   return cls(**kwargs)
+
+
+# Flat attention keys of earlier configs (and of checkpoints' config.json) and the section field they now fill.
+_FLAT_SECTION_KEYS = {"moba_block": ("moba", "block"), "moba_top_k": ("moba", "top_k"),
+                      **{f"zha_{name}": ("zha", name)
+                         for name in ("refs", "chunk", "levels", "top_p", "max_nodes", "distill")}}
+
+
+def _nest_flat_sections(data, path):
+  """`data` with flat keys such as `zha_top_p` moved into their sections (`zha: {top_p: ...}`)."""
+  nested = {key: value for key, value in data.items() if key not in _FLAT_SECTION_KEYS}
+  for key, (section, name) in _FLAT_SECTION_KEYS.items():
+    if key not in data:
+      continue
+    target = nested.setdefault(section, {})
+    if not isinstance(target, dict):
+      raise ConfigError(f"{path}.{section} must be a mapping, got {target!r}")
+    if name in target:
+      raise ConfigError(f"{path}.{key} and {path}.{section}.{name} both set: keep {path}.{section}.{name}")
+    nested[section] = {**target, name: data[key]}
+  return nested
 
 
 def override_model(model_config, assignments):
@@ -502,6 +559,9 @@ def apply_override(data, assignment):
     raise ConfigError(f"override {assignment!r} must look like key.sub=value")
   key, raw = assignment.split("=", 1)
   *parents, leaf = key.strip().split(".")
+  if parents and parents[-1] == "attention" and leaf in _FLAT_SECTION_KEYS:  # e.g. attention.zha_top_p
+    section, leaf = _FLAT_SECTION_KEYS[leaf]
+    parents.append(section)
   node = data
   for part in parents:
     node = node.setdefault(part, {})
@@ -554,7 +614,7 @@ def to_dict(config):
 MODEL_PRESETS = {
     "fs_341m": dict(num_layers=24, d_model=1024, num_heads=16, head_dim=64),
     "fs_743m": dict(num_layers=24, d_model=1536, num_heads=16, head_dim=96),
-    # configs/repro/repro_fs.yaml's shape (issue #9), for benchmarks/decode.py --preset repro_43m.
+    # configs/repro/repro_fs.yaml's shape, for benchmarks/decode.py --preset repro_43m.
     "repro_43m": dict(num_layers=8, d_model=512, num_heads=8, head_dim=64,
                       attention=AttentionConfig(window=128, cell=16, block=64, top_k=4, retain_top=32,
                                                 retain_recent=4)),

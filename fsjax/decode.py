@@ -14,6 +14,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from fsjax import kinds
 from fsjax.cache import init_cache
 
 DEFAULT_CHUNK = 2048
@@ -157,7 +158,7 @@ def generate(model, variables, tokens, lengths, *, max_new_tokens, eos_id, tempe
     `[batch, max_new_tokens]` int32 tokens; with `return_cells` (FreeSolo models) also the selected cells
     `[batch, max_new_tokens, layers, heads, K]` (see `decode_loop`).
   """
-  if return_cells and model.config.attention.kind not in ("fs", "fsl", "fsb"):
+  if return_cells and kinds.get(model.config.attention.kind).family != "freesolo":
     raise ValueError(f"return_cells needs a FreeSolo model, got attention kind {model.config.attention.kind!r}")
   tokens = jnp.asarray(tokens, jnp.int32)
   lengths = jnp.asarray(lengths, jnp.int32)

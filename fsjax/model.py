@@ -8,29 +8,20 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fsjax.attention import DenseAttention, FreeSoloAttention, ZHAAttention
+from fsjax import kinds
 from fsjax.attention.freesolo import ROUTING
 from fsjax.cache import layer_of, write_back
-from fsjax.config import FREESOLO_KINDS, ModelConfig
+from fsjax.config import ModelConfig
 
 EMBED_INIT_STD = 0.02  # keeps tied-embedding logits O(1) at init (LLaMA's choice)
 
 
 def make_attention(config: ModelConfig, name=None):
-  """The attention module selected by `config.attention.kind`."""
+  """The attention module of `config.attention.kind`, built by its entry in `fsjax.kinds`."""
   att = config.attention
-  common = dict(num_heads=config.num_heads, head_dim=config.head_dim, rope_theta=att.rope_theta,
-                dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype), name=name)
-  if att.kind in FREESOLO_KINDS:
-    return FreeSoloAttention(variant=att.kind, window=att.window, cell=att.cell, block=att.block,
-                             top_k=att.top_k, retain_top=att.retain_top, retain_recent=att.retain_recent,
-                             beam=att.beam, bound_c=att.bound_c,
-                             lam=att.lam, sigma=att.sigma, impl=att.impl, **common)
-  if att.kind == "zha":
-    return ZHAAttention(refs=att.zha_refs, chunk=att.zha_chunk, levels=att.zha_levels, top_p=att.zha_top_p,
-                        max_nodes=att.zha_max_nodes, distill=att.zha_distill, impl=att.impl, **common)
-  return DenseAttention(kind=att.kind, window=att.window, moba_block=att.moba_block,
-                        moba_top_k=att.moba_top_k, impl=att.impl, **common)
+  return kinds.get(att.kind).module(att, num_heads=config.num_heads, head_dim=config.head_dim,
+                                    rope_theta=att.rope_theta, dtype=jnp.dtype(config.dtype),
+                                    param_dtype=jnp.dtype(config.param_dtype), name=name)
 
 
 class SwiGLU(nn.Module):

@@ -1,5 +1,5 @@
-"""Fused FreeSolo cell scoring and top-K (FS Eq. 6-8): the selection of `fsjax.ops.select_cells`, without ever
-writing the `[T, #cells]` score matrix.
+"""Fused FreeSolo cell scoring and top-K (FS Eq. 6-8): the selection of the reference's `select_from_summaries`,
+without ever writing the `[T, #cells]` score matrix.
 
 One program scores a tile of queries of one (batch, head) against a range of cells in chunks, and keeps a running
 top-K per query in registers: the chunk's scores that beat a query's current K-th best are extracted one at a
@@ -26,12 +26,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fsjax.ops import cells as cells_ref
 from pallas_kernels.common import NO_CELL, check_compilable, default_interpret, erf, pad_axis, pad_head_dim
 
-
 # About two programs per SM of an H200 (132 SMs). One decode query per head at 4,096 cells: 110 µs per layer
-# unsplit, 32 µs at 16 ranges, no better at 32-64 (sweep in docs/results/h200_decode_splits/).
+# unsplit, 32 µs at 16 ranges, no better at 32-64 (the sweep in docs/results/h200_decode_splits.json).
 FILL_PROGRAMS = 256
 
 
@@ -142,8 +140,9 @@ def _num_splits(sizes, *, programs, num_chunks):
 
 @functools.partial(jax.jit, static_argnames=("variant", "cell", "block", "top_k", "retain_top", "retain_recent",
                                              "block_sizes", "interpret"))
-def select_from_summaries(q, positions, mean_keys, max_norms, *, variant="fs", lam=1.0, sigma=4.0, cell=32,
-                          block=128, top_k=4, retain_top=64, retain_recent=8, block_sizes=None, interpret=None):
+def select_from_summaries(q, positions, mean_keys, max_norms, death=None, *, variant="fs", lam=1.0, sigma=4.0,
+                          cell=32, block=128, top_k=4, retain_top=64, retain_recent=8, block_sizes=None,
+                          interpret=None):
   """Top-K cells (Eq. 6-8) for queries at `positions`, given the cell summaries (Eq. 5).
 
   Args:
@@ -151,6 +150,8 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, variant="fs", l
     positions: `[batch, T]` int32 query positions, or None for `0..T-1`.
     mean_keys: `[batch, M, heads, d]`; max_norms: `[batch, M, heads]` of cells `0..M-1` (only cells that
       end before a query's block are ever read, so later cells may hold anything).
+    death: for "fsl", `[batch, M, heads]` int32: the first block at which each cell has left the top-P pool
+      (the reference's `retention_death_block`, computed once per sequence by the caller); unused by "fs".
     variant: "fs" or "fsl"; lam, sigma: scalars or `[heads]`; cell, block, top_k, retain_top, retain_recent:
       `s`, `B`, `K`, `P`, `W`.
     block_sizes: `BlockSizes`; interpret: None = compiled on GPU, interpreted elsewhere.
@@ -170,10 +171,11 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, variant="fs", l
   q, mean_keys, max_norms = (jax.lax.stop_gradient(x.astype(jnp.float32)) for x in (q, mean_keys, max_norms))
   lam = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (heads,))
   sigma = jnp.broadcast_to(jnp.asarray(sigma, jnp.float32), (heads,))
-  if variant == "fsl":
-    death = cells_ref.retention_death_block(max_norms, cell=cell, block=block, retain_top=retain_top)
-  else:
+  if variant == "fs":
     death = jnp.zeros_like(max_norms, jnp.int32)
+  elif death is None or death.shape != max_norms.shape:
+    raise ValueError(f"variant 'fsl' needs death blocks shaped like max_norms {max_norms.shape}, got "
+                     f"{None if death is None else death.shape}")
 
   tile, chunk = min(sizes.queries, pl.next_power_of_2(seq)), sizes.cells
   padded_seq = pl.cdiv(seq, tile) * tile
@@ -222,21 +224,3 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, variant="fs", l
   _, best = jax.lax.top_k(values.reshape(*values.shape[:3], -1), top_k)
   return jnp.take_along_axis(idx.reshape(*idx.shape[:3], -1), best, axis=-1)
 
-
-def select_cells(q, k, *, variant="fs", lam=1.0, sigma=4.0, cell=32, block=128, top_k=4, retain_top=64,
-                 retain_recent=8, block_sizes=None, interpret=None):
-  """Kernel twin of `fsjax.ops.select_cells` (same arguments and result): cell summaries in XLA (Eq. 5),
-  scoring and top-K fused.
-
-  Args:
-    q, k: `[batch, T, heads, d]` unrotated.
-
-  Returns:
-    `[batch, T, heads, K]` int32 cell indices, -1 where fewer than K cells are available.
-  """
-  if q.shape[1] < cell:
-    return jnp.full(q.shape[:3] + (top_k,), NO_CELL, jnp.int32)
-  mean_keys, max_norms, _ = cells_ref.cell_summaries(jax.lax.stop_gradient(k).astype(jnp.float32), cell)
-  return select_from_summaries(q, None, mean_keys, max_norms, variant=variant, lam=lam, sigma=sigma, cell=cell,
-                               block=block, top_k=top_k, retain_top=retain_top, retain_recent=retain_recent,
-                               block_sizes=block_sizes, interpret=interpret)

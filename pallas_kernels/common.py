@@ -1,8 +1,9 @@
-"""What the FreeSolo kernels share: interpret-mode default, power-of-two padding, an in-kernel erf.
+"""What the kernel families share: interpret-mode default, power-of-two padding and geometry checks, a scanned
+model's layer stack as kernel input, an in-kernel erf.
 
 Triton tiles must have power-of-two shapes and `tl.dot` needs every matmul dimension >= 16, so the launchers
-pad head_dim and top_k to powers of two (zeros and -1 change nothing) and reject cells smaller than 16 when
-compiling for a GPU; interpret mode (CPU) takes any size.
+pad head_dim and top_k to powers of two (zeros and -1 change nothing) and reject cells smaller than 16 (and
+other tile sizes that are not powers of two) when compiling for a GPU; interpret mode (CPU) takes any size.
 """
 
 import jax
@@ -67,3 +68,22 @@ def erf(x):
   x = jnp.clip(x, -4.0, 4.0)
   x2 = x * x
   return x * _polynomial(x2, _ERF_ALPHA) / _polynomial(x2, _ERF_BETA)
+
+
+def check_power_of_two(name, value, interpret):
+  """Raises ValueError naming `name` if a compiled kernel's tile size `value` is not a power of two."""
+  if not interpret and value & (value - 1):
+    raise ValueError(f"{name} must be a power of two for the compiled Pallas kernels, got {value}")
+
+
+def layer_stack(array, layer, axes):
+  """Kernel inputs for `array` (`axes` dims) or a scanned model's stack of it (`axes + 1` dims) with `layer`: the
+  stack `[layers, ...]` (one layer as `[1, ...]`) and the `[1]` int32 layer the kernels index it at. Passing the
+  stack lets a kernel read one layer where it lies; slicing the layer out first would copy it."""
+  if layer is None:
+    if array.ndim != axes:
+      raise ValueError(f"an array of {axes} dims, or a stack of {axes + 1} with a layer, got shape {array.shape}")
+    return array[None], jnp.zeros((1,), jnp.int32)
+  if array.ndim != axes + 1:
+    raise ValueError(f"with a layer, a stack of {axes + 1} dims, got shape {array.shape}")
+  return array, jnp.asarray(layer, jnp.int32).reshape(1)

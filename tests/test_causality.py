@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from fsjax import ops
+
 from helpers import random_qkv
 
 SEQ, CUT = 160, 70  # CUT sits inside a query block: same-block futures must not leak either

@@ -1,21 +1,24 @@
-"""cuDNN TF++/SWA against the reference (GPU only; skipped on CPU)."""
+"""cuDNN TF++/SWA against the reference (where the dispatch table picks cuDNN: a GPU; skipped elsewhere)."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import dataclasses
-
 from fsjax import ops
 from fsjax.cache import init_cache
 from fsjax.config import model_preset
 from fsjax.decode import extend, prefill
 from fsjax.model import Transformer, init_variables
+from fsjax.ops import dispatch
 from fsjax.ops.cudnn import causal_rope_attention_cudnn
+
 from helpers import assert_close, random_qkv
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
+pytestmark = pytest.mark.skipif(dispatch.resolve("local_attention", "auto", dtype=jnp.bfloat16) != "cudnn",
+                                reason="cuDNN attention needs a GPU")
 
 
 @pytest.mark.parametrize("window", [None, 64], ids=["tfpp", "swa"])
@@ -25,6 +28,9 @@ def test_cudnn_matches_reference_in_bf16(rng, window):
   reference = (ops.tfpp_attention(q, k, v) if window is None else ops.swa_attention(q, k, v, window=window))
   assert fast.dtype == jnp.bfloat16
   assert_close(np.asarray(fast, np.float32), np.asarray(reference, np.float32), jnp.bfloat16)
+  dispatched = (ops.tfpp_attention(q, k, v, impl="auto") if window is None else
+                ops.swa_attention(q, k, v, window=window, impl="auto"))
+  np.testing.assert_array_equal(np.asarray(dispatched, np.float32), np.asarray(fast, np.float32))  # "auto": cuDNN
 
 
 @pytest.mark.parametrize("window", [None, 64], ids=["tfpp", "swa"])

@@ -10,8 +10,14 @@ import numpy as np
 import pytest
 
 from fsjax.config import ConfigError, DataConfig
-from fsjax.data.pipeline import (Encode, default_corpus_path, make_eval_batches, make_train_iterator, pack,
-                                 read_documents)
+from fsjax.data.pipeline import (
+  Encode,
+  default_corpus_path,
+  make_eval_batches,
+  make_train_iterator,
+  pack,
+  read_documents,
+)
 from fsjax.data.recall import recall_masks
 from fsjax.data.tokenizer import BOS_ID, EOS_ID, UNK_ID, bos_id, default_tokenizer_path, eos_id, load_tokenizer
 

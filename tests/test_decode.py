@@ -7,14 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsjax import decode
+from fsjax import calibrate, decode, kinds, loading, ops
 from fsjax.cache import init_cache
-from fsjax.config import model_preset
+from fsjax.config import MoBAConfig, ZHAConfig, model_preset
 from fsjax.decode import extend, generate, prefill, sample
 from fsjax.model import Transformer, init_variables
+
 from helpers import assert_close, stack_layers
 
-KINDS = ["fs", "fsl", "fsb", "tfpp", "swa", "moba", "zha"]
+KINDS = list(kinds.names())  # every registered kind has a decode cache
 SEQ, PROMPT = 150, 70  # crosses four 32-token query blocks in the prompt and more while decoding
 
 
@@ -22,13 +23,12 @@ def _setup(kind, scan_layers=False, cell=8):
   """The tiny model; `cell=16` gives a geometry the compiled kernels accept (Triton tiles need cell >= 16)."""
   config = model_preset("tiny", kind=kind, scan_layers=scan_layers)
   config = dataclasses.replace(config, attention=dataclasses.replace(
-      config.attention, window=40, cell=cell, moba_block=32, moba_top_k=2, retain_top=2, retain_recent=1,
-      zha_refs=4, zha_chunk=4, zha_top_p=(0.8,)))
+      config.attention, window=40, cell=cell, retain_top=2, retain_recent=1, moba=MoBAConfig(block=32, top_k=2),
+      zha=ZHAConfig(refs=4, chunk=4, top_p=(0.8,))))
   variables = init_variables(config, jax.random.PRNGKey(0), 64)
   if kind == "fsb":  # τ from the model's own cell norms, so both forests hold cells
-    from fsjax import calibrate
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 128), 0, config.vocab_size)
-    variables = calibrate.with_tau(config, variables, calibrate.calibrate(Transformer(config), variables, [tokens]))
+    variables = loading.with_tau(config, variables, calibrate.calibrate(Transformer(config), variables, [tokens]))
   return config, Transformer(config), variables
 
 
@@ -71,7 +71,7 @@ def _with_impl(config, impl):
 
 
 _GPU_ONLY = pytest.mark.skipif(jax.default_backend() != "gpu", reason="interpreted, the FS-B beam kernel per decode "
-                               "step is too slow for CI; tests/test_kernel_tree_routing.py checks it against the "
+                               "step is too slow for CI; tests/test_kernel_forest_search.py checks it against the "
                                "reference")
 
 
@@ -176,7 +176,6 @@ def test_fsl_bounded_cache_size_does_not_grow_with_context():
 
 def test_fsl_bounded_cache_selects_the_masked_operators_cells_at_every_step(rng):
   """300 tokens = 37 cells with P=2, W=1: most cells are evicted long before the end."""
-  from fsjax import ops
   config, model, variables = _setup("fsl")
   att = config.attention
   seq, prompt = 300, 100

@@ -1,4 +1,4 @@
-"""FS-B streaming forest cache (fsjax.cache.forest) against the prefill formulation (fsjax.ops.forest): the same
+"""FS-B streaming forest cache (fsjax.cache.forest) against the prefill formulation (fsjax.reference.forest): the same
 forests, the same selections, and an update whose work per block does not grow with the number of cells."""
 
 import jax
@@ -6,10 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fsjax.attention.freesolo_step import forest_select
 from fsjax.cache import archive as archive_lib
-from fsjax.cache import layer_of, write_back
 from fsjax.cache import forest as forest_cache
-from fsjax.ops import forest as ops_forest
+from fsjax.cache import layer_of, write_back
+from fsjax.reference import forest as forest_ref
+from fsjax.reference.routing import Routing
 
 CELL, BLOCK = 4, 16  # 4 cells admitted per block
 BATCH, HEADS, DIM = 2, 2, 6
@@ -52,8 +54,8 @@ def _assert_same_tree(a, b):
 def _prefill_forest(means, norms, admitted):
   """The prefill formulation's forest over the admitted cells (all of them complete): (node table, root)."""
   order = jnp.argsort(~admitted, stable=True).astype(jnp.int32)
-  table, roots = ops_forest._chunk_nodes(means[order], norms[order], (order + 0.5) * CELL, order)
-  return ops_forest.block_forests(table, roots, jnp.sum(admitted, dtype=jnp.int32)[None])
+  table, roots = forest_ref._chunk_nodes(means[order], norms[order], (order + 0.5) * CELL, order)
+  return forest_ref.block_forests(table, roots, jnp.sum(admitted, dtype=jnp.int32)[None])
 
 
 @pytest.mark.parametrize("looped_from", [forest_cache.LOOPED_FROM, 1], ids=["default", "every-level-looped"])
@@ -129,7 +131,7 @@ def test_looped_leaf_order_equals_the_reference_splits_including_ties(rng):
   repeated = random[rng.integers(0, 5, size)]
   equal = np.ones((size, DIM))
   looped = jax.jit(forest_cache.looped_leaf_order)
-  reference = jax.jit(lambda m, i: ops_forest.chunk_leaf_orders(m, i, [size])[0][0])
+  reference = jax.jit(lambda m, i: forest_ref.chunk_leaf_orders(m, i, [size])[0][0])
   with jax.enable_x64(True):
     for means in (random, repeated, equal):
       np.testing.assert_array_equal(looped(jnp.asarray(means), ids), reference(jnp.asarray(means), ids))
@@ -143,13 +145,14 @@ def test_streaming_selection_equals_the_prefill_formulation_in_every_block(rng):
     cache, tau = _filled_cache(rng, seq)
     routing = dict(lam=jnp.asarray(rng.uniform(0.3, 2.0, HEADS)), sigma=jnp.asarray(rng.uniform(1.0, 8.0, HEADS)))
     options = dict(cell=CELL, top_k=3, beam=2, bound_c=8.0)
-    step = jax.jit(lambda c, q, pos: forest_cache.select(forest_cache.advance(c, pos[:, 0] // BLOCK * (
-        BLOCK // CELL), tau, cell=CELL, block=BLOCK), q, pos, **routing, **options))
+    geometry = Routing(variant="fsb", window=BLOCK - 1, block=BLOCK, **options)
+    step = jax.jit(lambda c, q, pos: forest_select(forest_cache.advance(c, pos[:, 0] // BLOCK * (
+        BLOCK // CELL), tau, cell=CELL, block=BLOCK), q, pos, geometry, **routing))
     archive = cache.archive
     for n in range(1, seq // BLOCK):
       pos = jnp.asarray(n * BLOCK + rng.integers(0, BLOCK, (BATCH, 1)))
       q = jnp.asarray(rng.standard_normal((BATCH, 1, HEADS, DIM)) * 3)
-      expected = ops_forest.fsb_select_from_summaries(q, pos, archive.tokens.k, archive.mean_keys,
+      expected = forest_ref.fsb_select_from_summaries(q, pos, archive.tokens.k, archive.mean_keys,
                                                       archive.max_norms, tau=tau, block=BLOCK, **routing, **options)
       actual = step(cache, q, pos)
       np.testing.assert_array_equal(np.sort(np.asarray(actual), -1), np.sort(np.asarray(expected), -1))

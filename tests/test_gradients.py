@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fsjax import ops
+
 from helpers import assert_close, random_qkv
 
 GEOMETRY = dict(cell=4, block=16, window=15, top_k=2, retain_top=2, retain_recent=1)

@@ -1,4 +1,6 @@
-"""pallas_kernels.cell_scoring against the reference selection (fsjax.ops.select_cells, Eq. 5-8)."""
+"""pallas_kernels.cell_scoring at its own tile sizes and cell-range splits against the reference selection
+(fsjax.reference.cells, Eq. 5-8). The ops that run it (select_cells, select_from_summaries, freesolo_attention)
+are checked against the reference in tests/test_parity.py."""
 
 import dataclasses
 
@@ -7,9 +9,10 @@ import numpy as np
 import pytest
 
 from fsjax import ops
-from fsjax.ops import cells
-from helpers import assert_same_cells, kernel_modes
+from fsjax.reference import cells
 from pallas_kernels import cell_scoring
+
+from helpers import assert_same_cells, kernel_modes
 
 SIZES = cell_scoring.BlockSizes(queries=32, cells=16)
 SCORE_ATOL = 1e-5  # float32 rounding of Eq. 7 computed in a different order (and XLA's erf approximation)
@@ -28,6 +31,18 @@ def _inputs(rng, batch, seq, heads, dim, dtype):
   return q, k, rng.uniform(0.3, 2.0, heads).astype(np.float32), rng.uniform(1.0, 8.0, heads).astype(np.float32)
 
 
+def _kernel_select(q, k, *, variant, lam, sigma, cell, block, top_k, retain_top, retain_recent, interpret):
+  """The kernel's selection over a whole sequence, as `fsjax.ops.select_cells` composes it: cell summaries (Eq. 5)
+  and, for FS-L, each cell's death block (Eq. 8), then the fused scoring and top-K at `SIZES`."""
+  mean_keys, max_norms, _ = cells.cell_summaries(k.astype(jnp.float32), cell)
+  death = None
+  if variant == "fsl":
+    death = cells.retention_death_block(max_norms, cell=cell, block=block, retain_top=retain_top)
+  return cell_scoring.select_from_summaries(q, None, mean_keys, max_norms, death, variant=variant, lam=lam,
+                                            sigma=sigma, cell=cell, block=block, top_k=top_k, retain_top=retain_top,
+                                            retain_recent=retain_recent, block_sizes=SIZES, interpret=interpret)
+
+
 def _reference_scores(q, k, lam, sigma, cell, positions=None):
   mean_keys, max_norms, centers = cells.cell_summaries(k.astype(jnp.float32), cell)
   return cells.cell_scores(q.astype(jnp.float32), mean_keys, max_norms, centers, lam=jnp.asarray(lam),
@@ -43,7 +58,7 @@ def test_select_cells_matches_reference(rng, interpret, dtype, variant, batch, s
   q, k, lam, sigma = _inputs(rng, batch, seq, heads, dim, dtype)
   routing = dict(variant=variant, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
                  retain_top=retain_top, retain_recent=retain_recent)
-  got = cell_scoring.select_cells(q, k, block_sizes=SIZES, interpret=interpret, **routing)
+  got = _kernel_select(q, k, interpret=interpret, **routing)
   want = ops.select_cells(q, k, **routing)
   assert got.dtype == jnp.int32 and got.shape == want.shape
   assert_same_cells(got, want, _reference_scores(q, k, lam, sigma, cell), SCORE_ATOL)
@@ -63,8 +78,9 @@ def test_select_from_summaries_at_decode_positions(rng, interpret, variant, spli
   positions = jnp.array([[31, 32, 100, 700, 1279], [64, 65, 66, 900, 1201]], jnp.int32)
   lam, sigma = rng.uniform(0.3, 2.0, heads).astype(np.float32), rng.uniform(1.0, 8.0, heads).astype(np.float32)
   routing = dict(variant=variant, cell=cell, block=block, retain_top=3, retain_recent=1)
-  got = cell_scoring.select_from_summaries(q, positions, mean_keys, max_norms, lam=lam, sigma=sigma, top_k=top_k,
-                                           block_sizes=dataclasses.replace(SIZES, splits=splits),
+  death = cells.retention_death_block(max_norms, cell=cell, block=block, retain_top=3) if variant == "fsl" else None
+  got = cell_scoring.select_from_summaries(q, positions, mean_keys, max_norms, death, lam=lam, sigma=sigma,
+                                           top_k=top_k, block_sizes=dataclasses.replace(SIZES, splits=splits),
                                            interpret=interpret, **routing)
   centers = (jnp.arange(num_cells) + 0.5) * cell
   scores = cells.cell_scores(q, mean_keys, max_norms, centers, lam=jnp.asarray(lam), sigma=jnp.asarray(sigma),
@@ -79,8 +95,8 @@ def test_equal_scores_go_to_the_lower_cell_index(rng, interpret):
   cell, dim = 16, 16
   k = jnp.tile(jnp.asarray(rng.standard_normal((1, cell, 1, dim)), jnp.float32), (1, 12, 1, 1))
   q = jnp.asarray(rng.standard_normal((1, 12 * cell, 1, dim)), jnp.float32)
-  got = cell_scoring.select_cells(q, k, lam=0.0, cell=cell, block=32, top_k=4, block_sizes=SIZES,
-                                  interpret=interpret)
+  got = _kernel_select(q, k, variant="fs", lam=0.0, sigma=4.0, cell=cell, block=32, top_k=4, retain_top=64,
+                       retain_recent=8, interpret=interpret)
   np.testing.assert_array_equal(got, ops.select_cells(q, k, lam=0.0, cell=cell, block=32, top_k=4))
   np.testing.assert_array_equal(got[0, -1, 0], [0, 1, 2, 3])
 

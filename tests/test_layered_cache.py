@@ -5,10 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsjax.attention.cached import attend, attend_one
 from fsjax.cache import layer_of, write_back
 from fsjax.cache import store as kv
 from fsjax.cache.layered import LayerSlice, read, scatter
 from fsjax.cache.store import KVStore
+
 from helpers import assert_close
 
 LAYERS, BATCH, CAPACITY, HEADS, DIM = 3, 2, 12, 2, 4
@@ -56,7 +58,7 @@ def test_one_query_attention_equals_the_chunk_attention(rng):
   q = jnp.asarray(rng.standard_normal((BATCH, 1, HEADS, DIM)), jnp.float32)
   q_pos = jnp.asarray([[8], [0]], jnp.int32)
   for window in (None, 3):
-    expected = kv.attend(q, q_pos, store.k, store.v, store.pos, window=window)
-    assert_close(kv.attend_one(q, q_pos, store.k, store.v, store.pos, window=window), expected, np.float32)
+    expected = attend(q, q_pos, store.k, store.v, store.pos, window=window)
+    assert_close(attend_one(q, q_pos, store.k, store.v, store.pos, window=window), expected, np.float32)
   nothing = jnp.full_like(store.pos, -1)  # a row that sees no key reads zero, as `attend`
-  np.testing.assert_array_equal(kv.attend_one(q, q_pos, store.k, store.v, nothing), 0.0)
+  np.testing.assert_array_equal(attend_one(q, q_pos, store.k, store.v, nothing), 0.0)

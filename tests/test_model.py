@@ -9,8 +9,9 @@ import numpy as np
 import optax
 import pytest
 
-from fsjax.config import model_preset
+from fsjax.config import MoBAConfig, model_preset
 from fsjax.model import Transformer, init_variables, param_counts
+
 from helpers import assert_close, stack_layers
 
 KINDS = ["fs", "fsl", "tfpp", "swa", "moba"]
@@ -20,8 +21,8 @@ SEQ = 96
 def _tiny(kind):
   config = model_preset("tiny", kind=kind)
   # SWA and MoBA geometry scaled to the tiny sequence, so every path (window edge, block routing) is hit.
-  return dataclasses.replace(config, attention=dataclasses.replace(config.attention, moba_block=32,
-                                                                   moba_top_k=2, window=40))
+  return dataclasses.replace(config, attention=dataclasses.replace(config.attention, window=40,
+                                                                   moba=MoBAConfig(block=32, top_k=2)))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -7,6 +7,8 @@ import pytest
 
 from fsjax import ops
 from fsjax.attention import ROUTING, DenseAttention, FreeSoloAttention
+from fsjax.reference.routing import Routing
+
 from helpers import assert_close
 
 GEOMETRY = dict(window=40, cell=8, block=32, top_k=3, retain_top=3, retain_recent=1)
@@ -22,7 +24,8 @@ def _qkv(params, x):
 
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
 def test_freesolo_module_variables_and_wiring(rng, variant):
-  module = FreeSoloAttention(num_heads=3, head_dim=8, variant=variant, lam=0.5, sigma=3.0, **GEOMETRY)
+  module = FreeSoloAttention(num_heads=3, head_dim=8, routing=Routing(variant=variant, **GEOMETRY), lam=0.5,
+                             sigma=3.0)
   x = _x(rng)
   variables = module.init(jax.random.PRNGKey(0), x)
   params, routing = variables["params"], variables[ROUTING]
@@ -42,7 +45,7 @@ def test_freesolo_module_variables_and_wiring(rng, variant):
 
 
 def test_no_gradient_reaches_lambda_or_sigma(rng):
-  module = FreeSoloAttention(num_heads=2, head_dim=8, variant="fsl", **GEOMETRY)
+  module = FreeSoloAttention(num_heads=2, head_dim=8, routing=Routing(variant="fsl", **GEOMETRY))
   x = _x(rng)
   variables = module.init(jax.random.PRNGKey(1), x)
   grads = jax.grad(lambda var: jnp.sum(module.apply(var, x) ** 2))(variables)

@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-import brute_force
 from fsjax import ops
+
+import brute_force
 from helpers import assert_close, random_qkv
 
 

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import brute_force
 from fsjax import ops
+
+import brute_force
 from helpers import assert_close, random_qkv
 
 # (batch, seq, heads, head_dim, cell, block, window, top_k, retain_top, retain_recent)

@@ -1,4 +1,5 @@
-"""ZHA reference (fsjax.ops.zha) against brute-force loops, and the properties ZHA III states."""
+"""ZHA reference (fsjax.reference.zha) against brute-force loops, the properties ZHA III states, and the ZHA ops'
+dispatch (fsjax.ops.zha)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +7,12 @@ import numpy as np
 import optax
 import pytest
 
-import brute_force
 from fsjax import ops
-from fsjax.ops import zha
+from fsjax.ops import dispatch
+from fsjax.ops import zha as zha_ops
+from fsjax.reference import zha
+
+import brute_force
 from helpers import assert_close, random_qkv
 
 # (batch, seq, heads, dim, refs, chunk, levels, top_p, max_nodes)
@@ -146,3 +150,50 @@ def test_bad_geometry_is_rejected(kwargs, message):
   args = dict(chunk=2, levels=2, top_p=0.9) | kwargs
   with pytest.raises(ValueError, match=message):
     ops.zha_attention(q, q, q, jnp.ones((1, 2, 4)), **args)
+
+
+def test_one_table_decides_the_zha_implementations(rng):
+  """The training form has no kernel: "auto" selects the reference, "pallas" is refused with the one dispatch
+  error, and a module configured with "pallas" reaches it as "auto"; the capped decode step has the kernels."""
+  q, k, v = random_qkv(rng, (1, 8, 1, 4), np.float32)
+  assert dispatch.resolve("zha_attention", "auto") == "reference"
+  with pytest.raises(dispatch.UnsupportedImpl, match="zha_attention has no 'pallas' implementation"):
+    ops.zha_attention(q, k, v, _refs(rng, 1, 2, 4), chunk=2, levels=2, top_p=0.8, impl="pallas")
+  assert dispatch.for_op("zha_attention", "pallas") == "auto"
+  assert dispatch.for_op("zha_route", "pallas") == "pallas"
+  assert dispatch.resolve("zha_route", "pallas", chunk=3, refs=3) == "pallas"  # interpreted off a GPU
+
+
+_build_tree = jax.jit(zha.build_tree, static_argnames=("chunk", "levels", "rope_theta"))
+
+
+def _decode_inputs(rng, tree, layers=None):
+  """A capped decode step's arrays over 50 random keys: rotated queries `[2, heads, d]` at two positions, each
+  level's tangents and the dense cache (with `layers`, stacks of that many independent layers)."""
+  heads, dim, seq = 2, 8, 50
+  stacked = []
+  for _ in range(layers or 1):
+    k = jnp.asarray(rng.standard_normal((2, seq, heads, dim)), jnp.float32)
+    nodes = _build_tree(k, jnp.asarray(_refs(rng, heads, tree.refs, dim), jnp.float32), chunk=tree.chunk,
+                        levels=tree.levels)
+    v = jnp.asarray(rng.standard_normal(k.shape), jnp.float32)
+    stacked.append((tuple(n[0] for n in nodes), tuple(n[1] for n in nodes), k, v))
+  keys, bias, k, v = stacked[0] if layers is None else jax.tree_util.tree_map(lambda *x: jnp.stack(x), *stacked)
+  q = jnp.asarray(rng.standard_normal((2, heads, dim)) * 2, jnp.float32)
+  return q, jnp.asarray([seq - 1, 31], jnp.int32), keys, bias, k, v
+
+
+def test_the_capped_decode_op_reads_one_layer_of_a_stack(rng):
+  """`zha_decode` given a scanned model's stacks and a layer gives what it gives for that layer's arrays, on the
+  reference path too (which slices the layer out), and it refuses a tree without a cap."""
+  tree = zha.ZHATree(refs=2, chunk=3, levels=2, top_p=(0.8,), max_nodes=2)
+  q, position, keys, bias, k, v = _decode_inputs(rng, tree, layers=2)
+  decode = jax.jit(zha_ops.zha_decode, static_argnames=("tree", "impl"))
+  stacked_out, stacked_fraction = decode(q, position, keys, bias, k, v, tree=tree, layer=jnp.int32(1))
+  one = lambda x: jax.tree_util.tree_map(lambda a: a[1], x)
+  out, fraction = decode(q, position, one(keys), one(bias), one(k), one(v), tree=tree)
+  np.testing.assert_array_equal(stacked_out, out)
+  np.testing.assert_array_equal(stacked_fraction, fraction)
+  assert np.all(np.asarray(fraction) < 1.0)
+  with pytest.raises(ValueError, match="needs tree.max_nodes"):
+    zha_ops.zha_decode(q, position, one(keys), one(bias), one(k), one(v), tree=zha.ZHATree(refs=2, chunk=3))

@@ -52,7 +52,8 @@ def test_results_page_tables_are_the_summaries(collector, page):
 
 
 RUN12_NAMES = {"repro_tfpp@3500": "TF++", "repro_fs@3500": "FS", "repro_fsl@200": "FS-L",
-               "repro_fs@3500[kind=fsb]": "FS-B (FS weights, calibrated τ)", "repro_zha@150": "ZHA (R16-C8-L2, p = 0.9)"}
+               "repro_fs@3500[kind=fsb]": "FS-B (FS weights, calibrated τ)",
+               "repro_zha@150": "ZHA (R16-C8-L2, p = 0.9)"}
 RUN13_NAMES = {"repro_tfpp@3500": "TF++ (run 12, 3,500 steps)", "fs7k@7000": "FS (7,000 steps)",
                "fs7k@7000[top_k=16]": "FS read with K = 16 (`--set attention.top_k=16`)",
                "fs7k@7000[kind=fsb]": "FS-B (FS weights, τ median 16.5)",

@@ -8,36 +8,41 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import MICRO_CONFIG
+
 from fsjax import generate, ops
+from fsjax.attention import zha_step
 from fsjax.cache import init_cache
 from fsjax.cache import zha as zha_cache
 from fsjax.config import ConfigError, load_config, model_preset
 from fsjax.decode import extend, prefill
 from fsjax.eval import ruler
 from fsjax.model import Transformer, init_variables
-from fsjax.ops.rope import apply_rope
+from fsjax.reference.rope import apply_rope
+from fsjax.reference.zha import ZHATree
 from fsjax.train import checkpoint as ckpt_lib
 from fsjax.train import loop
 
-ZHA_MICRO = ["model.attention.kind=zha", "model.attention.zha_refs=4", "model.attention.zha_chunk=4",
-             "model.attention.zha_levels=2", "model.attention.zha_top_p=0.8"]
+ZHA_MICRO = ["model.attention.kind=zha", "model.attention.zha.refs=4", "model.attention.zha.chunk=4",
+             "model.attention.zha.levels=2", "model.attention.zha.top_p=0.8"]
 DISTILL = ["train.objective=zha_kl", "train.steps=12", "train.learning_rate=3.2e-2", "train.lr_floor=3.2e-4",
            "train.warmup_steps=2", "train.schedule=wsd", "train.decay_steps=12", "train.weight_decay=0.0",
            "checkpoint.every=12", "checkpoint.async_save=false"]
 
 
-_extend = jax.jit(zha_cache.extend, static_argnames=("chunk", "rope_theta"))
-_attend = jax.jit(zha_cache.attend, static_argnames=("chunk", "top_p", "max_nodes"))
-_attend_gathered = jax.jit(zha_cache.attend_gathered,
-                           static_argnames=("chunk", "top_p", "max_nodes", "kernels"))
+_extend = jax.jit(zha_cache.extend, static_argnames=("tree", "rope_theta"))
+_attend = jax.jit(zha_step.attend, static_argnames=("tree", "impl"))
+
+
+def _zha(config, **changes):
+  """`config` (a ModelConfig) with its attention's ZHA section changed."""
+  attention = config.attention
+  return dataclasses.replace(config, attention=dataclasses.replace(
+      attention, zha=dataclasses.replace(attention.zha, **changes)))
 
 
 def test_decode_reports_the_fraction_of_keys_each_query_read(rng):
-  config = model_preset("tiny", kind="zha")
-  config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, zha_refs=2, zha_chunk=4,
-                                                                     zha_top_p=(0.6,)))
+  config = _zha(model_preset("tiny", kind="zha"), refs=2, chunk=4, top_p=(0.6,))
   model = Transformer(config)
   variables = init_variables(config, jax.random.PRNGKey(0), 32)
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (1, 96)))
@@ -88,8 +93,8 @@ def test_the_converted_checkpoint_generates_and_is_evaluated_at_several_threshol
   for p in ("0.8", "1.0"):
     assert ruler.main(["--checkpoint", str(zha_workdir), "--tasks", "niah_single_1", "--lengths", "384",
                        "--num-samples", "2", "--batch-size", "2", "--out", str(out),
-                       "--set", f"attention.zha_top_p={p}"]) == 0
-  assert f"{zha_workdir.name}@12[zha_top_p=1.0]" in capsys.readouterr().out
+                       "--set", f"attention.zha.top_p={p}"]) == 0
+  assert f"{zha_workdir.name}@12[top_p=1.0]" in capsys.readouterr().out
 
 
 def test_only_a_tfpp_checkpoint_converts_to_zha(micro_workdir, tmp_path):
@@ -101,10 +106,10 @@ def test_only_a_tfpp_checkpoint_converts_to_zha(micro_workdir, tmp_path):
 def test_distillation_needs_a_zha_model():
   with pytest.raises(ConfigError, match="train.objective zha_kl needs model.attention.kind zha"):
     load_config(MICRO_CONFIG, ["train.objective=zha_kl"])
-  with pytest.raises(ConfigError, match="attention.zha_top_p must hold one value or one per level"):
-    load_config(MICRO_CONFIG, [*ZHA_MICRO, "model.attention.zha_top_p=[0.5, 0.6, 0.7]"])
-  config = load_config(MICRO_CONFIG, [*ZHA_MICRO, "model.attention.zha_top_p=[0.5, 0.9]"])
-  assert config.model.attention.zha_top_p == (0.5, 0.9)
+  with pytest.raises(ConfigError, match="attention.zha.top_p must hold one value or one per level"):
+    load_config(MICRO_CONFIG, [*ZHA_MICRO, "model.attention.zha.top_p=[0.5, 0.6, 0.7]"])
+  config = load_config(MICRO_CONFIG, [*ZHA_MICRO, "model.attention.zha.top_p=[0.5, 0.9]"])
+  assert config.model.attention.zha.top_p == (0.5, 0.9)
 
 
 @pytest.mark.parametrize("max_nodes", [None, 2])
@@ -113,18 +118,17 @@ def test_cache_routing_equals_the_reference(rng, max_nodes):
   cap, single tokens take the gathered path (candidate lists only)."""
   q, k, v = (jnp.asarray(rng.standard_normal((2, 70, 2, 8)), jnp.float32) for _ in range(3))
   ref_queries = jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)
-  routing = dict(chunk=3, max_nodes=max_nodes)
-  expected, expected_fraction = ops.zha_attention(q, k, v, ref_queries, levels=2, top_p=0.9, rope_theta=10000.0,
-                                                  return_fraction=True, **routing)
-  cache = zha_cache.empty_zha(2, 72, 2, 8, refs=3, chunk=3, levels=2)
+  tree = ZHATree(refs=3, chunk=3, levels=2, top_p=(0.9,), max_nodes=max_nodes)
+  expected, expected_fraction = ops.zha_attention(q, k, v, ref_queries, chunk=3, levels=2, top_p=0.9,
+                                                  rope_theta=10000.0, max_nodes=max_nodes, return_fraction=True)
+  cache = zha_cache.empty_zha(2, 72, 2, 8, tree)
   outputs, fractions = [], []
   for start, size in ((0, 40), *((t, 1) for t in range(40, 70))):
     pos = jnp.broadcast_to(jnp.arange(start, start + size), (2, size))
     rot = lambda x: apply_rope(x[:, start:start + size], pos)
     cache = _extend(cache, rot(k), v[:, start:start + size], pos, jnp.ones_like(pos, bool), ref_queries,
-                    chunk=3, rope_theta=10000.0)
-    attend = _attend_gathered if size == 1 and max_nodes else _attend
-    out, fraction = attend(cache, rot(q), pos, top_p=(0.9, 0.9), **routing)
+                    tree=tree, rope_theta=10000.0)
+    out, fraction = _attend(cache, rot(q), pos, tree=tree, impl="reference")  # capped single tokens: gathered
     outputs.append(out)
     fractions.append(fraction)
   np.testing.assert_allclose(np.concatenate(fractions, axis=1), expected_fraction, rtol=1e-6)
@@ -140,10 +144,9 @@ def test_cache_routing_equals_the_reference(rng, max_nodes):
 def test_capped_model_decodes_like_its_full_forward(rng, impl, scan_layers):
   """Decode steps take the gathered path (through the kernels with impl="pallas", which read a scanned model's
   stacked cache in place); the full forward is the reference operator with the same cap."""
-  config = model_preset("tiny", kind="zha", scan_layers=scan_layers)
-  config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, zha_refs=2, zha_chunk=4,
-                                                                     zha_top_p=(0.95,), zha_max_nodes=2,
-                                                                     impl=impl))
+  config = _zha(model_preset("tiny", kind="zha", scan_layers=scan_layers), refs=2, chunk=4, top_p=(0.95,),
+                max_nodes=2)
+  config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl))
   model = Transformer(config)
   variables = init_variables(config, jax.random.PRNGKey(0), 32)
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 100)))

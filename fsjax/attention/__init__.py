@@ -1,4 +1,5 @@
-"""Flax linen attention modules wrapping `fsjax.ops` (kernel dispatch joins with the kernel issue)."""
+"""Flax linen attention modules over `fsjax.ops`, and each kind's attention over its decode cache
+(`freesolo_step`, `cached`)."""
 
 from fsjax.attention.dense import DenseAttention
 from fsjax.attention.freesolo import ROUTING, FreeSoloAttention

@@ -5,38 +5,64 @@ import jax
 import jax.numpy as jnp
 
 from fsjax import ops
+from fsjax.attention.cached import attend, attend_one, visible
 from fsjax.attention.projections import project_heads, project_out
-from fsjax.cache import moba as moba_cache
 from fsjax.cache import store as kv
 from fsjax.cache.layered import read
-from fsjax.ops.common import compute_dtype
-from fsjax.ops.cudnn import causal_rope_attention_cudnn, cudnn_usable
-from fsjax.ops.rope import apply_rope
+from fsjax.ops import dispatch
+from fsjax.reference.common import PRECISION, compute_dtype
+from fsjax.reference.rope import apply_rope
 
 KINDS = ("tfpp", "swa", "moba")
 
 
 def causal_attention(q, k, v, *, window, rope_theta, impl):
-  """TF++ (`window` None) or SWA attention without a cache: cuDNN on GPU in half precision unless
-  `impl="reference"`, else `fsjax.ops`. q, k, v `[batch, T, heads, d]` unrotated → `[batch, T, heads, d]`."""
-  if impl != "reference" and cudnn_usable(q.dtype):
-    return causal_rope_attention_cudnn(q, k, v, window=window, rope_theta=rope_theta)
+  """TF++ (`window` None) or SWA attention without a cache, through `fsjax.ops` (cuDNN on a GPU in half precision
+  unless `impl="reference"`). q, k, v `[batch, T, heads, d]` unrotated → `[batch, T, heads, d]`."""
   if window is None:
-    return ops.tfpp_attention(q, k, v, rope_theta=rope_theta)
-  return ops.swa_attention(q, k, v, window=window, rope_theta=rope_theta)
+    return ops.tfpp_attention(q, k, v, rope_theta=rope_theta, impl=dispatch.for_op("tfpp_attention", impl))
+  return ops.swa_attention(q, k, v, window=window, rope_theta=rope_theta,
+                           impl=dispatch.for_op("swa_attention", impl))
+
+
+def moba_block_mask(q_rot, q_pos, keys, *, moba_block, moba_top_k):
+  """MoBA's block selection for queries at positions over a dense cache's keys (slot = position), as
+  `fsjax.reference.dense.moba_attention` selects: `[batch, heads, C, capacity]` bool, a key readable when its
+  block is the query's own or one of the top `moba_top_k - 1` fully past blocks by `q · mean(k_rot over block)`
+  (lower index wins ties). The capacity must be a multiple of `moba_block`.
+
+  Args:
+    q_rot: `[batch, C, heads, d]` at `q_pos` `[batch, C]`; keys: `[batch, capacity, heads, d]` rotated.
+  """
+  batch, capacity, heads, head_dim = keys.shape
+  num_blocks = capacity // moba_block
+  mean_keys = keys.reshape(batch, num_blocks, moba_block, heads, head_dim).mean(axis=2)
+  gate = jnp.einsum("bqhd,bnhd->bhqn", q_rot, mean_keys, precision=PRECISION)
+  own = q_pos // moba_block  # [batch, C]
+  blocks = jnp.arange(num_blocks)
+  past = (blocks < own[..., None])[:, None]  # [batch, 1, C, num_blocks]
+  chosen = jnp.zeros(gate.shape, bool)
+  num_past = min(moba_top_k - 1, num_blocks)
+  if num_past > 0:
+    _, top = jax.lax.top_k(jnp.where(past, gate, -jnp.inf), num_past)
+    chosen = jnp.any(jax.nn.one_hot(top, num_blocks, dtype=bool), axis=-2) & past
+  chosen |= (blocks == own[..., None])[:, None]
+  key_block = jnp.arange(capacity) // moba_block
+  return jnp.take(chosen, key_block, axis=-1)
 
 
 class DenseAttention(nn.Module):
   """`x [batch, seq, d_model]` → `[batch, seq, d_model]` through a RoPE baseline attention.
 
   `kind`: "tfpp" (full causal), "swa" (radius `window`) or "moba" (`moba_block`, `moba_top_k`; see
-  `fsjax.ops.dense` for MoBA's documented choices). Params: `q_proj`, `k_proj`, `v_proj`, `o_proj`.
-  `impl`: "reference" always runs `fsjax.ops`; otherwise TF++ and SWA use cuDNN on GPU in bf16/fp16.
+  `fsjax.reference.dense` for MoBA's documented choices). Params: `q_proj`, `k_proj`, `v_proj`, `o_proj`.
+  `impl` ("reference" | "auto" | "pallas", `fsjax.ops.dispatch`): "reference" always runs the references;
+  otherwise TF++ and SWA use cuDNN on a GPU in bf16/fp16.
 
   With a `cache` (a `KVStore`: dense for TF++/MoBA, a ring of window + 1 for SWA), `x` is a chunk at
-  `positions` `[batch, C]` with `valid` `[batch, C]`, and the call returns `(y, new_cache)`. TF++ with a
-  half-precision cache on GPU attends a chunk through cuDNN; a one-token TF++ step (unless `impl="reference"`)
-  attends through `store.attend_one`, which reads the cache in place.
+  `positions` `[batch, C]` with `valid` `[batch, C]`, and the call returns `(y, new_cache)`. Unless
+  `impl="reference"`, TF++ attends a chunk over a half-precision cache on a GPU through cuDNN, and a one-token
+  step through `fsjax.attention.cached.attend_one`, which reads the cache in place.
   """
   num_heads: int
   head_dim: int
@@ -63,12 +89,15 @@ class DenseAttention(nn.Module):
                            rope_theta=self.rope_theta, impl=self.impl)
     else:
       o = ops.moba_attention(q, k, v, moba_block=self.moba_block, moba_top_k=self.moba_top_k,
-                             rope_theta=self.rope_theta)
+                             rope_theta=self.rope_theta, impl=dispatch.for_op("moba_attention", self.impl))
     return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
 
   def _extend(self, q, k, v, cache, positions, valid):
-    if (self.kind == "tfpp" and q.shape[1] > 1 and self.impl != "reference" and cudnn_usable(q.dtype)
-        and cudnn_usable(cache.k.dtype)):
+    path = "reference"
+    if self.kind == "tfpp":
+      path = dispatch.resolve("cache_attention", dispatch.for_op("cache_attention", self.impl), dtype=q.dtype,
+                              cache_dtype=cache.k.dtype, tokens=q.shape[1])
+    if path == "cudnn":
       return self._extend_cudnn(q, k, v, cache, positions, valid)
     dtype = compute_dtype(q.dtype)
     q_rot = apply_rope(q.astype(dtype), positions, self.rope_theta)
@@ -76,22 +105,21 @@ class DenseAttention(nn.Module):
     v = v.astype(dtype)
     if self.kind == "swa":  # the ring holds only the past window: attend over ring + chunk, then write
       keys = kv.concat(cache, k_rot, v, positions, valid)
-      return kv.attend(q_rot, positions, *keys, window=self.window), kv.write(cache, k_rot, v, positions, valid)
+      return attend(q_rot, positions, *keys, window=self.window), kv.write(cache, k_rot, v, positions, valid)
     cache = kv.write(cache, k_rot, v, positions, valid)
     keys = (read(cache.k), read(cache.v), read(cache.pos))
-    if self.kind == "tfpp" and q.shape[1] == 1 and self.impl != "reference":
-      return kv.attend_one(q_rot, positions, *keys), cache
+    if path == "one_token":
+      return attend_one(q_rot, positions, *keys), cache
     extra = None
     if self.kind == "moba":
-      extra = moba_cache.block_mask(q_rot, positions, cache, moba_block=self.moba_block,
-                                    moba_top_k=self.moba_top_k)
-    return kv.attend(q_rot, positions, *keys, extra_mask=extra), cache
+      extra = moba_block_mask(q_rot, positions, keys[0], moba_block=self.moba_block, moba_top_k=self.moba_top_k)
+    return attend(q_rot, positions, *keys, extra_mask=extra), cache
 
   def _extend_cudnn(self, q, k, v, cache, positions, valid):
     """TF++ prefill/decode on cuDNN's fused kernel: the chunk attends the half-precision dense cache through a
     position mask (the chunk is written first), so a 2048-token chunk at 256k never materializes its logits."""
     q_rot = apply_rope(q, positions, self.rope_theta).astype(cache.k.dtype)
     cache = kv.write(cache, apply_rope(k, positions, self.rope_theta), v, positions, valid)
-    mask = kv.visible(positions, read(cache.pos))[:, None]  # [batch, 1, C, N]
+    mask = visible(positions, read(cache.pos))[:, None]  # [batch, 1, C, N]
     o = jax.nn.dot_product_attention(q_rot, read(cache.k), read(cache.v), mask=mask, implementation="cudnn")
     return o, cache

@@ -8,21 +8,16 @@ Per layer, sequence and head it keeps
 When a block completes, its B/s cells become eligible: they enter the recent cells (the oldest leave), and the
 pool becomes `TopP(pool ∪ new cells)` by (max norm desc, index asc), which equals TopP over every eligible cell
 (Eq. 15) because a cell outside the top P never re-enters it. A query scores `pool ∪ recent` (Eq. 8) with Eq. 7,
-ties to the lower cell index, exactly as the masked operator. Array sizes depend on (P, W, s, w, B, d) only.
+ties to the lower cell index, exactly as the masked operator (`fsjax.attention.freesolo_step` reads it). Array
+sizes depend on (P, W, s, w, B, d) only.
 """
-
-import math
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from fsjax.cache import store as kv
-from fsjax.ops import cells as cells_lib
-from fsjax.ops.common import PRECISION
-from fsjax.ops.freesolo import rms_norm
-from fsjax.ops.rope import apply_rope
-from fsjax.ops.softmax import masked_softmax
+from fsjax.reference.routing import Routing
 
 NO_CELL = -1
 
@@ -48,12 +43,14 @@ class BoundedCache:
   pool_norm: jax.Array
 
 
-def empty_bounded(batch, heads, head_dim, *, window, cell, block, retain_top, retain_recent, dtype=jnp.float32):
+def empty_bounded(batch, heads, head_dim, routing: Routing, dtype=jnp.float32):
+  """An empty bounded cache for `routing`'s window w, cell s, block B, pool P and recent cells W."""
+  window, cell, block = routing.window, routing.cell, routing.block
   cells = lambda n: dict(ids=jnp.full((batch, heads, n), NO_CELL, jnp.int32),
                          k=jnp.zeros((batch, heads, n, cell, head_dim), dtype),
                          v=jnp.zeros((batch, heads, n, cell, head_dim), dtype),
                          mean=jnp.zeros((batch, heads, n, head_dim), dtype), norm=jnp.zeros((batch, heads, n), dtype))
-  recent, pool = cells(retain_recent), cells(retain_top)
+  recent, pool = cells(routing.retain_recent), cells(routing.retain_top)
   return BoundedCache(
       ring=kv.empty_store(batch, window + 1, heads, head_dim, dtype),
       block_k=jnp.zeros((batch, block, heads, head_dim), dtype),
@@ -63,7 +60,7 @@ def empty_bounded(batch, heads, head_dim, *, window, cell, block, retain_top, re
       pool_norm=pool["norm"])
 
 
-def _candidates(cache: BoundedCache):
+def candidates(cache: BoundedCache):
   """`pool ∪ recent` per head, sorted by cell id (empties last), duplicates removed: (ids, mean, norm, k, v)."""
   heads = cache.pool_ids.shape[1]
   recent_ids = jnp.broadcast_to(cache.recent_ids[:, None], (cache.recent_ids.shape[0], heads,
@@ -76,28 +73,6 @@ def _candidates(cache: BoundedCache):
           take(jnp.concatenate([cache.pool_norm, cache.recent_norm], 2)),
           take(jnp.concatenate([cache.pool_k, cache.recent_k], 2)),
           take(jnp.concatenate([cache.pool_v, cache.recent_v], 2)))
-
-
-def long_range(cache: BoundedCache, q, pos, *, lam, sigma, lr_gain, cell, top_k):
-  """Eq. 7-9 for queries at `pos` over `pool ∪ recent`: (o_lr `[batch, C, heads, d]`, cells `[.., K]`)."""
-  ids, mean, norm, k_cells, v_cells = _candidates(cache)
-  head_dim = q.shape[-1]
-  q_sel = jax.lax.stop_gradient(q)
-  content = jnp.einsum("bthd,bhnd->bthn", q_sel, mean, precision=PRECISION) / math.sqrt(head_dim)
-  distance = pos.astype(q.dtype)[:, :, None, None] - (ids.astype(q.dtype)[:, None] + 0.5) * cell
-  prior = jax.scipy.special.erf(distance / (2.0 * sigma[:, None]))  # [batch, C, heads, N]
-  scores = content + lam[:, None] * norm[:, None] * prior
-  available = jnp.broadcast_to((ids >= 0)[:, None], scores.shape)
-  slots = cells_lib.top_k_cells(scores, available, top_k)  # candidate slots, sorted by cell id: ties → lower id
-  selected = jnp.where(slots >= 0, jnp.take_along_axis(jnp.broadcast_to(ids[:, None], scores.shape),
-                                                       jnp.maximum(slots, 0), axis=-1), NO_CELL)
-  gather = lambda x: jax.vmap(jax.vmap(lambda xh, ih: xh[ih], in_axes=(0, 1), out_axes=1))(
-      x, jnp.maximum(slots, 0))  # [batch, C, heads, K, s, d]
-  k_sel, v_sel = gather(k_cells), gather(v_cells)
-  logits = jnp.einsum("bthd,bthksd->bthks", q, k_sel, precision=PRECISION) / math.sqrt(head_dim)
-  probs = masked_softmax(logits, (slots >= 0)[..., None], axis=(-2, -1))
-  u = jnp.einsum("bthks,bthksd->bthd", probs, v_sel, precision=PRECISION)
-  return rms_norm(u, lr_gain), selected
 
 
 def _cells_of_block(cache: BoundedCache, cell):
@@ -116,9 +91,10 @@ def _keep_last(old, new, axis, width):
   return jax.lax.slice_in_dim(joined, joined.shape[axis] - width, joined.shape[axis], axis=axis)
 
 
-def _merge(cache: BoundedCache, block_index, complete, *, cell, retain_top):
+def _merge(cache: BoundedCache, block_index, complete):
   """At the end of block `block_index` (per row, where `complete`): its cells join recent and the pool (Eq. 15)."""
-  k, v, mean, norm = _cells_of_block(cache, cell)
+  k, v, mean, norm = _cells_of_block(cache, cell=cache.pool_k.shape[3])
+  retain_top = cache.pool_ids.shape[2]
   batch, heads, per_block = norm.shape
   new_ids = block_index[:, None] * per_block + jnp.arange(per_block)  # [batch, B/s]
   heads_ids = jnp.broadcast_to(new_ids[:, None], (batch, heads, per_block))
@@ -144,18 +120,19 @@ def _merge(cache: BoundedCache, block_index, complete, *, cell, retain_top):
   return cache.replace(**{name: keep(value, getattr(cache, name)) for name, value in {**recent, **pool}.items()})
 
 
-def extend_segment(cache: BoundedCache, q, k, v, pos, valid, *, window, rope_theta, lam, sigma, lr_gain, cell,
-                   top_k, retain_top):
-  """Queries/keys at `pos` `[batch, L]`, every row's valid tokens inside one query block, in order.
+def concat_ring(cache: BoundedCache, k_rot, v, pos, valid):
+  """The ring's tokens followed by a segment's, as (k, v, pos): what the segment's local branch attends."""
+  return kv.concat(cache.ring, k_rot, v, pos, valid)
 
-  Returns:
-    (o_sr, o_lr) `[batch, L, heads, d]`, selected cells `[batch, L, heads, K]`, the new cache (merged at the
-    end of a completed block).
+
+def write_segment(cache: BoundedCache, k_rot, k, v, pos, valid):
+  """Writes a segment whose valid tokens lie in one query block, in order: the ring takes the rotated keys, the
+  block buffer the raw ones, and a completed block's cells join the recent cells and the pool (Eq. 15).
+
+  Args:
+    k_rot, k, v: `[batch, L, heads, d]` (k_rot RoPE-rotated at `pos`); pos, valid: `[batch, L]`.
   """
   block = cache.block_k.shape[1]
-  q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
-  local = kv.attend(q_rot, pos, *kv.concat(cache.ring, k_rot, v, pos, valid), window=window)
-  long, selected = long_range(cache, q, pos, lam=lam, sigma=sigma, lr_gain=lr_gain, cell=cell, top_k=top_k)
   rows = jnp.arange(pos.shape[0])[:, None]
   slot = jnp.where(valid, pos % block, block)
   cache = cache.replace(ring=kv.write(cache.ring, k_rot, v, pos, valid),
@@ -163,5 +140,4 @@ def extend_segment(cache: BoundedCache, q, k, v, pos, valid, *, window, rope_the
                         block_v=cache.block_v.at[rows, slot].set(v, mode="drop"))
   complete = jnp.any(valid & (pos % block == block - 1), axis=1)
   last_pos = jnp.max(jnp.where(valid, pos, 0), axis=1)
-  cache = _merge(cache, last_pos // block, complete, cell=cell, retain_top=retain_top)
-  return local, long, selected, cache
+  return _merge(cache, last_pos // block, complete)

@@ -11,16 +11,16 @@ on every admission) at the end — and no admission reallocates, repacks or rere
 Per block, a forest admits at most `block // cell` cells; each level that changes is built in its own conditional,
 for every (row, head) at once (masked), on operands the size of that level's tree: about one tree build per block
 whatever M (amortized), of log₂ M cells per admitted cell on average, where the archive path rebuilds every forest
-at every step (`fsjax.ops.forest.fsb_select_from_summaries`, the prefill formulation). Both forests of every head
+at every step (`fsjax.reference.forest.fsb_select_from_summaries`, the prefill formulation). Both forests of every head
 live in one table of `2·heads` entries, so one update and one search serve both. A `vmap` over heads would turn a
 data-dependent conditional into a select that evaluates both branches, so the cache is written batched over
 (row, head) by hand.
 
 The forests hold the cells eligible for the block of the last admission target (`advance`); a single-token step
-advances to its own block and beam-searches the cached forests. A multi-token chunk selects with the prefill
-formulation over the archive (each query in it may sit in another block), then advances the forests to the block
-of the token after it (`eligible_after`), so the next step finds them current and building a prompt's forests
-counts as prefill work, not as the first decode step's.
+advances to its own block and beam-searches the cached forests (`fsjax.attention.freesolo_step`). A multi-token
+chunk selects with the prefill formulation over the archive (each query in it may sit in another block), then
+advances the forests to the block of the token after it (`eligible_after`), so the next step finds them current
+and building a prompt's forests counts as prefill work, not as the first decode step's.
 
 In a scanned model a `Forest`'s arrays are views into the stacked cache (`fsjax.cache.layered`): admissions write
 their levels, joins, counts and arrivals into the stack with `scatter`, and the beam-search kernel reads its
@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsjax.cache import archive as archive_lib
-from fsjax.cache.layered import LayerSlice, read, scatter
-from fsjax.ops import forest as ops_forest
+from fsjax.cache.layered import read, scatter
+from fsjax.reference import forest as forest_ref
 
-NO_NODE = ops_forest.NO_NODE
+NO_NODE = forest_ref.NO_NODE
 # Chunk levels from this one up build their leaf order in a loop (`looped_leaf_order`): one compiled split per
 # level instead of k. Unrolled splits run faster, and the small levels are the ones built at almost every block;
 # a level k >= 6 is rebuilt once per 2^k admissions, so its slower loop costs little per block.
@@ -131,7 +131,7 @@ def changed_levels(old_count, new_count, levels):
 
 
 def looped_leaf_order(means, cell_ids):
-  """The leaf order of one chunk, `ops_forest.chunk_leaf_orders(means, cell_ids, [S])[0][0]`, with one loop body
+  """The leaf order of one chunk, `forest_ref.chunk_leaf_orders(means, cell_ids, [S])[0][0]`, with one loop body
   for every depth: means `[S, d]` (S a power of two), cell_ids `[S]` → `[S]` positions into `means`.
 
   The reference splits the `[2^j, S / 2^j]` nodes of depth j as a reshape, one traced split per depth; here the
@@ -153,9 +153,9 @@ def looped_leaf_order(means, cell_ids):
     norms = jnp.linalg.norm(x, axis=-1)
     farthest = per_node(jax.ops.segment_min, jnp.where(norms == per_node(jax.ops.segment_max, norms)[node], ids,
                                                        largest))
-    u = ops_forest.normalize(per_node(jax.ops.segment_sum, jnp.where((ids == farthest[node])[:, None], x, 0.0)))
+    u = forest_ref.normalize(per_node(jax.ops.segment_sum, jnp.where((ids == farthest[node])[:, None], x, 0.0)))
     for _ in range(2):
-      u = ops_forest.normalize(per_node(jax.ops.segment_sum, x * jnp.sum(x * u[node], axis=-1, keepdims=True)))
+      u = forest_ref.normalize(per_node(jax.ops.segment_sum, x * jnp.sum(x * u[node], axis=-1, keepdims=True)))
     projection = jnp.sum(x * u[node], axis=-1)
     *_, within = jax.lax.sort((node, projection, ids, positions), num_keys=3)  # nodes stay contiguous
     sorted_ids = ids[within]
@@ -193,7 +193,7 @@ def level_trees(forest: Forest, archive, k, rows=None, heads=None, *, cell, loop
 
   def build(m, n, c, i):
     order = looped_leaf_order(m, i)[None] if looped else None
-    return {name: x[0] for name, x in ops_forest.chunk_trees(m, n, c, i, size, order=order).items()}
+    return {name: x[0] for name, x in forest_ref.chunk_trees(m, n, c, i, size, order=order).items()}
 
   flat = lambda x: x.reshape(-1, *x.shape[rows.ndim:])
   trees = jax.vmap(build)(flat(means), flat(norms), flat(centers), flat(safe))
@@ -228,7 +228,7 @@ def _rejoin(forest: Forest):
   roots = [jnp.asarray([level_offset(k)]) for k in range(levels)]
 
   def one(table, count):
-    joins, root = ops_forest.join_chains(table, roots, count[None], first_join)
+    joins, root = forest_ref.join_chains(table, roots, count[None], first_join)
     return {name: value[0] for name, value in joins.items()}, root[0]
 
   joins, root = jax.vmap(jax.vmap(one))({name: read(x) for name, x in nodes.items()}, read(forest.count))
@@ -269,9 +269,9 @@ def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FR
     # (or a switch over levels) that returned the whole node table would copy the table, O(M), at every build.
     # Reading each slice out and writing it back costs O(M) bytes per block (the update's growth from 16k to 128k,
     # ~1.25×); scattering only the changed pairs' trees into the stack instead grew 1.14× but slowed the scanned
-    # 341M model's decode tenfold at 128k on an H200 (docs/notes.md, FS-B, call 37).
+    # 341M model's decode tenfold at 128k on an H200 (docs/notes.md, FS-B).
     where = (slice(None), slice(None), level_slice(k))
-    old = {name: read(nodes[name])[where] for name in ops_forest.TREE_FIELDS}
+    old = {name: read(nodes[name])[where] for name in forest_ref.TREE_FIELDS}
 
     def rebuilt(old, forest=forest, k=k):
       if k >= looped_from:  # built once per 2^k admissions of a head, each head on its own
@@ -322,44 +322,3 @@ def eligible_after(pos, valid, admitted, *, cell, block):
   stay put): every cell of a block that the chunk completed."""
   last = jnp.max(jnp.where(valid, pos, -1), axis=1)
   return jnp.where(jnp.any(valid, axis=1), (last + 1) // block * (block // cell), admitted).astype(jnp.int32)
-
-
-def search(forest: Forest, q, pos, *, lam, sigma, beam, bound_c, kernels=False):
-  """Beam search (Eq. 11) of queries `[batch, C, heads, d]` at `pos` `[batch, C]`, all in the block the forest
-  was advanced to: `[batch, C, heads, beam]` cells (NO_NODE pad). `kernels`: the Pallas `tree_routing` kernel."""
-  steps = num_levels_of(forest)
-  root = read(forest.root)
-  if kernels:
-    from pallas_kernels import tree_routing  # lazy: the kernels import ops
-    roots = jnp.broadcast_to(root[:, None, :], q.shape[:3])
-    if isinstance(forest.root, LayerSlice):  # the kernel reads the stack in place; `read` would copy the layer
-      nodes, layer = {name: x.stack for name, x in forest.nodes.items()}, forest.root.layer
-    else:
-      nodes, layer = forest.nodes, None
-    return tree_routing.beam_search(q, pos, roots, nodes, lam, sigma, beam=beam, steps=steps, bound_c=bound_c,
-                                    layer=layer)
-
-  def one(q, pos, nodes, root, lam, sigma):
-    return ops_forest.beam_search(q, pos, nodes, jnp.full(q.shape[:1], root), beam=beam, bound_c=bound_c, lam=lam,
-                                  sigma=sigma, steps=steps)
-
-  per_head = jax.vmap(one, in_axes=(1, None, 0, 0, 0, 0), out_axes=1)
-  nodes = {name: read(x) for name, x in forest.nodes.items()}
-  return jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None))(q, pos, nodes, root, lam, sigma)
-
-
-def select(cache: ForestCache, q, pos, *, lam, sigma, cell, top_k, beam, bound_c, kernels=False):
-  """FS-B's top-K cells (Eq. 11-12) for queries `[batch, C, heads, d]` at `pos`, all in the block the forests
-  were advanced to: `[batch, C, heads, top_k]` int32, NO_NODE in unused slots. No gradient. `kernels`: beam
-  search in Pallas (the rerank reads at most 2·beam cells per query and stays in XLA)."""
-  q = jax.lax.stop_gradient(q).astype(cache.forests.nodes["mu"].dtype)
-  batch, count, heads, _ = q.shape
-  both = lambda x: jnp.concatenate([x, x], axis=-1)
-  candidates = search(cache.forests, jnp.concatenate([q, q], axis=2), pos, lam=both(lam), sigma=both(sigma),
-                      beam=beam, bound_c=bound_c, kernels=kernels)  # [batch, C, 2·heads, beam]
-  candidates = jnp.moveaxis(candidates.reshape(batch, count, 2, heads, beam), 2, 3).reshape(
-      batch, count, heads, 2 * beam)
-  archive = cache.archive
-  # The keys stay in the archive's dtype: the rerank converts only the ≤ 2·beam cells it gathers.
-  return ops_forest.rerank_candidates(q, pos, read(archive.tokens.k), read(archive.max_norms).astype(q.dtype),
-                                      candidates, lam=lam, sigma=sigma, cell=cell, top_k=top_k)

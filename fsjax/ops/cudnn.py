@@ -1,19 +1,12 @@
 """Causal RoPE attention through cuDNN's fused kernel (GPU, half precision): the fast path of
-`local_attention` for TF++, SWA and FreeSolo's local branch. Not a reference: it is held to `local_attention`
-within bf16 tolerance on GPU (tests/test_cudnn_attention.py).
+`local_attention` for TF++, SWA and FreeSolo's local branch, chosen by `fsjax.ops.dispatch`. It is held to the
+reference `local_attention` within bf16 tolerance on GPU (tests/test_cudnn_attention.py).
 """
 
 import jax
 import jax.numpy as jnp
 
-from fsjax.ops.rope import apply_rope
-
-HALF_DTYPES = (jnp.bfloat16, jnp.float16)
-
-
-def cudnn_usable(dtype):
-  """cuDNN flash attention needs a GPU and fp16/bf16 inputs."""
-  return jax.default_backend() == "gpu" and jnp.dtype(dtype) in [jnp.dtype(d) for d in HALF_DTYPES]
+from fsjax.reference.rope import apply_rope
 
 
 def causal_rope_attention_cudnn(q, k, v, *, window=None, rope_theta=10000.0):

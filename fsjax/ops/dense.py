@@ -1,87 +1,36 @@
-"""Baselines the papers compare against: TF++ (full causal RoPE), SWA (RoPE window) and MoBA.
+"""Local and dense RoPE attention ops with their implementation chosen by `fsjax.ops.dispatch`: the references
+(`fsjax.reference.local`, `fsjax.reference.dense`) or cuDNN's fused kernel (`fsjax.ops.cudnn`, on a GPU in
+half precision)."""
 
-MoBA (Lu et al., 2025) leaves freedom that FS does not pin down; our choices:
-- the sequence is cut into blocks of `moba_block` tokens (default 512 with `moba_top_k=3`, MoBA's own
-  small-scale setting);
-- the current (query's own) block is always read, causally, and counts as one of the `moba_top_k` blocks;
-  the other `moba_top_k - 1` are the fully past blocks with the largest gate `q_i · mean(k over block)`;
-- the gate uses the RoPE-rotated q and k, as MoBA's implementation gates inside attention after RoPE;
-- ties go to the lower block index; the softmax runs jointly over all selected tokens.
-"""
-
-import math
-
-import jax
-import jax.numpy as jnp
-
-from fsjax.ops.common import PRECISION, check_qkv, compute_dtype
-from fsjax.ops.local import local_attention
-from fsjax.ops.rope import apply_rope
-from fsjax.ops.softmax import masked_softmax
-
-SWA_WINDOW = 512
+from fsjax.ops import dispatch
+from fsjax.ops.cudnn import causal_rope_attention_cudnn
+from fsjax.reference import dense as reference
+from fsjax.reference.local import local_attention as local_reference
 
 
-def tfpp_attention(q, k, v, *, rope_theta=10000.0):
-  """TF++: full causal RoPE attention. q, k, v `[batch, T, heads, d]` → `[batch, T, heads, d]`."""
-  return local_attention(q, k, v, window=max(q.shape[1] - 1, 0), rope_theta=rope_theta)
+def local_attention(q, k, v, *, window, rope_theta=10000.0, impl="reference"):
+  """Causal RoPE attention over `i - window <= j <= i` (FS Eq. 3-4). q, k, v `[batch, T, heads, d]` unrotated →
+  `[batch, T, heads, d]` in the dtype of `q`."""
+  if dispatch.resolve("local_attention", impl, dtype=q.dtype) == "cudnn":
+    return causal_rope_attention_cudnn(q, k, v, window=window, rope_theta=rope_theta)
+  return local_reference(q, k, v, window=window, rope_theta=rope_theta)
 
 
-def swa_attention(q, k, v, *, window=SWA_WINDOW, rope_theta=10000.0):
-  """Sliding-window RoPE attention over `i - window <= j <= i`. Shapes as `tfpp_attention`."""
-  return local_attention(q, k, v, window=window, rope_theta=rope_theta)
+def tfpp_attention(q, k, v, *, rope_theta=10000.0, impl="reference"):
+  """TF++: full causal RoPE attention. q, k, v `[batch, T, heads, d]` unrotated → `[batch, T, heads, d]`."""
+  if dispatch.resolve("tfpp_attention", impl, dtype=q.dtype) == "cudnn":
+    return causal_rope_attention_cudnn(q, k, v, window=None, rope_theta=rope_theta)
+  return reference.tfpp_attention(q, k, v, rope_theta=rope_theta)
 
 
-def moba_block_mask(q_rot, k_rot, *, moba_block, moba_top_k):
-  """Which key blocks each query reads: its own block plus the top `moba_top_k - 1` past blocks by mean key.
-
-  Args:
-    q_rot, k_rot: `[batch, T, heads, d]` RoPE-rotated queries and keys.
-
-  Returns:
-    `[batch, heads, T, num_blocks]` boolean.
-  """
-  batch, seq, heads, head_dim = k_rot.shape
-  num_blocks = -(-seq // moba_block)
-  k_pad = jnp.pad(k_rot, ((0, 0), (0, num_blocks * moba_block - seq), (0, 0), (0, 0)))
-  # The zero padding only touches the last block, which is never fully past for any query, so never gated.
-  mean_keys = k_pad.reshape(batch, num_blocks, moba_block, heads, head_dim).mean(axis=2)
-  gate = jnp.einsum("bthd,bnhd->bhtn", q_rot, mean_keys, precision=PRECISION)
-  query_block = jnp.arange(seq) // moba_block
-  past = jnp.arange(num_blocks)[None, :] < query_block[:, None]  # [T, num_blocks]
-  current = jnp.arange(num_blocks)[None, :] == query_block[:, None]
-  chosen = jnp.zeros(gate.shape, bool)
-  num_past = min(moba_top_k - 1, num_blocks)
-  if num_past > 0:
-    _, top = jax.lax.top_k(jnp.where(past, gate, -jnp.inf), num_past)  # lower index wins ties
-    chosen = jnp.any(jax.nn.one_hot(top, num_blocks, dtype=bool), axis=-2) & past
-  return chosen | current
+def swa_attention(q, k, v, *, window=reference.SWA_WINDOW, rope_theta=10000.0, impl="reference"):
+  """SWA: causal RoPE attention over the last `window` + 1 tokens. Shapes as `tfpp_attention`."""
+  if dispatch.resolve("swa_attention", impl, dtype=q.dtype) == "cudnn":
+    return causal_rope_attention_cudnn(q, k, v, window=window, rope_theta=rope_theta)
+  return reference.swa_attention(q, k, v, window=window, rope_theta=rope_theta)
 
 
-def moba_attention(q, k, v, *, moba_block=512, moba_top_k=3, rope_theta=10000.0):
-  """MoBA: causal RoPE attention restricted to the selected key blocks (choices in the module docstring).
-
-  Args:
-    q, k, v: `[batch, T, heads, d]` unrotated.
-    moba_block: block size in tokens.
-    moba_top_k: blocks read per query, the current block included (>= 1).
-    rope_theta: RoPE base.
-
-  Returns:
-    `[batch, T, heads, d]` in the dtype of `q`.
-  """
-  check_qkv(q, k, v)
-  if moba_block < 1 or moba_top_k < 1:
-    raise ValueError(f"moba_block and moba_top_k must be >= 1, got {moba_block}, {moba_top_k}")
-  batch, seq, heads, head_dim = q.shape
-  dtype = compute_dtype(q.dtype)
-  positions = jnp.arange(seq)
-  q_rot = apply_rope(q.astype(dtype), positions, rope_theta)
-  k_rot = apply_rope(k.astype(dtype), positions, rope_theta)
-  blocks = moba_block_mask(q_rot, k_rot, moba_block=moba_block, moba_top_k=moba_top_k)
-  key_block = positions // moba_block
-  causal = positions[None, :] <= positions[:, None]  # [T, T]
-  mask = jnp.take(blocks, key_block, axis=-1) & causal  # [batch, heads, T, T]
-  logits = jnp.einsum("bthd,bshd->bhts", q_rot, k_rot, precision=PRECISION) / math.sqrt(head_dim)
-  probs = masked_softmax(logits, mask)
-  return jnp.einsum("bhts,bshd->bthd", probs, v.astype(dtype), precision=PRECISION).astype(q.dtype)
+def moba_attention(q, k, v, *, moba_block=512, moba_top_k=3, rope_theta=10000.0, impl="reference"):
+  """MoBA (`fsjax.reference.dense.moba_attention`); only the reference exists."""
+  dispatch.resolve("moba_attention", impl)
+  return reference.moba_attention(q, k, v, moba_block=moba_block, moba_top_k=moba_top_k, rope_theta=rope_theta)

@@ -1,196 +1,150 @@
-"""FreeSolo attention reference: selection, long-range readout and the branch mix (FS Eq. 2, 5-9).
+"""FreeSolo ops (FS Eq. 2, 5-9) with their implementation chosen by `fsjax.ops.dispatch`: the reference
+(`fsjax.reference.freesolo`) or the Pallas kernels (`pallas_kernels.cell_scoring`, `.sparse_readout`).
 
-This is the specification every faster path (Pallas kernels, caches, tree searches) is tested against:
-obvious jnp, at least float32 math (float64 stays float64), shapes in docstrings, equation numbers in comments.
+Each op takes the reference's arguments plus `impl`. The kernels read q, k, v in their own dtype (bf16 on tensor
+cores) and score cells in float32; results agree with the reference within the dtype's tolerance, and selected
+cells exactly up to float32 near-ties.
 """
 
-import math
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from fsjax.ops import cells, forest
-from fsjax.ops.common import PRECISION, check_qkv, compute_dtype
-from fsjax.ops.cudnn import causal_rope_attention_cudnn, cudnn_usable
-from fsjax.ops.local import local_attention
-from fsjax.ops.softmax import masked_softmax
-from pallas_kernels.common import compilable, default_interpret
-
-READOUT_NORM_EPS = 1e-8  # FS App. D.2
-IMPLS = ("reference", "auto", "pallas")
-
-
-def _check_variant_and_impl(variant, impl, tau=None):
-  if variant not in cells.VARIANTS:
-    raise ValueError(f"variant must be one of {cells.VARIANTS}, got {variant!r}")
-  if variant == "fsb" and tau is None:
-    raise ValueError("tau must be given for variant 'fsb': the per-head median cell norm (python -m "
-                     "fsjax.calibrate)")
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+from fsjax.ops import dispatch
+from fsjax.ops.dense import local_attention
+from fsjax.reference import cells as cells_ref
+from fsjax.reference import freesolo as reference
+from fsjax.reference.common import check_qkv, compute_dtype
+from fsjax.reference.routing import Routing
+from pallas_kernels import cell_scoring
+from pallas_kernels import sparse_readout as readout_kernel
 
 
-def use_kernels(impl, *, cell, head_dim):
-  """Whether `impl` runs the Pallas kernels: "pallas" always (interpreted off GPU), "auto" on a GPU when
-  Triton can tile the geometry (cell a power of two >= 16, head_dim >= 16), "reference" never."""
-  if impl == "auto":
-    return not default_interpret() and compilable(cell=cell, head_dim=head_dim)
-  return impl == "pallas"
+def _facts(routing: Routing, head_dim):
+  return dict(variant=routing.variant, cell=routing.cell, head_dim=head_dim, beam=routing.beam)
 
 
-def _per_head(value, heads, name, dtype):
-  value = jnp.asarray(value, dtype)
-  if value.ndim > 1 or (value.ndim == 1 and value.shape[0] != heads):
-    raise ValueError(f"{name} must be a scalar or have shape [heads]=[{heads}], got {value.shape}")
-  return jnp.broadcast_to(value, (heads,))
+def select_from_summaries(q, positions, mean_keys, max_norms, *, routing: Routing, lam, sigma, impl="reference"):
+  """FS / FS-L top-K cells from cell summaries (`fsjax.reference.cells.select_from_summaries`).
+
+  Args:
+    q: `[batch, T, heads, d]`; positions: `[batch, T]` or None for `0..T-1`; mean_keys `[batch, M, heads, d]`,
+      max_norms `[batch, M, heads]`; lam, sigma: `[heads]`.
+
+  Returns:
+    `[batch, T, heads, K]` int32, -1 where fewer than K cells are available.
+  """
+  if dispatch.resolve("select_from_summaries", impl, **_facts(routing, q.shape[-1])) == "reference":
+    return cells_ref.select_from_summaries(q, positions, mean_keys, max_norms, routing=routing, lam=lam,
+                                           sigma=sigma)
+  death = None
+  if routing.variant == "fsl":  # FS-L's pool (Eq. 8), ranked once per sequence, as the kernel scores in float32
+    death = cells_ref.retention_death_block(jax.lax.stop_gradient(max_norms).astype(jnp.float32),
+                                            cell=routing.cell, block=routing.block, retain_top=routing.retain_top)
+  return cell_scoring.select_from_summaries(q, positions, mean_keys, max_norms, death, variant=routing.variant,
+                                            lam=lam, sigma=sigma, cell=routing.cell, block=routing.block,
+                                            top_k=routing.top_k, retain_top=routing.retain_top,
+                                            retain_recent=routing.retain_recent)
+
+
+def select_cells_routed(q, k, routing: Routing, *, lam=1.0, sigma=4.0, tau=None, impl="reference"):
+  """`select_cells` with its geometry as one `Routing`."""
+  if dispatch.resolve("select_cells", impl, **_facts(routing, q.shape[-1])) == "reference":
+    return reference.select_cells_routed(q, k, routing, lam=lam, sigma=sigma, tau=tau)
+  if q.shape[1] < routing.cell:
+    return jnp.full(q.shape[:3] + (routing.top_k,), -1, jnp.int32)
+  mean_keys, max_norms, _ = cells_ref.cell_summaries(jax.lax.stop_gradient(k).astype(jnp.float32), routing.cell)
+  return select_from_summaries(q, None, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma, impl="pallas")
 
 
 def select_cells(q, k, *, variant="fs", lam=1.0, sigma=4.0, cell=32, block=128, top_k=4, retain_top=64,
-                 retain_recent=8, tau=None, beam=16, bound_c=8.0):
-  """Per query and head, the cells read by the long-range branch (FS Eq. 5-8, FS-B Eq. 10-12). No gradient.
+                 retain_recent=8, tau=None, beam=16, bound_c=8.0, impl="reference"):
+  """Per query and head, the cells the long-range branch reads (FS Eq. 5-8, FS-B Eq. 10-12); the reference's
+  `select_cells` plus `impl` (the kernel scores FS and FS-L). `[batch, T, heads, K]` int32, -1 for none."""
+  routing = Routing(variant=variant, cell=cell, block=block, top_k=top_k, retain_top=retain_top,
+                    retain_recent=retain_recent, beam=beam, bound_c=bound_c)
+  return select_cells_routed(q, k, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
 
-  Args:
-    q, k: `[batch, T, heads, d]` unrotated queries and keys.
-    variant: "fs" (all eligible cells), "fsl" (norm-pruned, Eq. 8) or "fsb" (two-forest beam search and token
-      rerank, `fsjax.ops.forest`).
-    lam, sigma: scalars or `[heads]`; routing prior of Eq. 7.
-    cell, block, top_k, retain_top, retain_recent: `s`, `B`, `K`, `P`, `W`.
-    tau, beam, bound_c: FS-B's τ (scalar or `[heads]`, inclusive), beam width W_b and c of Eq. 11.
+
+def sparse_readout(q, k, v, cell_idx, *, cell, impl="reference"):
+  """Eq. 9 before the norm over the selected cells (the reference's `sparse_readout` plus `impl`).
 
   Returns:
-    `[batch, T, heads, K]` int32 cell indices, best first, -1 where fewer than K cells are available.
+    `u` `[batch, T, heads, d]` in at least float32 (the kernel's in the dtype of `q`), zero where no cell is
+    selected.
   """
-  batch, seq, heads, _ = q.shape
+  if dispatch.resolve("sparse_readout", impl, cell=cell, head_dim=q.shape[-1]) == "reference":
+    dtype = compute_dtype(q.dtype)
+    return reference.sparse_readout(q.astype(dtype), k.astype(dtype), v.astype(dtype), cell_idx, cell=cell)
+  return readout_kernel.sparse_readout(q, k, v, cell_idx, cell=cell)
+
+
+def cached_readout(q, k, v, cell_idx, *, cell, impl="reference"):
+  """Eq. 9 before the norm for queries reading a decode cache's keys `k, v` `[batch, N, heads, d]`: a chunk reads
+  through the readout kernel where `impl` selects it; a single token gathers its K cells with XLA, which reads a
+  scanned model's stacked cache in place where a kernel would be handed a copy of the layer
+  (`fsjax.cache.layered`). The cache is never converted whole: only the gathered cells are.
+
+  Returns:
+    `u` `[batch, C, heads, d]`.
+  """
+  if q.shape[1] > 1 and dispatch.resolve("sparse_readout", impl, cell=cell, head_dim=q.shape[-1]) == "pallas":
+    return readout_kernel.sparse_readout(q, k, v, cell_idx, cell=cell)
+  return reference.sparse_readout(q, k, v, cell_idx, cell=cell)
+
+
+def long_range_routed(q, k, v, routing: Routing, *, lam=1.0, sigma=4.0, lr_gain=1.0, tau=None, impl="reference"):
+  """`freesolo_long_range` with its geometry as one `Routing`."""
+  check_qkv(q, k, v)
+  reference.check_routing(routing, tau)
+  if dispatch.resolve("freesolo_long_range", impl, **_facts(routing, q.shape[-1])) == "reference":
+    return reference.freesolo_long_range(q, k, v, lam=lam, sigma=sigma, lr_gain=lr_gain, tau=tau,
+                                         **dataclasses.asdict(routing))
+  # FS-B selects with the reference forests; FS and FS-L with the scoring kernel. Both read with the kernel.
+  select_impl = "reference" if routing.variant == "fsb" else "pallas"
+  cell_idx = select_cells_routed(q, k, routing, lam=lam, sigma=sigma, tau=tau, impl=select_impl)
   dtype = compute_dtype(q.dtype)
-  q, k = jax.lax.stop_gradient(q.astype(dtype)), jax.lax.stop_gradient(k.astype(dtype))
-  lam = jax.lax.stop_gradient(_per_head(lam, heads, "lam", dtype))
-  sigma = jax.lax.stop_gradient(_per_head(sigma, heads, "sigma", dtype))
-  if seq < cell:
-    return jnp.full((batch, seq, heads, top_k), -1, jnp.int32)
-  if variant == "fsb":
-    tau = jax.lax.stop_gradient(_per_head(tau, heads, "tau", dtype))
-    return forest.fsb_select_cells(q, k, tau=tau, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
-                                   beam=beam, bound_c=bound_c)
-  mean_keys, max_norms, centers = cells.cell_summaries(k, cell)  # Eq. 5
-  available = cells.available_cells(max_norms, seq, variant=variant, cell=cell, block=block,
-                                    retain_top=retain_top, retain_recent=retain_recent)  # Eq. 6, 8
-  scores = cells.cell_scores(q, mean_keys, max_norms, centers, lam=lam, sigma=sigma)  # Eq. 7
-  return cells.top_k_cells(scores, available, top_k)
+  u = sparse_readout(q, k, v, cell_idx, cell=routing.cell, impl="pallas").astype(dtype)
+  return reference.rms_norm(u, jnp.asarray(lr_gain, dtype)).astype(q.dtype)
 
-
-def gather_cells(x, cell_idx, cell):
-  """Tokens of the selected cells.
-
-  Args:
-    x: `[batch, T, heads, d]` keys or values.
-    cell_idx: `[batch, T, heads, K]` cell indices, -1 for none (gathers cell 0; mask it out).
-    cell: cell size `s`.
-
-  Returns:
-    `[batch, heads, T, K, s, d]`.
-  """
-  batch, seq, heads, head_dim = x.shape
-  num_cells = seq // cell
-  x_cells = x[:, : num_cells * cell].reshape(batch, num_cells, cell, heads, head_dim)
-  x_cells = jnp.transpose(x_cells, (0, 3, 1, 2, 4))  # [batch, heads, M, s, d]
-  idx = jnp.transpose(jnp.maximum(cell_idx, 0), (0, 2, 1, 3))  # [batch, heads, T, K]
-  return jax.vmap(jax.vmap(lambda cells_of_head, ix: cells_of_head[ix]))(x_cells, idx)
-
-
-def sparse_readout(q, k, v, cell_idx, *, cell):
-  """Eq. 9 before the norm: `u_i = softmax(q_i·k_j/√d over S_i) V_S`, jointly over all selected tokens.
-
-  Args:
-    q, k, v: `[batch, T, heads, d]` unrotated (NoPE readout).
-    cell_idx: `[batch, T, heads, K]` from `select_cells`.
-    cell: cell size `s`.
-
-  Returns:
-    `u`: `[batch, T, heads, d]`, zero where no cell is selected.
-  """
-  head_dim = q.shape[-1]
-  k_sel = gather_cells(k, cell_idx, cell)  # [batch, heads, T, K, s, d]
-  v_sel = gather_cells(v, cell_idx, cell)
-  logits = jnp.einsum("bthd,bhtksd->bhtks", q, k_sel, precision=PRECISION) / math.sqrt(head_dim)
-  selected = jnp.transpose(cell_idx >= 0, (0, 2, 1, 3))[..., None]  # [batch, heads, T, K, 1]
-  probs = masked_softmax(logits, selected, axis=(-2, -1))
-  return jnp.einsum("bhtks,bhtksd->bthd", probs, v_sel, precision=PRECISION)
-
-
-def rms_norm(x, gain, eps=READOUT_NORM_EPS):
-  """RMSNorm over the last axis: `x / sqrt(mean(x²) + eps) * gain`; zero stays zero."""
-  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gain
 
 
 def freesolo_long_range(q, k, v, *, variant="fs", lam=1.0, sigma=4.0, lr_gain=1.0, cell=32, block=128,
                         top_k=4, retain_top=64, retain_recent=8, tau=None, beam=16, bound_c=8.0, window=512,
                         impl="reference"):
-  """Long-range branch `o_lr = RMSNorm(u)` (FS Eq. 5-9), before the α mix.
-
-  Args:
-    q, k, v: `[batch, T, heads, d]` unrotated; any T (cells past the last complete one are never eligible).
-    variant: "fs", "fsl" or "fsb".
-    lam, sigma: scalars or `[heads]`; λ ≥ 0, σ > 0 (Eq. 7). No gradient reaches them.
-    lr_gain: readout RMSNorm gain, scalar or `[d]`.
-    cell, block, top_k, retain_top, retain_recent: `s`, `B`, `K`, `P`, `W`.
-    window: only validated here (the local radius must cover a block: `w >= B - 1`).
-    tau, beam, bound_c: FS-B forest arguments (τ per head, beam width, c of Eq. 11); unused by fs/fsl.
-    impl: "reference" | "auto" | "pallas" (see `use_kernels`); the kernels read q, k, v in their own dtype
-      (bf16 on tensor cores) and score cells in float32. FS-B selects with the reference forests and reads with
-      the readout kernel.
+  """Long-range branch `o_lr = RMSNorm(u)` (FS Eq. 5-9): the reference's `freesolo_long_range` plus `impl`.
+  With kernels, FS-B still selects with the reference forests and reads with the readout kernel.
 
   Returns:
-    `[batch, T, heads, d]` in the dtype of `q`; zero where nothing is available (e.g. the first block).
+    `[batch, T, heads, d]` in the dtype of `q`.
   """
+  routing = Routing(variant=variant, window=window, cell=cell, block=block, top_k=top_k, retain_top=retain_top,
+                    retain_recent=retain_recent, beam=beam, bound_c=bound_c)
+  return long_range_routed(q, k, v, routing, lam=lam, sigma=sigma, lr_gain=lr_gain, tau=tau, impl=impl)
+
+
+def attention_routed(q, k, v, routing: Routing, *, alpha, lam=1.0, sigma=4.0, lr_gain=1.0, tau=None,
+                     rope_theta=10000.0, impl="reference"):
+  """`freesolo_attention` with its geometry as one `Routing`."""
   check_qkv(q, k, v)
-  _check_variant_and_impl(variant, impl, tau)
-  cells.validate_routing(cell=cell, block=block, window=window, top_k=top_k, retain_top=retain_top,
-                         retain_recent=retain_recent)
-  dtype = compute_dtype(q.dtype)
-  routing = dict(variant=variant, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
-                 retain_top=retain_top, retain_recent=retain_recent)
-  kernels = use_kernels(impl, cell=cell, head_dim=q.shape[-1])
-  if variant == "fsb":
-    cell_idx = select_cells(q, k, tau=tau, beam=beam, bound_c=bound_c, **routing)
-  elif kernels:
-    from pallas_kernels import cell_scoring  # lazy: the kernels import ops
-    cell_idx = cell_scoring.select_cells(q, k, **routing)
-  else:
-    cell_idx = select_cells(q, k, **routing)
-  if kernels:
-    from pallas_kernels import sparse_readout as readout_kernel
-    u = readout_kernel.sparse_readout(q, k, v, cell_idx, cell=cell).astype(dtype)
-  else:
-    u = sparse_readout(q.astype(dtype), k.astype(dtype), v.astype(dtype), cell_idx, cell=cell)
-  return rms_norm(u, jnp.asarray(lr_gain, dtype)).astype(q.dtype)
+  long_range = long_range_routed(q, k, v, routing, lam=lam, sigma=sigma, lr_gain=lr_gain, tau=tau, impl=impl)
+  local = local_attention(q, k, v, window=routing.window, rope_theta=rope_theta,
+                          impl=dispatch.for_op("local_attention", impl))
+  return reference.mix_branches(local, long_range, alpha)
 
 
 def freesolo_attention(q, k, v, *, variant="fs", alpha, lam=1.0, sigma=4.0, lr_gain=1.0, window=512, cell=32,
                        block=128, top_k=4, retain_top=64, retain_recent=8, tau=None, beam=16, bound_c=8.0,
                        rope_theta=10000.0, impl="reference"):
-  """FreeSolo attention `o_i = o_sr_i + α_h o_lr_i` (FS Eq. 2).
-
-  Args:
-    q, k, v: `[batch, T, heads, d]` unrotated projections; d even.
-    variant: "fs" | "fsl" | "fsb".
-    alpha: scalar or `[heads]` branch mix.
-    lam, sigma, lr_gain, cell, block, top_k, retain_top, retain_recent: see `freesolo_long_range`.
-    window: local radius `w` (Eq. 3-4), `w >= B - 1`.
-    tau, beam, bound_c: FS-B forest arguments (τ per head, beam width, bound constant c of Eq. 11).
-    rope_theta: RoPE base of the local branch.
-    impl: "reference" | "auto" | "pallas"; with kernels, a half-precision local branch on GPU runs on cuDNN.
+  """FreeSolo attention `o = o_sr + α o_lr` (FS Eq. 2): the reference's `freesolo_attention` plus `impl`. With a
+  fast `impl`, the long-range branch runs on the Pallas kernels and a half-precision local branch on a GPU on
+  cuDNN.
 
   Returns:
     `[batch, T, heads, d]` in the dtype of `q`.
   """
-  check_qkv(q, k, v)
-  long_range = freesolo_long_range(q, k, v, variant=variant, lam=lam, sigma=sigma, lr_gain=lr_gain, cell=cell,
-                                   block=block, top_k=top_k, retain_top=retain_top, retain_recent=retain_recent,
-                                   window=window, impl=impl, tau=tau, beam=beam, bound_c=bound_c)
-  if use_kernels(impl, cell=cell, head_dim=q.shape[-1]) and cudnn_usable(q.dtype):
-    local = causal_rope_attention_cudnn(q, k, v, window=window, rope_theta=rope_theta)
-  else:
-    local = local_attention(q, k, v, window=window, rope_theta=rope_theta)
-  dtype = compute_dtype(q.dtype)
-  alpha = _per_head(alpha, q.shape[2], "alpha", dtype)
-  return (local.astype(dtype) + alpha[:, None] * long_range.astype(dtype)).astype(q.dtype)
+  routing = Routing(variant=variant, window=window, cell=cell, block=block, top_k=top_k, retain_top=retain_top,
+                    retain_recent=retain_recent, beam=beam, bound_c=bound_c)
+  return attention_routed(q, k, v, routing, alpha=alpha, lam=lam, sigma=sigma, lr_gain=lr_gain, tau=tau,
+                          rope_theta=rope_theta, impl=impl)

@@ -1,317 +1,126 @@
-"""ZHA (ZHA Sec. III): a tree of compressed key summaries built with learned reference queries (III-A), top-p
-routing level by level (III-C), exact attention over the reached keys, and the KL distillation loss (III-B).
+"""ZHA ops (ZHA III) with their implementation chosen by `fsjax.ops.dispatch`.
 
-Geometry (DESIGN §5): chunk `C`, `L` levels, `R` reference queries per head shared by every node and level.
-Key 0 is left out of the tree and always read, so level-ℓ node `m` covers keys `[1 + m C^ℓ, 1 + (m+1) C^ℓ)`
-and is *complete* for the query at position `i` when its last key `(m+1) C^ℓ <= i` (a query's own key is in
-the cache when it attends). Only nodes whose keys all lie inside the sequence exist.
+The training-form operator and the distillation loss exist as references only (`fsjax.reference.zha`). The
+capped decode step (one query per row, `max_nodes` set) has Pallas kernels (`pallas_kernels.zha_routing`): two
+launches per level (candidate scoring, then the capped top-p selection) and the attention over the reached keys;
+its reference is `fsjax.reference.zha_decode`. One dispatch entry, "zha_route", decides for both stages, which
+pass each other the kernels' NO_NODE-padded rows as they are.
 
-Per reference query `r` a node holds a tangent of its log attention mass `F(q) = LSE_j(q·k_j/√d)`:
-`k̂_r = Σ_j softmax_j(e_j) k_j`, `b̂_r = LSE_j(e_j) − q̂_r·k̂_r/√d` with `e_j = q̂_r·k_j/√d` over its C children
-(raw keys at level 1; at higher levels the children's `k̂_r` with `e_j = q̂_r·k̂_{r,j}/√d + b̂_{r,j}`). The node
-score of a query is `s(q) = max_r (q·k̂_r/√d + b̂_r)`.
-
-RoPE (`rope_theta` not None): queries and keys are rotated to their positions and every node rotates the
-reference queries to its own last key position. The merge formula above, evaluated with the parent's rotated
-`q̂_{r,P}`, equals the child's tangent at the child's query plus the III-B correction
-`⟨k̂_{r,c}, q̂_{r,P} − q̂_{r,c}⟩/√d`, so one formula serves both cases; without RoPE it reproduces the summary
-computed directly from the raw keys.
-
-Readings fixed here (DESIGN §5): ties in the top-p order go to the lower node index; `p >= 1` selects every
-candidate; a non-empty candidate set always yields at least one node; `top_p` may be one value for every level
-or one per level, level 1 (the raw-key chunks) first.
-
-`max_nodes` (ours, not the paper's; None = the paper's routing) caps the nodes a query keeps per level at the
-highest-scoring `max_nodes` of its top-p prefix. It gives decode static sizes (`fsjax.cache.zha.attend_gathered`
-gathers candidate lists instead of scoring every node) and is part of the operator, so the reference, the cache
-and any kernel agree exactly with or without it.
+Decode ops take one layer's arrays, or a scanned model's stacks `[layers, ...]` of them with the int32 `layer`
+to read: the kernels then read that layer where it lies, the reference slices it out.
 """
 
-import math
-
-import jax
 import jax.numpy as jnp
 
-from fsjax.ops.common import PRECISION, check_qkv, compute_dtype
-from fsjax.ops.rope import apply_rope
-from fsjax.ops.softmax import masked_softmax
-
-
-def level_top_p(top_p, levels):
-  """`top_p` as a tuple of one threshold per level (level 1 first); a scalar applies to every level."""
-  values = tuple(top_p) if isinstance(top_p, (tuple, list)) else (top_p,)
-  return values * levels if len(values) == 1 else values
-
-
-def validate_zha(*, chunk, levels, top_p, refs=1, max_nodes=None, prefix=""):
-  """Raises ValueError naming the first argument that breaks a ZHA geometry rule (`prefix` as in configs)."""
-  if max_nodes is not None and max_nodes < 1:
-    raise ValueError(f"{prefix}max_nodes must be >= 1 or null (no cap), got {max_nodes}")
-  if chunk < 2:
-    raise ValueError(f"{prefix}chunk must be >= 2, got {chunk}")
-  for name, value in (("levels", levels), ("refs", refs)):
-    if value < 1:
-      raise ValueError(f"{prefix}{name} must be >= 1, got {value}")
-  values = tuple(top_p) if isinstance(top_p, (tuple, list)) else (top_p,)
-  if len(values) not in (1, levels):
-    raise ValueError(f"{prefix}top_p must hold one value or one per level ({levels}), got {len(values)}")
-  if any(not p > 0 for p in values):
-    raise ValueError(f"{prefix}top_p values must be > 0 (>= 1 selects everything), got {values}")
-
-
-def node_count(seq, chunk, level):
-  """Level-`level` nodes whose keys all lie in `[1, seq)`: `(seq - 1) // chunk**level`."""
-  return max(seq - 1, 0) // chunk**level
-
-
-def node_last_key(index, chunk, level):
-  """Position of the last key of level-`level` node `index` (any int array): `(index + 1) C^ℓ`."""
-  return (index + 1) * chunk**level
-
-
-def rotate(x, positions, rope_theta):
-  """`x` `[batch, seq, heads, d]` rotated to `positions`; unchanged when `rope_theta` is None (NoPE)."""
-  return x if rope_theta is None else apply_rope(x, positions, rope_theta)
-
-
-def rotated_refs(ref_queries, positions, rope_theta, dtype):
-  """Reference queries rotated to node positions.
-
-  Args:
-    ref_queries: `[heads, R, d]`.
-    positions: `[batch, N]` int last-key positions of the nodes.
-
-  Returns:
-    `[batch, N, heads, R, d]` in `dtype`.
-  """
-  heads, refs, dim = ref_queries.shape
-  batch, count = positions.shape
-  flat = jnp.broadcast_to(ref_queries.astype(dtype).reshape(1, 1, heads * refs, dim),
-                          (batch, count, heads * refs, dim))
-  return rotate(flat, positions, rope_theta).reshape(batch, count, heads, refs, dim)
-
-
-def summarize(refs, children, child_bias=None):
-  """Node tangents from their C children, for every reference query (ZHA III-A).
-
-  Args:
-    refs: `[batch, N, heads, R, d]` reference queries rotated to each node's last key.
-    children: raw keys `[batch, N, C, heads, d]` (level 1) or child tangents `[batch, N, C, heads, R, d]`.
-    child_bias: None (level 1) or the children's biases `[batch, N, C, heads, R]`.
-
-  Returns:
-    keys `[batch, N, heads, R, d]` (`k̂`) and bias `[batch, N, heads, R]` (`b̂`).
-  """
-  scale = 1.0 / math.sqrt(refs.shape[-1])
-  if child_bias is None:
-    scores = jnp.einsum("bnhrd,bnchd->bnchr", refs, children, precision=PRECISION) * scale
-    weights = jax.nn.softmax(scores, axis=2)
-    keys = jnp.einsum("bnchr,bnchd->bnhrd", weights, children, precision=PRECISION)
-  else:
-    scores = jnp.einsum("bnhrd,bnchrd->bnchr", refs, children, precision=PRECISION) * scale + child_bias
-    weights = jax.nn.softmax(scores, axis=2)
-    keys = jnp.einsum("bnchr,bnchrd->bnhrd", weights, children, precision=PRECISION)
-  own = jnp.einsum("bnhrd,bnhrd->bnhr", refs, keys, precision=PRECISION) * scale
-  return keys, jax.nn.logsumexp(scores, axis=2) - own
-
-
-def build_tree(k, ref_queries, *, chunk, levels, rope_theta=None):
-  """Every node of every level over one sequence of keys.
-
-  Args:
-    k: `[batch, T, heads, d]` keys as attention sees them (already rotated for RoPE models).
-    ref_queries: `[heads, R, d]`.
-
-  Returns:
-    list over levels 1..L of (keys `[batch, N_ℓ, heads, R, d]`, bias `[batch, N_ℓ, heads, R]`),
-    `N_ℓ = node_count(T, chunk, ℓ)` (possibly 0).
-  """
-  batch, seq, heads, dim = k.shape
-  tree, children, child_bias = [], k[:, 1:], None
-  for level in range(1, levels + 1):
-    count = node_count(seq, chunk, level)
-    children = children[:, :count * chunk].reshape(batch, count, chunk, *children.shape[2:])
-    if child_bias is not None:
-      child_bias = child_bias[:, :count * chunk].reshape(batch, count, chunk, *child_bias.shape[2:])
-    positions = node_last_key(jnp.arange(count), chunk, level)[None]
-    refs = rotated_refs(ref_queries, positions, rope_theta, k.dtype)
-    children, child_bias = summarize(refs, children, child_bias)
-    tree.append((children, child_bias))
-  return tree
-
-
-def node_scores(q, keys, bias):
-  """`s(q) = max_r (q·k̂_r/√d + b̂_r)` (ZHA III-A): q `[batch, T, heads, d]` → `[batch, heads, T, N]`."""
-  tangents = jnp.einsum("bthd,bnhrd->bhtnr", q, keys, precision=PRECISION) / math.sqrt(q.shape[-1])
-  return jnp.max(tangents + jnp.moveaxis(bias, 1, 2)[:, :, None], axis=-1)
-
-
-def complete_nodes(q_pos, count, chunk, level):
-  """`[batch, 1, T, count]` bool: node m is complete for the query at `q_pos` `[batch, T]`."""
-  return (node_last_key(jnp.arange(count), chunk, level) <= q_pos[..., None])[:, None]
-
-
-def top_p_select(scores, candidates, p, max_nodes=None):
-  """The smallest score-sorted prefix of the candidates holding at least mass `p` of their softmax (III-C).
-
-  Args:
-    scores: `[..., N]` node scores; candidates: bool, broadcastable to `scores`.
-    p: threshold; `p >= 1` selects every candidate.
-    max_nodes: keep at most this many (the first of the prefix); None = no cap.
-
-  Returns:
-    bool `[..., N]`. A node is kept when the mass ranked strictly before it is below `p`, so the best candidate
-    is always kept; ties rank the lower index first.
-  """
-  candidates = jnp.broadcast_to(candidates, scores.shape)
-  if (p >= 1 and max_nodes is None) or scores.shape[-1] == 0:
-    return candidates
-  masked = jnp.where(candidates, scores, -jnp.inf)
-  order = jnp.argsort(-masked, axis=-1, stable=True)
-  ranked = jnp.take_along_axis(masked, order, axis=-1)
-  top = jnp.max(ranked[..., :1], axis=-1, keepdims=True)
-  weights = jnp.where(jnp.isfinite(ranked), jnp.exp(ranked - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-  before = jnp.cumsum(weights, axis=-1) - weights
-  keep_ranked = jnp.isfinite(ranked)
-  if p < 1:
-    keep_ranked &= before < p * jnp.sum(weights, axis=-1, keepdims=True)
-  if max_nodes is not None:
-    keep_ranked &= jnp.arange(scores.shape[-1]) < max_nodes
-  return jnp.take_along_axis(keep_ranked, jnp.argsort(order, axis=-1), axis=-1)
-
-
-def route(level_scores, q_pos, *, chunk, top_p, max_nodes=None):
-  """Top-p descent through the tree (ZHA III-C): which level-1 nodes (raw-key chunks) each query reaches.
-
-  Args:
-    level_scores: list over levels 1..L of `[batch, heads, T, N_ℓ]` node scores. `N_ℓ` may exceed the nodes
-      that exist for these queries (a cache's capacity): incomplete nodes are never candidates.
-    q_pos: `[batch, T]` query positions.
-    top_p: one threshold per level, level 1 first (see `level_top_p`).
-    max_nodes: per-level cap on kept nodes (None = none).
-
-  Returns:
-    `[batch, heads, T, N_1]` bool: the selected leaves `S_1(q)`.
-  """
-  levels = len(level_scores)
-  candidates = complete_nodes(q_pos, level_scores[-1].shape[-1], chunk, levels)  # A_L = U_L
-  for level in range(levels, 0, -1):
-    selected = top_p_select(level_scores[level - 1], candidates, top_p[level - 1], max_nodes)
-    if level == 1:
-      return selected
-    below = level_scores[level - 2].shape[-1]
-    parent = jnp.arange(below) // chunk
-    has_parent = parent < selected.shape[-1]
-    from_parent = jnp.zeros(selected.shape[:-1] + (below,), bool)
-    if selected.shape[-1]:
-      from_parent = jnp.take(selected, jnp.minimum(parent, selected.shape[-1] - 1), axis=-1) & has_parent
-    parent_complete = has_parent & (node_last_key(parent, chunk, level) <= q_pos[..., None])[:, None]
-    parentless = complete_nodes(q_pos, below, chunk, level - 1) & ~parent_complete
-    candidates = from_parent | parentless  # A_{ℓ-1} = ch(S_ℓ) ∪ U_{ℓ-1}
-
-
-def key_mask(leaves, q_pos, k_pos, chunk):
-  """The index set `I(q) = {0} ∪ keys of the selected leaves ∪ the current chunk` (ZHA III-C) as a mask.
-
-  Args:
-    leaves: `[batch, heads, T, N_1]` selected level-1 nodes.
-    q_pos: `[batch, T]`; k_pos: `[batch, S]` key positions (-1 = empty slot).
-
-  Returns:
-    `[batch, heads, T, S]` bool, only ever true for visible keys (`0 <= k_pos <= q_pos`).
-  """
-  node = (k_pos - 1) // chunk  # [batch, S]
-  in_tree = (k_pos >= 1) & (node < leaves.shape[-1])
-  index = jnp.broadcast_to(jnp.clip(node, 0, max(leaves.shape[-1] - 1, 0))[:, None, None],
-                           leaves.shape[:-1] + node.shape[-1:])
-  in_leaf = (jnp.take_along_axis(leaves, index, axis=-1) if leaves.shape[-1] else False) & in_tree[:, None, None]
-  q, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
-  current = kp >= 1 + chunk * (q // chunk)
-  return (in_leaf | current | (kp == 0)) & (kp >= 0) & (kp <= q)
+from fsjax.ops import dispatch
+from fsjax.reference import zha as reference
+from fsjax.reference import zha_decode as decode_reference
+from fsjax.reference.zha import ZHATree
+from pallas_kernels import zha_routing
 
 
 def zha_attention(q, k, v, ref_queries, *, chunk, levels, top_p, rope_theta=None, max_nodes=None,
-                  impl="reference", return_fraction=False):
-  """Causal attention restricted to the keys each query reaches through the ZHA tree (ZHA III).
-
-  Args:
-    q, k, v: `[batch, T, heads, d]` unrotated.
-    ref_queries: `[heads, R, d]` learned reference queries.
-    chunk, levels: tree geometry C and L.
-    top_p: routing threshold, one value or one per level (level 1 first).
-    rope_theta: RoPE base, or None for a NoPE model.
-    max_nodes: per-level cap on the nodes a query keeps (None = the paper's uncapped routing).
-    impl: "reference" (only this for now).
-    return_fraction: also return the fraction of visible keys each query attends, `[batch, T, heads]`.
+                  return_fraction=False, impl="reference"):
+  """Causal attention over the keys each query reaches through the ZHA tree: the reference's `zha_attention`
+  plus `impl` ("reference" or "auto"; no kernel computes the training form).
 
   Returns:
-    `[batch, T, heads, d]` in the dtype of `q` (and the fraction).
+    `[batch, T, heads, d]` in the dtype of `q` (and with `return_fraction` the attended fraction
+    `[batch, T, heads]`).
   """
-  check_qkv(q, k, v)
-  validate_zha(chunk=chunk, levels=levels, top_p=top_p, refs=ref_queries.shape[1], max_nodes=max_nodes)
-  if impl != "reference":
-    raise NotImplementedError(f"zha_attention impl {impl!r}: only 'reference' exists")
-  batch, seq, heads, dim = q.shape
-  if ref_queries.shape != (heads, ref_queries.shape[1], dim):
-    raise ValueError(f"ref_queries must be [heads={heads}, R, head_dim={dim}], got {ref_queries.shape}")
-  dtype = compute_dtype(q.dtype)
-  positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
-  q_rot = rotate(q.astype(dtype), positions, rope_theta)
-  k_rot = rotate(k.astype(dtype), positions, rope_theta)
-  tree = build_tree(k_rot, ref_queries, chunk=chunk, levels=levels, rope_theta=rope_theta)
-  leaves = route([node_scores(q_rot, *node) for node in tree], positions, chunk=chunk,
-                 top_p=level_top_p(top_p, levels), max_nodes=max_nodes)
-  mask = key_mask(leaves, positions, positions, chunk)
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q_rot, k_rot, precision=PRECISION) / math.sqrt(dim)
-  out = jnp.einsum("bhqk,bkhd->bqhd", masked_softmax(logits, mask), v.astype(dtype),
-                   precision=PRECISION).astype(q.dtype)
-  if not return_fraction:
-    return out
-  return out, jnp.moveaxis(jnp.sum(mask, axis=-1) / (positions[:, None] + 1), 1, 2)
+  dispatch.resolve("zha_attention", impl)
+  return reference.zha_attention(q, k, v, ref_queries, chunk=chunk, levels=levels, top_p=top_p,
+                                 rope_theta=rope_theta, max_nodes=max_nodes, return_fraction=return_fraction)
 
 
 def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None):
-  """ZHA III-B distillation loss of each level: `[levels]`, summed by `zha_kl_loss`.
-
-  For level ℓ the keys visible to query `i` are split into key 0, the complete level-ℓ nodes and the remainder
-  (keys after the last complete node, the incomplete current chunk). Target: the dense attention mass on each
-  part. Prediction: softmax over the parts of the node scores, with key 0 and the remainder scored by their
-  exact log masses (footnote 4). `KL(target ‖ prediction)` is averaged over batch, heads and the queries with
-  at least one complete node at that level (a level with none contributes 0). q and k carry no gradient.
-  """
-  check_qkv(q, k, k)
-  batch, seq, heads, dim = q.shape
-  dtype = compute_dtype(q.dtype)
-  positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
-  q_rot = jax.lax.stop_gradient(rotate(q.astype(dtype), positions, rope_theta))
-  k_rot = jax.lax.stop_gradient(rotate(k.astype(dtype), positions, rope_theta))
-  tree = build_tree(k_rot, ref_queries.astype(dtype), chunk=chunk, levels=levels, rope_theta=rope_theta)
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q_rot, k_rot, precision=PRECISION) / math.sqrt(dim)
-  i, j = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
-  attention = masked_softmax(logits, j <= i)
-  losses = []
-  for level, node in enumerate(tree, start=1):
-    span, count = chunk**level, node[0].shape[1]
-    if count == 0:
-      losses.append(jnp.zeros((), dtype))
-      continue
-    complete = complete_nodes(positions, count, chunk, level)  # [batch, 1, T, N]
-    node_mass = attention[..., 1:1 + count * span].reshape(batch, heads, seq, count, span).sum(-1)
-    remainder = (j >= 1 + span * (i // span)) & (j <= i)  # [T, T]
-    target = jnp.concatenate([attention[..., :1], jnp.where(complete, node_mass, 0.0),
-                              jnp.sum(jnp.where(remainder, attention, 0.0), -1, keepdims=True)], axis=-1)
-    scores = jnp.where(complete, node_scores(q_rot, *node), -jnp.inf)
-    predicted = jnp.concatenate([logits[..., :1], scores,
-                                 jax.nn.logsumexp(jnp.where(remainder, logits, -jnp.inf), -1, keepdims=True)],
-                                axis=-1)
-    log_predicted = jax.nn.log_softmax(predicted, axis=-1)
-    kl = jnp.sum(jnp.where(target > 0, target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_predicted),
-                           0.0), axis=-1)  # [batch, heads, T]
-    eligible = (jnp.arange(seq) >= span).astype(dtype)
-    losses.append(jnp.sum(kl * eligible) / (batch * heads * jnp.maximum(jnp.sum(eligible), 1.0)))
-  return jnp.stack(losses)
+  """ZHA III-B distillation loss of each level of one layer (`fsjax.reference.zha.zha_kl_per_level`). `[levels]`."""
+  return reference.zha_kl_per_level(q, k, ref_queries, chunk=chunk, levels=levels, rope_theta=rope_theta)
 
 
 def zha_kl_loss(q, k, ref_queries, *, chunk, levels, rope_theta=None):
-  """`L_KL = Σ_ℓ E_q[KL(p_ℓ(q) ‖ p̂_ℓ(q))]` for one layer (ZHA III-B); see `zha_kl_per_level`. Scalar."""
-  return jnp.sum(zha_kl_per_level(q, k, ref_queries, chunk=chunk, levels=levels, rope_theta=rope_theta))
+  """ZHA III-B distillation loss of one layer (`fsjax.reference.zha.zha_kl_loss`). Scalar."""
+  return reference.zha_kl_loss(q, k, ref_queries, chunk=chunk, levels=levels, rope_theta=rope_theta)
+
+
+def _kernels(impl, tree: ZHATree, keys):
+  """Whether `impl` runs the decode step on the kernels, for this tree (R read from the arrays)."""
+  return dispatch.resolve("zha_route", impl, chunk=tree.chunk, refs=keys[0].shape[-2]) != "reference"
+
+
+def _layer(x, layer):
+  """One layer's array: `x`, or layer `layer` of a scanned model's stack `x`."""
+  return x if layer is None else x[layer]
+
+
+def _route_with_kernels(q, position, keys, bias, tree: ZHATree, layer):
+  """`route_gathered` on the kernels, two launches per level. The top level scores one constant list for every
+  row and head (the kernel drops nodes not complete at the position); each level below scores the list
+  `score_children` builds in the kernel from the kept row above; `keep_top_p` keeps each level's nodes in list
+  order, which is node order, so the children's list is in node order too."""
+  top = keys[-1].shape[-4]
+  nodes = jnp.arange(zha_routing.list_width(top))
+  index, kept, count, cap = jnp.where(nodes < top, nodes, zha_routing.NO_NODE), None, top, None
+  for level in range(tree.levels, 0, -1):
+    span = tree.chunk**level
+    if kept is None:
+      scores = zha_routing.score_candidates(q, keys[level - 1], bias[level - 1], index, position=position,
+                                            span=span, layer=layer)
+    else:
+      scores, index = zha_routing.score_children(q, keys[level - 1], bias[level - 1], kept, position,
+                                                 parents_kept=cap, chunk=tree.chunk, span=span, layer=layer)
+      count = cap * tree.chunk + tree.chunk - 1
+    cap = min(tree.max_nodes, count)
+    kept = zha_routing.keep_top_p(scores, index, p=tree.level_top_p[level - 1], max_nodes=cap,
+                                  full_row=level > 1)
+  return kept
+
+
+def _check_decode(q, position, keys, bias, tree: ZHATree):
+  if tree.max_nodes is None:
+    raise ValueError("the capped decode step needs tree.max_nodes (None routes through every node: "
+                     "`fsjax.reference.zha.routed_attention`)")
+  if len(keys) != tree.levels or len(bias) != tree.levels:
+    raise ValueError(f"keys and bias must hold one array per level ({tree.levels}), got {len(keys)}, {len(bias)}")
+  if q.ndim != 3 or position.shape != q.shape[:1]:
+    raise ValueError(f"q must be [batch, heads, d] and position [batch], got {q.shape} and {position.shape}")
+
+
+def zha_route(q, position, keys, bias, *, tree: ZHATree, layer=None, impl="reference"):
+  """The leaves one decode query per (row, head) reaches by the capped top-p descent (ZHA III-C):
+  `fsjax.reference.zha_decode.route_gathered` plus `impl` (and `layer`).
+
+  Args:
+    q: `[batch, heads, d]` rotated queries at `position` `[batch]` int32.
+    keys, bias: tuples over levels 1..L of `[batch, N_ℓ, heads, R, d]` and `[batch, N_ℓ, heads, R]`, or of a
+      scanned model's stacks `[layers, batch, ...]` with `layer` (int32 scalar) the one to read.
+    tree: the routing; `tree.max_nodes` must be set.
+
+  Returns:
+    `[batch, heads, M]` int32 leaves, NO_NODE (-1) for none, `M = min(max_nodes, level-1 candidates)`; a set (the
+    reference lists it in node order, the kernels in their list order).
+  """
+  _check_decode(q, position, keys, bias, tree)
+  if _kernels(impl, tree, keys):
+    return _route_with_kernels(q, position, keys, bias, tree, layer)
+  return decode_reference.route_gathered(q, position, tuple(_layer(x, layer) for x in keys),
+                                         tuple(_layer(x, layer) for x in bias), tree)
+
+
+def zha_decode(q, position, keys, bias, k, v, *, tree: ZHATree, layer=None, impl="reference"):
+  """One capped decode step's ZHA attention (ZHA III-C): `zha_route`, then attention over key 0, the reached
+  leaves' keys and the current chunk, reading only the candidate lists and the ≤ `max_nodes·C + C + 1` keys.
+
+  Args:
+    q, position, keys, bias, tree, layer, impl: as `zha_route`.
+    k, v: `[batch, S, heads, d]` the dense cache (rotated keys, slot = position), or stacks with `layer`.
+
+  Returns:
+    `[batch, heads, d]` in at least float32, and the fraction of visible keys read, `[batch, heads]`.
+  """
+  leaves = zha_route(q, position, keys, bias, tree=tree, layer=layer, impl=impl)
+  if _kernels(impl, tree, keys):
+    out = zha_routing.leaf_attention(q, k, v, leaves, position, chunk=tree.chunk, layer=layer)
+  else:
+    out = decode_reference.leaf_attention(q, _layer(k, layer), _layer(v, layer), leaves, position, chunk=tree.chunk)
+  return out, decode_reference.fraction_read(leaves, position, tree.chunk)

@@ -4,9 +4,9 @@ import math
 
 import jax.numpy as jnp
 
-from fsjax.ops.common import PRECISION, check_qkv, compute_dtype
-from fsjax.ops.rope import apply_rope
-from fsjax.ops.softmax import masked_softmax
+from fsjax.reference.common import PRECISION, check_qkv, compute_dtype
+from fsjax.reference.rope import apply_rope
+from fsjax.reference.softmax import masked_softmax
 
 # Queries are processed in chunks of this many positions; each chunk reads `window + QUERY_CHUNK` keys, so
 # memory is O(T * window), never [T, T] unless the window covers the sequence.

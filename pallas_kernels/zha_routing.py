@@ -1,7 +1,8 @@
 """ZHA decode kernels (ZHA III-C): node scoring over a candidate list (given, or built in the kernel from the
 kept nodes of the level above), the capped top-p selection of each level, and the final attention over the keys
-the routing reached (key 0, the kept leaves' chunks, the current chunk). `fsjax.cache.zha.attend_gathered` is
-their jnp specification.
+the routing reached (key 0, the kept leaves' chunks, the current chunk). `fsjax.reference.zha_decode` is their
+jnp specification, function for function (`listed_scores`, `candidates_below`, `keep_top_p`, `leaf_attention`);
+`fsjax.ops.zha` composes them into the decode step.
 
 The selection replaces `lax.top_k`, which XLA lowers on a GPU to a full sort of every candidate list (at 256k
 tokens and C=8, L=2 that sort was a third of the decode step's kernel time). A cap of `max_nodes` over a top-p
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import default_interpret, erf, pad_axis, pad_head_dim
+from pallas_kernels.common import check_power_of_two, default_interpret, layer_stack, pad_axis, pad_head_dim
 
 NO_NODE = -1
 
@@ -41,24 +42,6 @@ def list_width(count):
   """The candidate-list width `score_candidates` and `keep_top_p` take without padding: a power of two, at
   least 16. Lists built at this width (NO_NODE after the candidates) skip the pads."""
   return max(16, pl.next_power_of_2(count))
-
-
-def _power_of_two(name, value, interpret):
-  if not interpret and value & (value - 1):
-    raise ValueError(f"{name} must be a power of two for the compiled Pallas kernels, got {value}")
-
-
-def _stack(array, layer, axes):
-  """Kernel inputs for `array` (`axes` dims) or a scanned model's stack of it (`axes + 1` dims) with `layer`: the
-  stack `[layers, ...]` (one layer as `[1, ...]`) and the `[1]` int32 layer the kernels index it at. Passing the
-  stack lets a kernel read one layer where it lies; slicing the layer out first would copy it."""
-  if layer is None:
-    if array.ndim != axes:
-      raise ValueError(f"an array of {axes} dims, or a stack of {axes + 1} with a layer, got shape {array.shape}")
-    return array[None], jnp.zeros((1,), jnp.int32)
-  if array.ndim != axes + 1:
-    raise ValueError(f"with a layer, a stack of {axes + 1} dims, got shape {array.shape}")
-  return array, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
 def _node_scores(q_ref, keys_ref, bias_ref, layer_ref, index, valid, *, scale):
@@ -111,10 +94,10 @@ def _score_block(q, node_keys, count, block, interpret):
   """Candidates per scoring program, a power of two: by default `_SCORE_ENTRIES` node-key entries, at most the
   list's power-of-two width (so a list of `list_width` is not padded)."""
   refs = node_keys.shape[-2]
-  _power_of_two("refs", refs, interpret)
+  check_power_of_two("refs", refs, interpret)
   if block is None:
     block = min(max(1, _SCORE_ENTRIES // (refs * pl.next_power_of_2(q.shape[-1]))), pl.next_power_of_2(count))
-  _power_of_two("block", block, interpret)
+  check_power_of_two("block", block, interpret)
   return block
 
 
@@ -124,7 +107,7 @@ def _scoring_call(kernel, q, node_keys, node_bias, layer, candidates, candidates
   head, block of candidates) over one tree level (or a scanned stack's `layer`); one output `[batch, heads,
   programs·block]` per dtype of `out_dtypes`."""
   batch, heads, dim = q.shape
-  (node_keys, layer_index), (node_bias, _) = _stack(node_keys, layer, 5), _stack(node_bias, layer, 4)
+  (node_keys, layer_index), (node_bias, _) = layer_stack(node_keys, layer, 5), layer_stack(node_bias, layer, 4)
   layers, _, nodes, _, refs, _ = node_keys.shape
   width = pl.next_power_of_2(dim)
   out_spec = pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c))
@@ -202,7 +185,7 @@ def score_children(q, node_keys, node_bias, parents, position, *, parents_kept, 
     after the list) and their scores (−inf there).
   """
   interpret = default_interpret() if interpret is None else interpret
-  _power_of_two("chunk", chunk, interpret)
+  check_power_of_two("chunk", chunk, interpret)
   row = parents.shape[-1]
   if not 1 <= parents_kept <= row:
     raise ValueError(f"parents_kept must be in [1, {row}] (the parents row's width), got {parents_kept}")
@@ -228,9 +211,9 @@ def _keep_top_kernel(scores_ref, index_ref, out_ref, *, p, max_nodes):
   candidates' nodes in list order, then NO_NODE.
 
   Ranked by (score desc, list position asc), candidate r is kept when r < max_nodes and the mass ranked above it
-  is < p·total (`fsjax.cache.zha._keep_top`). Both sides of that test only grow down the ranking, so the kept
-  set is every candidate above a threshold score T plus the first few candidates tied at T. T is the lowest key
-  at which the candidates above it do not yet fill the cap or the mass; it is found bit by bit."""
+  is < p·total (`fsjax.reference.zha_decode.keep_top_p`). Both sides of that test only grow down the ranking, so
+  the kept set is every candidate above a threshold score T plus the first few candidates tied at T. T is the
+  lowest key at which the candidates above it do not yet fill the cap or the mass; it is found bit by bit."""
   scores = scores_ref[...]
   index = index_ref[...]
   valid = scores > -jnp.inf
@@ -268,7 +251,8 @@ def _keep_top_kernel(scores_ref, index_ref, out_ref, *, p, max_nodes):
 
 @functools.partial(jax.jit, static_argnames=("p", "max_nodes", "full_row", "num_warps", "interpret"))
 def keep_top_p(scores, index, *, p, max_nodes, full_row=False, num_warps=None, interpret=None):
-  """Capped top-p selection over candidate lists: the nodes `fsjax.cache.zha._keep_top` keeps, in list order.
+  """Capped top-p selection over candidate lists: the nodes `fsjax.reference.zha_decode.keep_top_p` keeps, in list
+  order.
 
   Args:
     scores: `[batch, heads, K]` float32, −inf where there is no candidate (as `score_candidates` gives).
@@ -276,8 +260,8 @@ def keep_top_p(scores, index, *, p, max_nodes, full_row=False, num_warps=None, i
     p: the level's top-p threshold in (0, 1]; max_nodes: the cap.
     full_row: return the kernel's whole power-of-two row instead of its first `min(max_nodes, K)` entries (the
       rest are NO_NODE). For `score_children`: a slice that feeds another kernel is a copy kernel of its own.
-    num_warps: warps per (batch, head) program (default: one per 512 candidates, 4 to 8; the H200 sweep is in
-      docs/notes.md, ZHA).
+    num_warps: warps per (batch, head) program (default: one per 512 candidates, 4 to 8: on an H200, 4 warps
+      were fastest at 1,024 candidates, 9.0 µs, and 8 at 4,096 and 16,384, 15.9 and 37.6 µs).
 
   Returns:
     `[batch, heads, min(max_nodes, K)]` int32 kept nodes in list order, then NO_NODE (with `full_row`, `[batch,
@@ -350,8 +334,8 @@ def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, layer_ref, 
 
 # Keys (and values) one split of the leaf attention gathers at most, so that they stay in registers at 4 warps.
 # One program per (batch, head) looping over tiles of this many keys saves the merge's three XLA kernels, but its
-# dependent tiles took 12.2 µs for 64 leaves at C=8 and 33 µs at C=16 on an H200 (call 42), against 5.1 and 7.1 µs
-# for the split kernel (call 40) plus about 3 µs for the merge (docs/notes.md, ZHA).
+# dependent tiles took 12.2 µs for 64 leaves at C=8 and 33 µs at C=16 on an H200, against 5.1 and 7.1 µs for the
+# split kernel plus about 3 µs for the merge.
 _SPLIT_KEYS = 128
 
 
@@ -372,7 +356,7 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=None,
     `[batch, heads, d]` float32.
   """
   interpret = default_interpret() if interpret is None else interpret
-  _power_of_two("chunk", chunk, interpret)
+  check_power_of_two("chunk", chunk, interpret)
   batch, heads, dim = q.shape
   count = max(1, leaves.shape[-1])
   if splits is None:
@@ -380,7 +364,7 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=None,
   per_split = pl.next_power_of_2(-(-count // splits))
   leaves = pad_axis(leaves.astype(jnp.int32), 2, per_split * splits, NO_NODE)
   width = pl.next_power_of_2(dim)
-  (k, layer_index), (v, _) = _stack(k, layer, 4), _stack(v, layer, 4)
+  (k, layer_index), (v, _) = layer_stack(k, layer, 4), layer_stack(v, layer, 4)
   layers, _, seq = k.shape[:3]
   cache_spec = pl.BlockSpec((layers, None, seq, None, width), lambda b, h, s: (0, b, 0, h, 0))
   out, lse = pl.pallas_call(
@@ -403,118 +387,3 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=None,
   weights = jax.nn.softmax(lse, axis=2)  # merge the splits' partial softmaxes
   weights = jnp.where(jnp.isfinite(lse), weights, 0.0)
   return jnp.sum(weights * out, axis=2)[..., :dim]
-
-
-def _count_ahead(rank_x, first_x, rank_y, first_y):
-  """`[BQ, n]`: for each entry y, how many entries x order before it by (rank desc, first asc)."""
-  rx, fx = rank_x[:, :, None], first_x[:, :, None]
-  ry, fy = rank_y[:, None, :], first_y[:, None, :]
-  return jnp.sum(((rx > ry) | ((rx == ry) & (fx < fy))).astype(jnp.int32), axis=1)
-
-
-def _place(node, rank, slot_of, beam):
-  """`[BQ, beam]`: slot s holds the live entry whose `slot_of` is s, NO_NODE where none does."""
-  hit = (slot_of[:, None, :] == jnp.arange(beam)[None, :, None]) & (rank[:, None, :] > -jnp.inf)
-  return jnp.max(jnp.where(hit, node[:, None, :], NO_NODE), axis=2)
-
-
-def _beam_kernel(q_ref, pos_ref, root_ref, lam_ref, sigma_ref, layer_ref, mu_ref, rho_ref, amax_ref, pmin_ref,
-                 first_ref, leaf_ref, child0_ref, child1_ref, out_ref, *, beam, steps, bound_c, scale):
-  """FS-B Eq. 11 for a tile of queries over one (batch, head)'s node table. q_ref `[BQ, d]`, pos_ref / root_ref
-  `[BQ]`, lam_ref / sigma_ref / layer_ref `[1]`, node refs `[L, N(, d)]` of which layer `layer_ref[0]` is read →
-  out_ref `[BQ, W]` the final beam's leaf cells.
-
-  A beam step expands each slot into two pool entries (a kept leaf and nothing, or the two children of an inner
-  node), scores them by U (gathered rows of μ, no tensor cores: a query's 2W rows are its own), and refills the
-  W slots in the order `lax.sort` gives the reference (rank, then the lower first cell), each entry's slot
-  counted from all pairs at once: `[BQ, 2W, 2W]` comparisons instead of W dependent extractions."""
-  q = q_ref[...].astype(jnp.float32)
-  pos = pos_ref[...].astype(jnp.float32)
-  q_norm = jnp.sqrt(jnp.sum(q * q, axis=1))
-  lam, sigma, layer = lam_ref[0], sigma_ref[0], layer_ref[0]
-  field = lambda ref, node: ref[layer, node]  # one indexer: Triton lowers no chain of `ref.at` views
-  slots = jnp.arange(beam)[None, :]
-  never = jnp.iinfo(jnp.int32).max
-
-  def rank(node):  # U of pool entries `[BQ, W]`; −inf where NO_NODE
-    safe = jnp.maximum(node, 0)
-    mu = mu_ref[layer, safe, :].astype(jnp.float32)  # [BQ, W, d]
-    content = (jnp.sum(mu * q[:, None, :], axis=2) + bound_c * q_norm[:, None] * field(rho_ref, safe)) * scale
-    prior = field(amax_ref, safe) * lam * erf((pos[:, None] - field(pmin_ref, safe)) / (2.0 * sigma))
-    return jnp.where(node >= 0, content + prior, -jnp.inf)
-
-  def step(_, current):
-    safe = jnp.maximum(current, 0)
-    valid = current >= 0
-    kept = valid & (field(leaf_ref, safe) >= 0)
-    inner = valid & ~kept
-    node_a = jnp.where(kept, current, jnp.where(inner, field(child0_ref, safe), NO_NODE))
-    node_b = jnp.where(inner, field(child1_ref, safe), NO_NODE)
-    rank_a = jnp.where(kept, jnp.inf, rank(node_a))  # leaves keep their slots
-    rank_b = rank(node_b)
-    first_a = jnp.where(node_a >= 0, field(first_ref, jnp.maximum(node_a, 0)), never)
-    first_b = jnp.where(node_b >= 0, field(first_ref, jnp.maximum(node_b, 0)), never)
-
-    # Each live entry's slot is the number of entries ahead of it by (rank desc, first asc): distinct nodes
-    # cover disjoint cells, so their first cells differ and the order is strict. Dead entries (−inf, never)
-    # are ahead of nothing and fill no slot.
-    ahead_of_a = _count_ahead(rank_a, first_a, rank_a, first_a) + _count_ahead(rank_b, first_b, rank_a, first_a)
-    ahead_of_b = _count_ahead(rank_a, first_a, rank_b, first_b) + _count_ahead(rank_b, first_b, rank_b, first_b)
-    return jnp.maximum(_place(node_a, rank_a, ahead_of_a, beam), _place(node_b, rank_b, ahead_of_b, beam))
-
-  start = jnp.where(slots == 0, root_ref[...][:, None], NO_NODE)
-  current = jax.lax.fori_loop(0, steps, step, start)
-  out_ref[...] = jnp.where(current >= 0, field(leaf_ref, jnp.maximum(current, 0)), NO_NODE)
-
-
-@functools.partial(jax.jit, static_argnames=("beam", "steps", "bound_c", "block_q", "interpret"))
-def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c, layer=None, block_q=8,
-                interpret=None):
-  """FS-B beam search (FS Eq. 11) of every query over its (batch, head)'s forest node table.
-
-  Args:
-    q: `[batch, T, heads, d]` unrotated queries at `positions` `[batch, T]`; roots: `[batch, T, heads]` int32
-      node id of each query's forest root (NO_NODE for an empty forest).
-    nodes: node table of `[batch, heads, N(, d)]` arrays, as `fsjax.cache.forest.Forest.nodes`: mu, rho, amax,
-      pmin, first, leaf, child0, child1.
-    lam, sigma: `[heads]`; beam: W (a power of two when compiled); steps: beam steps (≥ the forest height).
-    layer: None, or an int32 scalar when `nodes` are a scanned model's stacks `[layers, batch, heads, N(, d)]`:
-      the kernel reads that layer's rows where they lie, where slicing the layer out would copy the whole table.
-
-  Returns:
-    `[batch, T, heads, beam]` int32 cells of the final beam's leaves, NO_NODE in unused slots; the same as
-    `fsjax.ops.forest.beam_search` for each (batch, head).
-  """
-  interpret = default_interpret() if interpret is None else interpret
-  _power_of_two("beam", beam, interpret)
-  batch, count, heads, dim = q.shape
-  block_q = min(block_q, pl.next_power_of_2(count))
-  padded = -(-count // block_q) * block_q
-  q = pad_axis(pad_head_dim(q.astype(jnp.float32)), 1, padded)
-  positions = pad_axis(positions.astype(jnp.int32), 1, padded)
-  roots = pad_axis(roots.astype(jnp.int32), 1, padded, NO_NODE)
-  mu, layer_index = _stack(nodes["mu"], layer, 4)
-  nodes = {name: _stack(x, layer, 3)[0] for name, x in nodes.items() if name != "mu"}
-  layers, num_nodes, width = mu.shape[0], mu.shape[3], q.shape[-1]
-  table_spec = pl.BlockSpec((layers, None, None, num_nodes), lambda b, h, t: (0, b, h, 0))
-  order = ("rho", "amax", "pmin", "first", "leaf", "child0", "child1")
-  out = pl.pallas_call(
-      functools.partial(_beam_kernel, beam=beam, steps=steps, bound_c=bound_c, scale=1.0 / math.sqrt(dim)),
-      grid=(batch, heads, padded // block_q),
-      in_specs=[pl.BlockSpec((None, block_q, None, width), lambda b, h, t: (b, t, h, 0)),
-                pl.BlockSpec((None, block_q), lambda b, h, t: (b, t)),
-                pl.BlockSpec((None, block_q, None), lambda b, h, t: (b, t, h)),
-                pl.BlockSpec((1,), lambda b, h, t: (h,)),
-                pl.BlockSpec((1,), lambda b, h, t: (h,)),
-                pl.BlockSpec((1,), lambda b, h, t: (0,)),
-                pl.BlockSpec((layers, None, None, num_nodes, width), lambda b, h, t: (0, b, h, 0, 0)),
-                *([table_spec] * len(order))],
-      out_specs=pl.BlockSpec((None, block_q, None, beam), lambda b, h, t: (b, t, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((batch, padded, heads, beam), jnp.int32),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-      interpret=interpret,
-      name="fsb_beam_search",
-  )(q, positions, roots, lam.astype(jnp.float32), sigma.astype(jnp.float32),
-    layer_index, pad_head_dim(mu.astype(jnp.float32)), *(nodes[name].astype(
-        jnp.float32 if name in ("rho", "amax", "pmin") else jnp.int32) for name in order))
-  return out[:, :count]

@@ -1,6 +1,6 @@
 """FreeSolo cells: summaries, causal availability, FS-L retention, scoring and top-K (FS Eq. 5-8).
 
-Conventions (DESIGN.md §3-4): cell `c` holds positions `[c*s, (c+1)*s)`; query `i` sits in the block starting
+Conventions (docs/design.md §3-4): cell `c` holds positions `[c*s, (c+1)*s)`; query `i` sits in the block starting
 at `b_i = B*floor(i/B)`; block `n` sees the `m_n = n*B/s` cells before it. Only complete cells exist: a trailing
 partial cell can never be eligible (its end lies past every query's block start).
 """
@@ -10,26 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fsjax.ops.common import PRECISION
-
-VARIANTS = ("fs", "fsl", "fsb")
-
-
-def validate_routing(*, cell, block, window, top_k, retain_top, retain_recent, prefix=""):
-  """Raises ValueError naming the first argument that breaks a FreeSolo geometry rule.
-
-  `prefix` is prepended to argument names, so configs can report `attention.block` where ops report `block`.
-  """
-  for name, value in (("cell", cell), ("block", block), ("top_k", top_k), ("retain_top", retain_top)):
-    if value < 1:
-      raise ValueError(f"{prefix}{name} must be >= 1, got {value}")
-  if retain_recent < 0:
-    raise ValueError(f"{prefix}retain_recent must be >= 0, got {retain_recent}")
-  if block % cell:
-    raise ValueError(f"{prefix}block must be a multiple of {prefix}cell, got block={block}, cell={cell}")
-  if window < block - 1:
-    # Otherwise tokens between the last eligible cell and the query would be seen by neither branch (FS 3.3).
-    raise ValueError(f"{prefix}window must be >= {prefix}block - 1, got window={window}, block={block}")
+from fsjax.reference.common import PRECISION
 
 
 def cell_summaries(k, cell):
@@ -153,3 +134,26 @@ def top_k_cells(scores, available, top_k):
   valid = jnp.take_along_axis(available, idx, axis=-1)
   idx = jnp.where(valid, idx, -1).astype(jnp.int32)
   return jnp.pad(idx, ((0, 0),) * 3 + ((0, top_k - k),), constant_values=-1)
+
+
+def select_from_summaries(q, positions, mean_keys, max_norms, *, routing, lam, sigma):
+  """FS / FS-L selection (Eq. 6-8) from cell summaries for queries at `positions`: what a decode step or a
+  prefill chunk scores against the cached summaries, and what `select_cells` scores in training.
+
+  Args:
+    q: `[batch, T, heads, d]` unrotated queries.
+    positions: `[batch, T]` query positions; None means `0..T-1`.
+    mean_keys: `[batch, M, heads, d]`; max_norms: `[batch, M, heads]` (Eq. 5).
+    routing: a `Routing` with variant "fs" or "fsl".
+    lam, sigma: `[heads]` (Eq. 7).
+
+  Returns:
+    `[batch, T, heads, K]` int32 cell indices, best first, -1 where fewer than K cells are available.
+  """
+  q = jax.lax.stop_gradient(q)
+  centers = (jnp.arange(max_norms.shape[1]) + 0.5) * routing.cell
+  available = available_cells(max_norms, q.shape[1], variant=routing.variant, cell=routing.cell,
+                              block=routing.block, retain_top=routing.retain_top,
+                              retain_recent=routing.retain_recent, positions=positions)  # Eq. 6, 8
+  scores = cell_scores(q, mean_keys, max_norms, centers, lam=lam, sigma=sigma, positions=positions)  # Eq. 7
+  return top_k_cells(scores, available, routing.top_k)

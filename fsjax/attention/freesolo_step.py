@@ -1,0 +1,189 @@
+"""FreeSolo attention over the decode caches (FS Sec. 3.3 "Inference", App. C, App. E.1): one chunk of a
+prefill or one decode token, with the caches of `fsjax.cache` as state and the operators of `fsjax.ops` (which
+own the kernel choice) as maths.
+
+- The FS archive (FS, and FS-B's reference path): the local branch reads the `window + C` archived slots the
+  chunk can see; selection scores the cached cell summaries (Eq. 6-8) or, for FS-B, rebuilds the forests from
+  them (Eq. 10-12); the readout gathers the selected cells (Eq. 9).
+- FS-B's forest cache: a one-token step advances the cached forests to its block and beam-searches them (Eq. 11),
+  then reranks with token keys (Eq. 12); a longer chunk selects through the archive and advances the forests
+  past its last token.
+- FS-L's bounded cache: segment by segment within query blocks, the local branch over the ring plus the segment,
+  the long-range branch over `pool ∪ recent` (Eq. 8), then the cache update (Eq. 15).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from fsjax import ops
+from fsjax.attention.cached import attend
+from fsjax.cache import archive as archive_cache
+from fsjax.cache import bounded, forest
+from fsjax.cache.archive import Archive
+from fsjax.cache.forest import ForestCache
+from fsjax.cache.layered import LayerSlice, read
+from fsjax.ops.freesolo import cached_readout
+from fsjax.reference import cells as cells_ref
+from fsjax.reference import forest as forest_ref
+from fsjax.reference.common import PRECISION
+from fsjax.reference.freesolo import rms_norm
+from fsjax.reference.rope import apply_rope
+from fsjax.reference.routing import Routing
+from fsjax.reference.softmax import masked_softmax
+
+NO_CELL = -1
+
+
+def archive_local(archive: Archive, q, pos, *, window, rope_theta):
+  """Eq. 3-4 for queries at `pos` `[batch, C]` (consecutive per row) over the archived keys (the chunk must
+  already be written). Reads only the `window + C` slots each row's chunk can see, so a step costs O(w), not
+  O(archive length). Returns `[batch, C, heads, d]`."""
+  tokens = archive.tokens
+  span = min(window + q.shape[1], tokens.capacity)
+  start = jnp.clip(jnp.min(pos, axis=1) - window, 0, tokens.capacity - span)  # slot = position
+  window_of = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, span, axis=0))
+  k, v, k_pos = (window_of(read(x), start) for x in (tokens.k, tokens.v, tokens.pos))
+  k_rot = apply_rope(k, jnp.maximum(k_pos, 0), rope_theta)
+  return attend(apply_rope(q, pos, rope_theta), pos, k_rot, v, k_pos, window=window)
+
+
+def archive_select(archive: Archive, q, pos, routing: Routing, *, lam, sigma, tau=None, impl="reference"):
+  """Top-K cells (Eq. 6-8; FS-B Eq. 10-12 rebuilt from the summaries) for queries at `pos`:
+  `[batch, C, heads, K]`, -1 for none. No gradient."""
+  mean_keys, max_norms = read(archive.mean_keys), read(archive.max_norms)
+  if routing.variant == "fsb":
+    return forest_ref.fsb_select_from_summaries(q, pos, read(archive.tokens.k).astype(q.dtype),
+                                                mean_keys.astype(q.dtype), max_norms.astype(q.dtype), tau=tau,
+                                                lam=lam, sigma=sigma, cell=routing.cell, block=routing.block,
+                                                top_k=routing.top_k, beam=routing.beam, bound_c=routing.bound_c)
+  return ops.select_from_summaries(q, pos, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma, impl=impl)
+
+
+def archive_long_range(archive: Archive, q, pos, routing: Routing, *, lr_gain, lam, sigma, tau=None,
+                       impl="reference", selected=None):
+  """Eq. 9 for queries at `pos`: `(o_lr [batch, C, heads, d], selected cells [batch, C, heads, K])`.
+
+  `selected`: cells already chosen `[batch, C, heads, K]` (by FS-B's forest cache), else chosen here.
+  """
+  cell_idx = selected
+  if cell_idx is None:
+    cell_idx = archive_select(archive, q, pos, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
+  u = cached_readout(q, read(archive.tokens.k), read(archive.tokens.v), cell_idx, cell=routing.cell, impl=impl)
+  return rms_norm(u.astype(q.dtype), lr_gain), cell_idx
+
+
+def forest_search(forests: forest.Forest, q, pos, routing: Routing, *, lam, sigma, impl="reference"):
+  """Beam search (Eq. 11) of queries `[batch, C, heads, d]` at `pos` `[batch, C]`, all in the block the forests
+  were advanced to: `[batch, C, heads, beam]` cells (NO_NODE pad)."""
+  root = read(forests.root)
+  if isinstance(forests.root, LayerSlice):  # the kernel reads the stack in place; `read` would copy the layer
+    nodes, layer = {name: x.stack for name, x in forests.nodes.items()}, forests.root.layer
+  else:
+    nodes, layer = forests.nodes, None
+  return ops.forest_beam_search(q, pos, jnp.broadcast_to(root[:, None, :], q.shape[:3]), nodes, lam, sigma,
+                                beam=routing.beam, steps=forest.num_levels_of(forests), bound_c=routing.bound_c,
+                                cell=routing.cell, layer=layer, impl=impl)
+
+
+def forest_select(cache: ForestCache, q, pos, routing: Routing, *, lam, sigma, impl="reference"):
+  """FS-B's top-K cells (Eq. 11-12) for queries `[batch, C, heads, d]` at `pos`, all in the block the forests
+  were advanced to: `[batch, C, heads, top_k]` int32, NO_NODE in unused slots. No gradient. The rerank reads at
+  most 2·beam cells per query and stays in XLA."""
+  q = jax.lax.stop_gradient(q).astype(cache.forests.nodes["mu"].dtype)
+  batch, count, heads, _ = q.shape
+  beam = routing.beam
+  both = lambda x: jnp.concatenate([x, x], axis=-1)
+  candidates = forest_search(cache.forests, jnp.concatenate([q, q], axis=2), pos, routing, lam=both(lam),
+                             sigma=both(sigma), impl=impl)  # [batch, C, 2·heads, beam]
+  candidates = jnp.moveaxis(candidates.reshape(batch, count, 2, heads, beam), 2, 3).reshape(
+      batch, count, heads, 2 * beam)
+  archive = cache.archive
+  # The keys stay in the archive's dtype: the rerank converts only the ≤ 2·beam cells it gathers.
+  return forest_ref.rerank_candidates(q, pos, read(archive.tokens.k), read(archive.max_norms).astype(q.dtype),
+                                      candidates, lam=lam, sigma=sigma, cell=routing.cell, top_k=routing.top_k)
+
+
+def streaming_select(cache: ForestCache, q, positions, valid, routing: Routing, *, lam, sigma, tau,
+                     impl="reference"):
+  """FS-B through the forest cache: `(cache, selected cells or None)`. A longer chunk (queries in several blocks)
+  leaves selection to the archive's prefill formulation (None) and advances the forests past its last token; a
+  single-token step advances them to its own block and beam-searches them."""
+  cell, block = routing.cell, routing.block
+  if q.shape[1] > 1:
+    target = forest.eligible_after(positions, valid, cache.admitted, cell=cell, block=block)
+    return forest.advance(cache, target, tau, cell=cell, block=block), None
+  target = forest.eligible_target(positions, valid, cache.admitted, cell=cell, block=block)
+  cache = forest.advance(cache, target, tau, cell=cell, block=block)
+  return cache, forest_select(cache, q, positions, routing, lam=lam, sigma=sigma, impl=impl)
+
+
+def archive_chunk(cache, q, k, v, positions, valid, routing: Routing, *, rope_theta, lam, sigma, lr_gain, tau=None,
+                  impl="reference"):
+  """One chunk through an FS `Archive` or FS-B `ForestCache`: `(o_sr, o_lr, cells, new cache)`, the outputs
+  `[batch, C, heads, d]` and the cells `[batch, C, heads, K]`."""
+  streaming = isinstance(cache, ForestCache)
+  archive = cache.archive if streaming else cache
+  archive = archive_cache.extend(archive, k, v, positions, valid, routing.cell)
+  local = archive_local(archive, q, positions, window=routing.window, rope_theta=rope_theta)
+  selected = None
+  if streaming:
+    cache, selected = streaming_select(cache.replace(archive=archive), q, positions, valid, routing, lam=lam,
+                                       sigma=sigma, tau=tau, impl=impl)
+  else:
+    cache = archive
+  long_range, cell_idx = archive_long_range(archive, q, positions, routing, lr_gain=lr_gain, lam=lam, sigma=sigma,
+                                            tau=tau, impl=impl, selected=selected)
+  return local, long_range, cell_idx, cache
+
+
+def bounded_long_range(cache: bounded.BoundedCache, q, pos, routing: Routing, *, lam, sigma, lr_gain):
+  """Eq. 7-9 for queries at `pos` over `pool ∪ recent` (Eq. 8): (o_lr `[batch, C, heads, d]`, cells `[.., K]`)."""
+  ids, mean, norm, k_cells, v_cells = bounded.candidates(cache)
+  head_dim = q.shape[-1]
+  q_sel = jax.lax.stop_gradient(q)
+  content = jnp.einsum("bthd,bhnd->bthn", q_sel, mean, precision=PRECISION) / math.sqrt(head_dim)
+  distance = pos.astype(q.dtype)[:, :, None, None] - (ids.astype(q.dtype)[:, None] + 0.5) * routing.cell
+  prior = jax.scipy.special.erf(distance / (2.0 * sigma[:, None]))  # [batch, C, heads, N]
+  scores = content + lam[:, None] * norm[:, None] * prior  # Eq. 7
+  available = jnp.broadcast_to((ids >= 0)[:, None], scores.shape)
+  slots = cells_ref.top_k_cells(scores, available, routing.top_k)  # slots sorted by cell id: ties → lower id
+  selected = jnp.where(slots >= 0, jnp.take_along_axis(jnp.broadcast_to(ids[:, None], scores.shape),
+                                                       jnp.maximum(slots, 0), axis=-1), NO_CELL)
+  gather = lambda x: jax.vmap(jax.vmap(lambda xh, ih: xh[ih], in_axes=(0, 1), out_axes=1))(
+      x, jnp.maximum(slots, 0))  # [batch, C, heads, K, s, d]
+  k_sel, v_sel = gather(k_cells), gather(v_cells)
+  logits = jnp.einsum("bthd,bthksd->bthks", q, k_sel, precision=PRECISION) / math.sqrt(head_dim)
+  probs = masked_softmax(logits, (slots >= 0)[..., None], axis=(-2, -1))
+  u = jnp.einsum("bthks,bthksd->bthd", probs, v_sel, precision=PRECISION)  # Eq. 9
+  return rms_norm(u, lr_gain), selected
+
+
+def bounded_segment(cache: bounded.BoundedCache, q, k, v, pos, valid, routing: Routing, *, rope_theta, lam, sigma,
+                    lr_gain):
+  """Queries/keys at `pos` `[batch, L]`, every row's valid tokens inside one query block, in order:
+  `(o_sr, o_lr, cells, new cache)` (the cache merged at the end of a completed block)."""
+  q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
+  local = attend(q_rot, pos, *bounded.concat_ring(cache, k_rot, v, pos, valid), window=routing.window)
+  long_range, selected = bounded_long_range(cache, q, pos, routing, lam=lam, sigma=sigma, lr_gain=lr_gain)
+  return local, long_range, selected, bounded.write_segment(cache, k_rot, k, v, pos, valid)
+
+
+def bounded_chunk(cache: bounded.BoundedCache, q, k, v, positions, valid, routing: Routing, *, rope_theta, lam,
+                  sigma, lr_gain):
+  """A chunk of one token or whole query blocks through FS-L's bounded cache, block by block (availability
+  changes at block boundaries): `(o_sr, o_lr, cells, new cache)`."""
+  chunk, block = q.shape[1], routing.block
+  if chunk > 1 and chunk % block:
+    raise ValueError(f"a chunk for the FS-L bounded cache must be 1 token or whole blocks, got {chunk} tokens "
+                     f"with block={block}")
+  outputs = []
+  for start in range(0, chunk, block):
+    segment = slice(start, start + block)
+    *branches, cache = bounded_segment(cache, q[:, segment], k[:, segment], v[:, segment], positions[:, segment],
+                                       valid[:, segment], routing, rope_theta=rope_theta, lam=lam, sigma=sigma,
+                                       lr_gain=lr_gain)
+    outputs.append(branches)
+  local, long_range, cell_idx = (jnp.concatenate(parts, axis=1) for parts in zip(*outputs))
+  return local, long_range, cell_idx, cache

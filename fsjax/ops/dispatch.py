@@ -1,0 +1,130 @@
+"""The one dispatch table of fsjax: which implementations each op has, and which one an `impl` picks.
+
+`impl` (a module's or config's `attention.impl`, or an op's keyword):
+  "reference": the pure-jnp specification (`fsjax.reference`), on every platform.
+  "pallas": the op's Pallas kernel: compiled on a GPU, interpreted anywhere else (how the CPU tests run the
+    kernels). Asking it of an op that has no Pallas kernel raises `UnsupportedImpl`.
+  "auto": the op's first fast implementation that this platform and these inputs allow (Pallas kernels on a GPU
+    when Triton can tile the geometry; cuDNN on a GPU for half-precision inputs), else the reference.
+
+A composite (a module, or FreeSolo's local branch inside `freesolo_attention`) hands its `impl` to the ops it
+calls through `for_op`, which turns a "pallas" that an op lacks into "auto": a model configured with
+`impl: pallas` runs every kernel it has and the fastest path elsewhere.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import common as kernel_common
+from pallas_kernels import zha_routing
+
+IMPLS = ("reference", "auto", "pallas")
+HALF_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+class UnsupportedImpl(ValueError):
+  """An `impl` that is not one of IMPLS, or that the op does not have."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """A fast implementation of an op: its name and whether "auto" may pick it for these inputs here."""
+  name: str
+  usable: Callable[..., bool]
+
+
+def on_gpu():
+  return jax.default_backend() == "gpu"
+
+
+def _half(dtype):
+  return jnp.dtype(dtype) in [jnp.dtype(d) for d in HALF_DTYPES]
+
+
+def _cudnn(*, dtype, **_):
+  """cuDNN flash attention needs a GPU and fp16/bf16 inputs."""
+  return on_gpu() and _half(dtype)
+
+
+def _cell_kernels(*, cell, head_dim, **_):
+  """Triton tiles cells of a power of two >= 16 and head_dim >= 16."""
+  return on_gpu() and kernel_common.compilable(cell=cell, head_dim=head_dim)
+
+
+def _scoring_kernel(*, variant, cell, head_dim, **_):
+  return variant in ("fs", "fsl") and _cell_kernels(cell=cell, head_dim=head_dim)
+
+
+def _beam_kernel(*, cell, head_dim, beam, **_):
+  return beam & (beam - 1) == 0 and _cell_kernels(cell=cell, head_dim=head_dim)
+
+
+def _zha_kernels(*, chunk, refs, **_):
+  return on_gpu() and zha_routing.compilable(chunk=chunk, refs=refs)
+
+
+def _one_token(*, tokens, **_):
+  return tokens == 1
+
+
+def _cudnn_chunk(*, dtype, cache_dtype, tokens, **_):
+  return tokens > 1 and _cudnn(dtype=dtype) and _cudnn(dtype=cache_dtype)
+
+
+# op -> its fast implementations, in the order "auto" tries them. Every op also has "reference".
+TABLE = {
+    # FreeSolo (FS Eq. 5-9): fused scoring + top-K, and the tile-union readout with its own backward.
+    "freesolo_long_range": (Implementation("pallas", _cell_kernels),),
+    "select_cells": (Implementation("pallas", _scoring_kernel),),
+    "select_from_summaries": (Implementation("pallas", _scoring_kernel),),
+    "sparse_readout": (Implementation("pallas", _cell_kernels),),
+    # FS-B's beam search over a decode step's streaming forests (FS Eq. 11).
+    "forest_search": (Implementation("pallas", _beam_kernel),),
+    # Local and dense RoPE attention: cuDNN's fused kernel.
+    "local_attention": (Implementation("cudnn", _cudnn),),
+    "tfpp_attention": (Implementation("cudnn", _cudnn),),
+    "swa_attention": (Implementation("cudnn", _cudnn),),
+    "moba_attention": (),
+    # Decode: a chunk attending a half-precision dense cache through cuDNN; one token read in place by XLA.
+    "cache_attention": (Implementation("cudnn", _cudnn_chunk), Implementation("one_token", _one_token)),
+    # ZHA: the training-form operator and loss are references; capped decode routing has kernels.
+    "zha_attention": (),
+    "zha_kl_loss": (),
+    "zha_route": (Implementation("pallas", _zha_kernels),),
+}
+
+
+def _check_impl(impl):
+  if impl not in IMPLS:
+    raise UnsupportedImpl(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def implementations(op):
+  """Names of every implementation of `op`, the reference first."""
+  return ("reference", *(fast.name for fast in TABLE[op]))
+
+
+def resolve(op, impl, **facts):
+  """The implementation of `op` that `impl` selects for inputs described by `facts` (keyword facts such as
+  `cell`, `head_dim`, `dtype`, `variant`, `chunk`, `refs`, `tokens`): "reference" or a name in TABLE[op]."""
+  _check_impl(impl)
+  if impl == "reference":
+    return "reference"
+  fast = TABLE[op]
+  if impl == "auto":
+    return next((f.name for f in fast if f.usable(**facts)), "reference")
+  if any(f.name == impl for f in fast):
+    return impl
+  raise UnsupportedImpl(f"{op} has no {impl!r} implementation (it has: {', '.join(implementations(op))}); "
+                        "impl='auto' takes the fastest one available")
+
+
+def for_op(op, impl):
+  """The `impl` a composite passes to `op`: its own, unless `op` lacks that kernel, then "auto"."""
+  _check_impl(impl)
+  if impl in ("reference", "auto") or impl in implementations(op):
+    return impl
+  return "auto"

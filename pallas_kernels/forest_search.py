@@ -1,0 +1,138 @@
+"""FS-B beam search (FS Eq. 11) over a decode step's streaming forests, one program per (batch, head, tile of
+queries). `fsjax.reference.forest.beam_search` is its jnp specification.
+
+The node table is one `[N]` row per field (μ `[N, d]`, ρ, a_max, p_min, first cell, leaf cell, two children);
+each beam step gathers the rows of its 2W pool entries, scores them by the bound U_v of Eq. 11 and refills the
+W slots in the reference's order without a sort (see `_beam_kernel`).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import check_power_of_two, default_interpret, erf, layer_stack, pad_axis, pad_head_dim
+
+NO_NODE = -1
+
+
+def _count_ahead(rank_x, first_x, rank_y, first_y):
+  """`[BQ, n]`: for each entry y, how many entries x order before it by (rank desc, first asc).
+
+  Live entries cover disjoint cells, so equal first cells mean the same entry, which is never ahead of itself.
+  Testing that, rather than relying on `rx > ry` being false for x = y, keeps the count right where XLA computes
+  the two operands' ranks in separate fusions that round differently (interpret mode on a CPU)."""
+  rx, fx = rank_x[:, :, None], first_x[:, :, None]
+  ry, fy = rank_y[:, None, :], first_y[:, None, :]
+  return jnp.sum(((fx != fy) & ((rx > ry) | ((rx == ry) & (fx < fy)))).astype(jnp.int32), axis=1)
+
+
+def _place(node, rank, slot_of, beam):
+  """`[BQ, beam]`: slot s holds the live entry whose `slot_of` is s, NO_NODE where none does."""
+  hit = (slot_of[:, None, :] == jnp.arange(beam)[None, :, None]) & (rank[:, None, :] > -jnp.inf)
+  return jnp.max(jnp.where(hit, node[:, None, :], NO_NODE), axis=2)
+
+
+def _beam_kernel(q_ref, pos_ref, root_ref, lam_ref, sigma_ref, layer_ref, mu_ref, rho_ref, amax_ref, pmin_ref,
+                 first_ref, leaf_ref, child0_ref, child1_ref, out_ref, *, beam, steps, bound_c, scale):
+  """FS-B Eq. 11 for a tile of queries over one (batch, head)'s node table. q_ref `[BQ, d]`, pos_ref / root_ref
+  `[BQ]`, lam_ref / sigma_ref / layer_ref `[1]`, node refs `[L, N(, d)]` of which layer `layer_ref[0]` is read →
+  out_ref `[BQ, W]` the final beam's leaf cells.
+
+  A beam step expands each slot into two pool entries (a kept leaf and nothing, or the two children of an inner
+  node), scores them by U (gathered rows of μ, no tensor cores: a query's 2W rows are its own), and refills the
+  W slots in the order `lax.sort` gives the reference (rank, then the lower first cell), each entry's slot
+  counted from all pairs at once: `[BQ, 2W, 2W]` comparisons instead of W dependent extractions."""
+  q = q_ref[...].astype(jnp.float32)
+  pos = pos_ref[...].astype(jnp.float32)
+  q_norm = jnp.sqrt(jnp.sum(q * q, axis=1))
+  lam, sigma, layer = lam_ref[0], sigma_ref[0], layer_ref[0]
+  field = lambda ref, node: ref[layer, node]  # one indexer: Triton lowers no chain of `ref.at` views
+  slots = jnp.arange(beam)[None, :]
+  never = jnp.iinfo(jnp.int32).max
+
+  def rank(node):  # U of pool entries `[BQ, W]`; −inf where NO_NODE
+    safe = jnp.maximum(node, 0)
+    mu = mu_ref[layer, safe, :].astype(jnp.float32)  # [BQ, W, d]
+    content = (jnp.sum(mu * q[:, None, :], axis=2) + bound_c * q_norm[:, None] * field(rho_ref, safe)) * scale
+    prior = field(amax_ref, safe) * lam * erf((pos[:, None] - field(pmin_ref, safe)) / (2.0 * sigma))
+    return jnp.where(node >= 0, content + prior, -jnp.inf)
+
+  def step(_, current):
+    safe = jnp.maximum(current, 0)
+    valid = current >= 0
+    kept = valid & (field(leaf_ref, safe) >= 0)
+    inner = valid & ~kept
+    node_a = jnp.where(kept, current, jnp.where(inner, field(child0_ref, safe), NO_NODE))
+    node_b = jnp.where(inner, field(child1_ref, safe), NO_NODE)
+    rank_a = jnp.where(kept, jnp.inf, rank(node_a))  # leaves keep their slots
+    rank_b = rank(node_b)
+    first_a = jnp.where(node_a >= 0, field(first_ref, jnp.maximum(node_a, 0)), never)
+    first_b = jnp.where(node_b >= 0, field(first_ref, jnp.maximum(node_b, 0)), never)
+
+    # Each live entry's slot is the number of entries ahead of it by (rank desc, first asc): distinct nodes
+    # cover disjoint cells, so their first cells differ and the order is strict. Dead entries (−inf, never)
+    # are ahead of nothing and fill no slot.
+    ahead_of_a = _count_ahead(rank_a, first_a, rank_a, first_a) + _count_ahead(rank_b, first_b, rank_a, first_a)
+    ahead_of_b = _count_ahead(rank_a, first_a, rank_b, first_b) + _count_ahead(rank_b, first_b, rank_b, first_b)
+    return jnp.maximum(_place(node_a, rank_a, ahead_of_a, beam), _place(node_b, rank_b, ahead_of_b, beam))
+
+  start = jnp.where(slots == 0, root_ref[...][:, None], NO_NODE)
+  current = jax.lax.fori_loop(0, steps, step, start)
+  out_ref[...] = jnp.where(current >= 0, field(leaf_ref, jnp.maximum(current, 0)), NO_NODE)
+
+
+@functools.partial(jax.jit, static_argnames=("beam", "steps", "bound_c", "block_q", "interpret"))
+def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c, layer=None, block_q=8,
+                interpret=None):
+  """FS-B beam search (FS Eq. 11) of every query over its (batch, head)'s forest node table.
+
+  Args:
+    q: `[batch, T, heads, d]` unrotated queries at `positions` `[batch, T]`; roots: `[batch, T, heads]` int32
+      node id of each query's forest root (NO_NODE for an empty forest).
+    nodes: node table of `[batch, heads, N(, d)]` arrays, as `fsjax.cache.forest.Forest.nodes`: mu, rho, amax,
+      pmin, first, leaf, child0, child1.
+    lam, sigma: `[heads]`; beam: W (a power of two when compiled); steps: beam steps (≥ the forest height).
+    layer: None, or an int32 scalar when `nodes` are a scanned model's stacks `[layers, batch, heads, N(, d)]`:
+      the kernel reads that layer's rows where they lie, where slicing the layer out would copy the whole table.
+
+  Returns:
+    `[batch, T, heads, beam]` int32 cells of the final beam's leaves, NO_NODE in unused slots; the same as
+    `fsjax.reference.forest.beam_search` for each (batch, head).
+  """
+  interpret = default_interpret() if interpret is None else interpret
+  check_power_of_two("beam", beam, interpret)
+  batch, count, heads, dim = q.shape
+  block_q = min(block_q, pl.next_power_of_2(count))
+  padded = -(-count // block_q) * block_q
+  q = pad_axis(pad_head_dim(q.astype(jnp.float32)), 1, padded)
+  positions = pad_axis(positions.astype(jnp.int32), 1, padded)
+  roots = pad_axis(roots.astype(jnp.int32), 1, padded, NO_NODE)
+  mu, layer_index = layer_stack(nodes["mu"], layer, 4)
+  nodes = {name: layer_stack(x, layer, 3)[0] for name, x in nodes.items() if name != "mu"}
+  layers, num_nodes, width = mu.shape[0], mu.shape[3], q.shape[-1]
+  table_spec = pl.BlockSpec((layers, None, None, num_nodes), lambda b, h, t: (0, b, h, 0))
+  order = ("rho", "amax", "pmin", "first", "leaf", "child0", "child1")
+  out = pl.pallas_call(
+      functools.partial(_beam_kernel, beam=beam, steps=steps, bound_c=bound_c, scale=1.0 / math.sqrt(dim)),
+      grid=(batch, heads, padded // block_q),
+      in_specs=[pl.BlockSpec((None, block_q, None, width), lambda b, h, t: (b, t, h, 0)),
+                pl.BlockSpec((None, block_q), lambda b, h, t: (b, t)),
+                pl.BlockSpec((None, block_q, None), lambda b, h, t: (b, t, h)),
+                pl.BlockSpec((1,), lambda b, h, t: (h,)),
+                pl.BlockSpec((1,), lambda b, h, t: (h,)),
+                pl.BlockSpec((1,), lambda b, h, t: (0,)),
+                pl.BlockSpec((layers, None, None, num_nodes, width), lambda b, h, t: (0, b, h, 0, 0)),
+                *([table_spec] * len(order))],
+      out_specs=pl.BlockSpec((None, block_q, None, beam), lambda b, h, t: (b, t, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((batch, padded, heads, beam), jnp.int32),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+      name="fsb_beam_search",
+  )(q, positions, roots, lam.astype(jnp.float32), sigma.astype(jnp.float32),
+    layer_index, pad_head_dim(mu.astype(jnp.float32)), *(nodes[name].astype(
+        jnp.float32 if name in ("rho", "amax", "pmin") else jnp.int32) for name in order))
+  return out[:, :count]

@@ -1,0 +1,92 @@
+"""The one dispatch table (`fsjax.ops.dispatch`) and the kind registry (`fsjax.kinds`)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from fsjax import kinds, ops
+from fsjax.cache import cache_capacity, init_cache
+from fsjax.config import AttentionConfig, ConfigError, ZHAConfig, model_preset
+from fsjax.model import make_attention
+from fsjax.ops import dispatch
+from fsjax.reference.routing import Routing
+
+from helpers import random_qkv
+
+ON_GPU = jax.default_backend() == "gpu"
+FACTS = dict(variant="fs", cell=32, head_dim=64, beam=16, dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, tokens=2,
+             chunk=8, refs=16)
+
+
+@pytest.mark.parametrize("op", sorted(dispatch.TABLE))
+def test_every_op_resolves_each_impl_to_one_it_has(op):
+  assert dispatch.resolve(op, "reference", **FACTS) == "reference"
+  assert dispatch.resolve(op, "auto", **FACTS) in dispatch.implementations(op)
+  if "pallas" in dispatch.implementations(op):
+    assert dispatch.resolve(op, "pallas", **FACTS) == "pallas"
+  else:
+    with pytest.raises(dispatch.UnsupportedImpl, match=f"{op} has no 'pallas' implementation"):
+      dispatch.resolve(op, "pallas", **FACTS)
+    assert dispatch.for_op(op, "pallas") == "auto"
+
+
+def test_auto_takes_the_kernels_only_on_a_gpu_and_for_geometries_they_tile():
+  assert dispatch.resolve("freesolo_long_range", "auto", **FACTS) == ("pallas" if ON_GPU else "reference")
+  assert dispatch.resolve("freesolo_long_range", "auto", **{**FACTS, "cell": 24}) == "reference"
+  assert dispatch.resolve("select_cells", "auto", **{**FACTS, "variant": "fsb"}) == "reference"
+  assert dispatch.resolve("local_attention", "auto", dtype=jnp.float32) == "reference"
+  assert dispatch.resolve("cache_attention", "auto", **{**FACTS, "tokens": 1}) == ("cudnn" if ON_GPU else
+                                                                                   "one_token")
+
+
+def test_unknown_impl_is_one_clear_error_everywhere(rng):
+  q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(rng, (1, 64, 2, 16)))
+  for call in (lambda: ops.freesolo_attention(q, k, v, alpha=1.0, window=63, cell=8, block=32, impl="triton"),
+               lambda: ops.tfpp_attention(q, k, v, impl="fast"),
+               lambda: dispatch.for_op("sparse_readout", "cuda")):
+    with pytest.raises(dispatch.UnsupportedImpl, match="impl must be one of"):
+      call()
+  with pytest.raises(dispatch.UnsupportedImpl, match="zha_attention has no 'pallas'"):
+    ops.zha_attention(q, k, v, jnp.zeros((2, 4, 16)), chunk=4, levels=2, top_p=0.9, impl="pallas")
+
+
+def test_interpreted_kernels_equal_the_reference_through_the_table(rng):
+  """impl="pallas" runs the kernels (interpreted off a GPU) and "reference" the specification: same result."""
+  q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(rng, (1, 96, 2, 16)))
+  kw = dict(variant="fsl", alpha=jnp.asarray([0.5, 2.0]), window=40, cell=16, block=32, top_k=2, retain_top=2,
+            retain_recent=1)
+  reference = ops.freesolo_attention(q, k, v, impl="reference", **kw)
+  kernels = ops.freesolo_attention(q, k, v, impl="pallas", **kw)
+  assert jnp.max(jnp.abs(kernels - reference)) < 1e-4 * jnp.max(jnp.abs(reference))
+
+
+@pytest.mark.parametrize("name", kinds.names())
+def test_every_registered_kind_builds_its_module_cache_and_capacity(name):
+  config = model_preset("tiny", kind=name)
+  entry = kinds.get(name)
+  assert entry.family in kinds.FAMILIES
+  assert type(make_attention(config)).__name__ in ("FreeSoloAttention", "DenseAttention", "ZHAAttention")
+  capacity = cache_capacity(config, 100)
+  assert capacity >= (config.attention.window + 1 if name == "swa" else 100)
+  cache = init_cache(config, 1, 100)
+  assert set(cache) == {f"layer_{i}" for i in range(config.num_layers)}
+
+
+def test_config_validates_through_the_registry():
+  with pytest.raises(ConfigError, match="attention.kind must be one of"):
+    AttentionConfig(kind="dense")
+  with pytest.raises(ConfigError, match="attention.block must be a multiple of attention.cell"):
+    AttentionConfig(kind="fs", cell=24, block=64)
+  AttentionConfig(kind="tfpp", cell=24, block=64)  # FreeSolo geometry is not a dense kind's rule
+  with pytest.raises(ConfigError, match="attention.zha.chunk must be >= 2"):
+    AttentionConfig(kind="zha", zha=ZHAConfig(chunk=1))
+
+
+def test_routing_object_is_built_once_from_the_config_and_hashable():
+  att = AttentionConfig(kind="fsl", window=64, cell=8, block=32, top_k=2, retain_top=4, retain_recent=2)
+  assert att.routing == Routing(variant="fsl", window=64, cell=8, block=32, top_k=2, retain_top=4,
+                                retain_recent=2)
+  assert hash(att.routing) == hash(Routing(variant="fsl", window=64, cell=8, block=32, top_k=2, retain_top=4,
+                                           retain_recent=2))
+  with pytest.raises(ValueError, match="window must be >= block - 1"):
+    Routing(window=8, block=32).validate()
