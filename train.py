@@ -2,6 +2,8 @@
 
 Re-running with the same --workdir resumes from its latest checkpoint (params, optimizer, data position). SIGTERM
 (a preemption notice, `timeout`) ends a single-process run after the step in flight, saved, with exit status 143.
+At the end the held-out loss and perplexity, and with `eval.niah_samples` RULER's S-NIAH-1 at 1x and 4x the
+training length, are printed and written to `<workdir>/eval.json`.
 """
 
 import argparse
@@ -10,7 +12,9 @@ import signal
 import sys
 
 from fsjax.config import ConfigError, load_config
+from fsjax.eval.runner import niah_scores
 from fsjax.train.checkpoint import CheckpointError
+from fsjax.train.loop import TrainingInterrupted, TrainingStopped, train
 
 
 def parse_args(argv):
@@ -28,9 +32,8 @@ def main(argv=None):
   try:
     config = load_config(args.config, args.set)
     workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
-    from fsjax.train.loop import TrainingInterrupted, TrainingStopped, train  # after validation: errors come fast
     try:
-      train(config, workdir)
+      train(config, workdir, final_evals=(niah_scores,))
     except TrainingInterrupted as e:
       print(e, file=sys.stderr)
       return 128 + signal.SIGTERM  # the shell's status for a process ended by SIGTERM

@@ -6,7 +6,8 @@ checkpoint and reused at every length.
 
 Writes `<workdir>/calibration.json` ({"step", "length", "windows", "tau": [layers][heads]}), JSON like every
 other artifact (no pickle). Loading a checkpoint as an FS-B model (`--set attention.kind=fsb` in the RULER and
-generation CLIs) reads it through `attach_tau`, which refuses a file computed for another step.
+generation CLIs) reads it through `fsjax.loading.load_model`, which refuses a file computed for another step.
+`fsjax.loading.with_tau(model_config, variables, calibrate(...))` installs a τ computed in the same process.
 
 The paper calibrates on FineWeb-Edu windows; we default to the packaged held-out books (`--data` takes any text
 the training pipeline reads). The norms come from the checkpoint's own forward pass (FS or FS-L): FS-B's forward
@@ -22,31 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsjax.config import ConfigError, FREESOLO_KINDS
-from fsjax.train.checkpoint import CHECKPOINT_SUBDIR, CheckpointError
-
-CALIBRATION_FILE = "calibration.json"
-
-
-def calibration_path(checkpoint_path):
-  """`<workdir>/calibration.json` of a training workdir or step directory, and the step it resolves to."""
-  from fsjax.train.checkpoint import resolve
-  directory, step = resolve(checkpoint_path)
-  workdir = os.path.dirname(directory) if os.path.basename(directory) == CHECKPOINT_SUBDIR else directory
-  return os.path.join(workdir, CALIBRATION_FILE), step
-
-
-def _attention_entries(tree, model_config):
-  """The per-layer attention sub-dicts of a collection: one stacked entry (scanned layers) or one per layer."""
-  if model_config.scan_layers:
-    return [tree["layers"]["layer"]["attention"]]
-  return [tree[f"layer_{i}"]["attention"] for i in range(model_config.num_layers)]
+from fsjax.config import FREESOLO_KINDS, ConfigError
+from fsjax.data.pipeline import default_corpus_path, make_eval_batches
+from fsjax.loading import attention_entries, calibration_path, load_model
+from fsjax.train.checkpoint import CheckpointError
 
 
 def cell_norms(model, variables, tokens):
   """Every layer's cell max key norms for a batch: `[layers, batch·M, heads]` (sown by FreeSoloAttention)."""
   _, state = model.apply(variables, tokens, mutable=["intermediates"])
-  norms = [entry["cell_norms"][0] for entry in _attention_entries(state["intermediates"], model.config)]
+  norms = [entry["cell_norms"][0] for entry in attention_entries(state["intermediates"], model.config)]
   stacked = norms[0] if model.config.scan_layers else jnp.stack(norms)  # [layers, batch, M, heads]
   return stacked.reshape(stacked.shape[0], -1, stacked.shape[-1])
 
@@ -56,43 +42,6 @@ def calibrate(model, variables, batches):
   apply = jax.jit(lambda tokens: cell_norms(model, variables, tokens))
   norms = np.concatenate([np.asarray(apply(jnp.asarray(tokens))) for tokens in batches], axis=1)
   return np.median(norms, axis=1)
-
-
-def attach_tau(model_config, frozen, checkpoint_path):
-  """`frozen` with FS-B's τ from the checkpoint's calibration file inserted into the "routing" collection, when
-  `model_config` is an FS-B model whose checkpoint holds none; otherwise `frozen` unchanged."""
-  routing = frozen.get("routing", {})
-  if model_config.attention.kind != "fsb" or "tau" in _attention_entries(routing, model_config)[0]:
-    return frozen
-  path, step = calibration_path(checkpoint_path)
-  if not os.path.exists(path):
-    raise CheckpointError(f"an FS-B model needs τ: run `python -m fsjax.calibrate --checkpoint {checkpoint_path}` "
-                          f"first (no {path})")
-  with open(path) as f:
-    saved = json.load(f)
-  if saved["step"] != step:
-    raise CheckpointError(f"{path} was computed for step {saved['step']}, the checkpoint is step {step}: "
-                          "calibrate again")
-  tau = jnp.asarray(saved["tau"], jnp.float32)  # [layers, heads]
-  if tau.shape != (model_config.num_layers, model_config.num_heads):
-    raise CheckpointError(f"{path} holds τ of shape {tuple(tau.shape)}, the model needs "
-                          f"{(model_config.num_layers, model_config.num_heads)}")
-  return with_tau(model_config, frozen, tau)
-
-
-def with_tau(model_config, variables, tau):
-  """`variables` with τ `[layers, heads]` set in every layer's "routing" entry (stacked for scanned layers)."""
-  routing = variables.get("routing", {})
-  tau = jnp.asarray(tau, jnp.float32)
-  set_tau = lambda entry, value: {**entry, "tau": value}
-  if model_config.scan_layers:
-    layers = routing["layers"]
-    routing = {**routing, "layers": {**layers, "layer": {**layers["layer"], "attention": set_tau(
-        layers["layer"]["attention"], tau)}}}
-  else:
-    routing = {**routing, **{f"layer_{i}": {**routing[f"layer_{i}"], "attention": set_tau(
-        routing[f"layer_{i}"]["attention"], tau[i])} for i in range(model_config.num_layers)}}
-  return {**variables, "routing": routing}
 
 
 def parse_args(argv):
@@ -110,10 +59,8 @@ def main(argv=None):
   try:
     if min(args.batches, args.batch_size, args.length) < 1:
       raise ConfigError("--batches, --batch-size and --length must be >= 1")
-    from fsjax.data.pipeline import default_corpus_path, make_eval_batches
-    from fsjax.model import Transformer
-    from fsjax.train import checkpoint
-    config, params, frozen, step = checkpoint.load(args.checkpoint)
+    loaded = load_model(args.checkpoint)
+    config = loaded.config
     if config.model.attention.kind not in FREESOLO_KINDS:
       raise ConfigError(f"τ calibration needs a FreeSolo checkpoint, got attention kind "
                         f"{config.model.attention.kind!r}")
@@ -123,7 +70,7 @@ def main(argv=None):
                                 seq_len=args.length, batch_size=args.batch_size, max_batches=args.batches)
     if not batches:
       raise ConfigError(f"the held-out text holds no full batch of {args.batch_size} x {args.length} tokens")
-    tau = calibrate(Transformer(config.model), {"params": params, **frozen}, [b[:, :-1] for b in batches])
+    tau = calibrate(loaded.model, loaded.variables, [b[:, :-1] for b in batches])
     path, step = calibration_path(args.checkpoint)
   except (ConfigError, CheckpointError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -13,7 +13,10 @@ import warnings
 
 import jax.numpy as jnp
 
-from fsjax.config import ConfigError, override_model
+from fsjax.config import ConfigError
+from fsjax.data.tokenizer import eos_id, load_tokenizer
+from fsjax.decode import generate
+from fsjax.loading import load_model
 from fsjax.train.checkpoint import CheckpointError
 
 
@@ -46,20 +49,12 @@ def main(argv=None):
     if args.prompt_file is not None:
       with open(args.prompt_file, encoding="utf-8") as f:
         args.prompt = f.read()
-    from fsjax.calibrate import attach_tau
-    from fsjax.data.tokenizer import eos_id, load_tokenizer
-    from fsjax.decode import generate
-    from fsjax.model import Transformer
-    from fsjax.train import checkpoint
-    config, params, frozen, step = checkpoint.load(args.checkpoint)
-    model_config = override_model(config.model, args.set)
-    frozen = attach_tau(model_config, frozen, args.checkpoint)
-    tokenizer = load_tokenizer(config.data.tokenizer)
+    loaded = load_model(args.checkpoint, args.set)
+    tokenizer = load_tokenizer(loaded.tokenizer_path)
     ids = tokenizer.encode(args.prompt).ids
     if not ids:
       raise ConfigError("the prompt encodes to no tokens")
-    model = Transformer(model_config)
-    out = generate(model, {"params": params, **frozen}, jnp.asarray([ids]), [len(ids)],
+    out = generate(loaded.model, loaded.variables, jnp.asarray([ids]), [len(ids)],
                    max_new_tokens=args.max_new_tokens, eos_id=eos_id(tokenizer), temperature=args.temperature,
                    top_p=args.top_p, seed=args.seed, chunk=args.chunk)
   except (ConfigError, CheckpointError, FileNotFoundError) as e:

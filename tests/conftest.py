@@ -5,6 +5,9 @@ import os
 import jax
 import pytest
 
+from fsjax.config import load_config
+from fsjax.train import loop
+
 from helpers import seeded_rng
 
 MICRO_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "micro_fs.yaml")
@@ -31,8 +34,6 @@ def rng(request):
 @pytest.fixture(scope="session")
 def micro_workdir(tmp_path_factory):
   """A training workdir of the micro FS config after 2 steps (checkpoints at step 2), shared by CLI tests."""
-  from fsjax.config import load_config
-  from fsjax.train import loop
   path = tmp_path_factory.mktemp("micro_run")
   loop.train(load_config(MICRO_CONFIG, ["train.steps=2", "checkpoint.async_save=false"]), str(path))
   return path

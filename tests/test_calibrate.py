@@ -5,8 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from fsjax import calibrate, generate
+from fsjax import calibrate, generate, loading
+from fsjax.config import override_model
 from fsjax.eval import ruler
+from fsjax.train import checkpoint
 from fsjax.train.checkpoint import CheckpointError
 
 
@@ -34,8 +36,8 @@ def test_calibrate_then_run_the_checkpoint_as_fsb(micro_workdir, tmp_path, capsy
 def test_a_calibration_of_another_step_is_refused(micro_workdir, tmp_path):
   (tmp_path / "checkpoints").symlink_to(micro_workdir / "checkpoints")
   (tmp_path / "calibration.json").write_text(json.dumps(dict(step=1, length=64, windows=4, tau=[[1.0, 1.0]])))
-  from fsjax.config import override_model
-  from fsjax.train import checkpoint
   config, _, frozen, _ = checkpoint.load(str(tmp_path))
   with pytest.raises(CheckpointError, match="computed for step 1, the checkpoint is step 2"):
-    calibrate.attach_tau(override_model(config.model, ["attention.kind=fsb"]), frozen, str(tmp_path))
+    loading.attach_tau(override_model(config.model, ["attention.kind=fsb"]), frozen, str(tmp_path))
+  with pytest.raises(CheckpointError, match="computed for step 1, the checkpoint is step 2"):
+    loading.load_model(str(tmp_path), ["attention.kind=fsb"])

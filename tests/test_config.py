@@ -4,8 +4,21 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import yaml
 
-from fsjax.config import AttentionConfig, Config, ConfigError, ModelConfig, load_config, model_preset, to_dict
+from fsjax.config import (
+  AttentionConfig,
+  Config,
+  ConfigError,
+  MoBAConfig,
+  ModelConfig,
+  ZHAConfig,
+  from_dict,
+  load_config,
+  model_preset,
+  override_model,
+  to_dict,
+)
 
 ATTENTION_RULES = [
     (dict(block=100, cell=32), "attention.block must be a multiple of attention.cell"),
@@ -18,7 +31,9 @@ ATTENTION_RULES = [
     (dict(impl="triton"), "attention.impl must be one of"),
     (dict(sigma=0.0), "attention.sigma must be positive"),
     (dict(lam=-1.0), "attention.lam must be >= 0"),
-    (dict(kind="moba", moba_top_k=0), "attention.moba_top_k must be positive"),
+    (dict(kind="moba", moba=dict(top_k=0)), "attention.moba.top_k must be positive"),
+    (dict(kind="moba", moba_top_k=0), "attention.moba.top_k must be positive"),  # a flat key of earlier configs
+    (dict(kind="tfpp", zha=dict(distill=True)), "attention.zha.distill needs attention.kind zha"),
 ]
 
 
@@ -26,7 +41,7 @@ ATTENTION_RULES = [
                                                                  enumerate(ATTENTION_RULES)])
 def test_attention_rules(fields, message):
   with pytest.raises(ConfigError, match=message):
-    AttentionConfig(**fields)
+    from_dict(AttentionConfig, fields, "model.attention")
 
 
 def test_dense_kinds_skip_freesolo_geometry():
@@ -46,7 +61,6 @@ def test_model_rules(fields, message):
 
 
 def test_yaml_round_trip_and_overrides(tmp_path):
-  import yaml
   config = Config(model=model_preset("tiny", kind="fsl"))
   path = tmp_path / "c.yaml"
   path.write_text(yaml.safe_dump(to_dict(config)))
@@ -71,6 +85,47 @@ def test_bad_yaml_raises_naming_the_field(tmp_path, yaml_text, message):
   path.write_text(yaml_text)
   with pytest.raises(ConfigError, match=message):
     load_config(path)
+
+
+FLAT_ATTENTION = """\
+model:
+  attention: {kind: zha, zha_refs: 4, zha_chunk: 4, zha_levels: 3, zha_top_p: [0.5, 0.6, 0.7], zha_max_nodes: 2,
+              moba_block: 64, moba_top_k: 2}
+"""
+
+
+def test_flat_attention_keys_of_earlier_configs_load_into_their_sections(tmp_path):
+  path = tmp_path / "flat.yaml"
+  path.write_text(FLAT_ATTENTION)
+  att = load_config(path).model.attention
+  assert att.zha == ZHAConfig(refs=4, chunk=4, levels=3, top_p=(0.5, 0.6, 0.7), max_nodes=2)
+  assert att.moba == MoBAConfig(block=64, top_k=2)
+  nested = dict(kind="zha", zha=dict(refs=4, chunk=4, levels=3, top_p=[0.5, 0.6, 0.7], max_nodes=2),
+                moba=dict(block=64, top_k=2))
+  assert from_dict(AttentionConfig, nested, "model.attention") == att
+  assert load_config(path, ["model.attention.zha_distill=true"]).model.attention.zha.distill  # a flat override
+  assert to_dict(att)["zha"]["levels"] == 3 and "zha_levels" not in to_dict(att)  # saved nested
+
+
+@pytest.mark.parametrize("attention,message", [
+    ("{kind: zha, zha_levels: 2, zha: {levels: 3}}",
+     "model.attention.zha_levels and model.attention.zha.levels both set: keep model.attention.zha.levels"),
+    ("{kind: moba, moba_top_k: 2, moba: {top_k: 2}}", "model.attention.moba_top_k and model.attention.moba.top_k"),
+    ("{kind: zha, zha_levels: 2, zha: 3}", "model.attention.zha must be a mapping"),
+])
+def test_a_flat_key_beside_its_section_field_is_an_error(tmp_path, attention, message):
+  path = tmp_path / "both.yaml"
+  path.write_text(f"model:\n  attention: {attention}\n")
+  with pytest.raises(ConfigError, match=message):
+    load_config(path)
+
+
+def test_nested_section_overrides():
+  config = load_config(None, ["model.attention.kind=zha", "model.attention.zha.top_p=[0.5, 0.9]",
+                              "model.attention.moba.block=64"])
+  assert config.model.attention.zha.top_p == (0.5, 0.9) and config.model.attention.moba.block == 64
+  assert override_model(config.model, ["attention.zha.levels=3", "attention.zha.top_p=0.8"]).attention.zha == \
+      ZHAConfig(levels=3, top_p=(0.8,))
 
 
 def test_bad_override_is_rejected():
@@ -102,3 +157,15 @@ def test_repro_preset_is_the_repro_configs_shape():
 def test_every_shipped_config_loads_and_passes_the_rules(path):
   """A field renamed or a rule added in code cannot leave a shipped config that fails only when someone runs it."""
   load_config(path)  # raises ConfigError naming the field
+
+
+def test_flat_overrides_land_in_their_sections_of_a_nested_config():
+  """`--set attention.zha_top_p=0.8` (the flat form of earlier commands) sets `attention.zha.top_p`, also on a
+  nested config or a checkpoint's saved one, where a flat key beside the section would be ambiguous."""
+  nested = override_model(model_preset("tiny", kind="zha"), ["attention.zha.levels=3"])
+  flat = override_model(nested, ["attention.zha_top_p=0.8", "attention.moba_block=64"])
+  assert flat.attention.zha == dataclasses.replace(nested.attention.zha, top_p=(0.8,))
+  assert flat.attention.moba.block == 64
+  config = load_config(Path(__file__).resolve().parent.parent / "configs/zha_distill_tiny.yaml",
+                       ["model.attention.zha_top_p=0.7"])
+  assert config.model.attention.zha.top_p == (0.7,)

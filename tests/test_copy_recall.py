@@ -3,10 +3,10 @@
 import csv
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsjax.config import ConfigError
 from fsjax.eval import copy_recall
 
 
@@ -48,7 +48,6 @@ class _NextTokenModel:
     self.right = right
 
   def apply(self, variables, tokens):
-    import jax.numpy as jnp
     target = jnp.roll(tokens, -1, axis=1) if self.right else jnp.zeros_like(tokens)
     return jax.nn.one_hot(target, 1000) * 30.0
 

@@ -2,10 +2,13 @@
 the pipeline — generation, predictions, RULER scores, CSV, plot — not the scores)."""
 
 import csv
+import json
 
 import pytest
+from conftest import MICRO_CONFIG
 
-from fsjax.eval import records, ruler
+import train as train_cli
+from fsjax.eval import make_data, records, ruler
 
 
 def test_two_tasks_at_two_lengths_write_predictions_scores_and_plot(micro_workdir, tmp_path, capsys):
@@ -55,19 +58,17 @@ def test_bad_arguments_are_one_clear_error(tmp_path, capsys, args, message):
   assert message in capsys.readouterr().err
 
 
-def test_training_reports_s_niah_at_one_and_four_times_its_length(tmp_path):
-  from conftest import MICRO_CONFIG
-  from fsjax.config import load_config
-  from fsjax.train import loop
-  config = load_config(MICRO_CONFIG, ["train.steps=1", "data.seq_len=256", "eval.niah_samples=2",
-                                      "checkpoint.async_save=false"])
-  summary = loop.train(config, str(tmp_path / "run"))
-  assert set(summary) >= {"s_niah_1@256", "s_niah_1@1024"}
+def test_training_reports_s_niah_at_one_and_four_times_its_length(tmp_path, capsys):
+  overrides = ["train.steps=1", "data.seq_len=256", "eval.niah_samples=2", "checkpoint.async_save=false"]
+  assert train_cli.main(["--config", MICRO_CONFIG, "--workdir", str(tmp_path / "run"),
+                         *(arg for o in overrides for arg in ("--set", o))]) == 0
+  summary = json.loads((tmp_path / "run" / "eval.json").read_text())
+  assert list(summary)[-2:] == ["s_niah_1@256", "s_niah_1@1024"]
   assert all(0.0 <= summary[k] <= 100.0 for k in ("s_niah_1@256", "s_niah_1@1024"))
+  assert "| s_niah_1@256 | s_niah_1@1024 |" in capsys.readouterr().out
 
 
 def test_task_files_written_offline_are_read_back_by_the_evaluator(micro_workdir, tmp_path):
-  from fsjax.eval import make_data
   data = tmp_path / "data"
   assert make_data.main(["--tasks", "niah_multikey_3,cwe", "--lengths", "1024", "--num-samples", "2",
                          "--out", str(data)]) == 0

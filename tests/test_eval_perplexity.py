@@ -44,8 +44,9 @@ def test_zha_reports_the_fraction_of_keys_attended_by_position():
   fractions = {}
   for top_p in (1.0, 0.5):
     config = model_preset("tiny", kind="zha")
-    config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, zha_chunk=4, zha_levels=2,
-                                                                       zha_top_p=(top_p,)))
+    att = config.attention
+    config = dataclasses.replace(config, attention=dataclasses.replace(att, zha=dataclasses.replace(
+        att.zha, chunk=4, levels=2, top_p=(top_p,))))
     variables = init_variables(config, jax.random.PRNGKey(0), 128)
     _, fractions[top_p] = perplexity.position_losses(Transformer(config), variables, [tokens])
   np.testing.assert_allclose(fractions[1.0], 1.0)  # p = 1 reads every visible key (ZHA III-C)

@@ -2,17 +2,19 @@
 
 import dataclasses
 
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from fsjax.config import ConfigError, MeshConfig, TrainConfig, model_preset
+from fsjax.config import OBJECTIVES, Config, ConfigError, MeshConfig, TrainConfig, model_preset
 from fsjax.model import Transformer, init_variables
-from fsjax.train import sharding
+from fsjax.train import objectives, sharding
+from fsjax.train.objectives import loss_weights, weighted_loss
 from fsjax.train.optim import decay_mask, learning_rate_schedule, make_optimizer
-from fsjax.train.step import create_state, loss_weights, make_objective, make_train_step, weighted_loss
+from fsjax.train.step import create_state, make_train_step
 
 
 def test_cosine_schedule_warms_up_decays_and_floors():
@@ -62,7 +64,8 @@ def test_non_finite_step_is_skipped_and_counted(rng):
   train = TrainConfig(steps=10, warmup_steps=0, learning_rate=1e-2, lr_floor=0.0, recall_beta=1.0)
   optimizer = make_optimizer(train)
   state = create_state(init_variables(config, jax.random.PRNGKey(0), 64), optimizer)
-  step = jax.jit(make_train_step(make_objective(model, train), optimizer, learning_rate_schedule(train)))
+  step = jax.jit(make_train_step(objectives.get(train.objective).loss(model, train), optimizer,
+                                 learning_rate_schedule(train)))
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 65)))
   good = dict(tokens=tokens, recall=jnp.zeros((2, 65)))
   poisoned = dict(tokens=tokens, recall=jnp.full((2, 65), jnp.nan))
@@ -75,6 +78,34 @@ def test_non_finite_step_is_skipped_and_counted(rng):
   state3, m3 = step(state2, good)
   assert bool(m3["finite"]) and int(state3.bad_steps) == 0 and int(state3.skipped) == 1
   assert not np.array_equal(state3.params["embed"]["embedding"], state2.params["embed"]["embedding"])
+
+
+def test_every_configurable_objective_is_registered():
+  assert set(objectives.OBJECTIVES) == set(OBJECTIVES)
+  lm = objectives.get("lm")
+  config = model_preset("tiny")
+  assert lm.model_config(config) == config and lm.trainable is None and lm.metric_names(config) == ()
+
+
+def test_zha_objective_distills_trains_only_the_reference_queries_and_converts_only_tfpp():
+  config = dataclasses.replace(model_preset("tiny", kind="zha"), num_layers=1)
+  zha = objectives.get("zha_kl")
+  assert zha.model_config(config).attention.zha.distill and not config.attention.zha.distill
+  assert zha.metric_names(config) == ("kl_level_1", "kl_level_2")
+  params = init_variables(config, jax.random.PRNGKey(0), 32)["params"]
+  train = TrainConfig(steps=10, warmup_steps=0, learning_rate=1e-2, lr_floor=0.0, objective="zha_kl")
+  optimizer = make_optimizer(train, zha.trainable)
+  grads = jax.tree_util.tree_map(jnp.ones_like, params)
+  updates, _ = optimizer.update(grads, optimizer.init(params), params)
+  moved = {"/".join(map(str, path)) for path, u in flax.traverse_util.flatten_dict(updates).items() if jnp.any(u)}
+  assert moved == {"layer_0/attention/ref_queries"}
+
+  parent = lambda kind: Config(model=model_preset("tiny", kind=kind))
+  assert zha.parent_params(None, parent("zha"), params, "p") is params
+  converted = flax.traverse_util.flatten_dict(zha.parent_params(None, parent("tfpp"), params, "p"))
+  assert set(flax.traverse_util.flatten_dict(params)) - set(converted) == {("layer_0", "attention", "ref_queries")}
+  with pytest.raises(ConfigError, match="a ZHA model converts a TF\\+\\+ checkpoint .* holds a 'fs' model"):
+    zha.parent_params(None, parent("fs"), params, "p")
 
 
 def test_partition_rules_shard_over_fsdp_and_replicate_what_does_not_divide():

@@ -39,6 +39,9 @@ import numpy as np
 import optax
 
 from fsjax.config import ConfigError, ModelConfig, override_model
+from fsjax.data.pipeline import default_corpus_path, read_documents
+from fsjax.data.tokenizer import eos_id, load_tokenizer
+from fsjax.loading import load_model
 from fsjax.train.checkpoint import CheckpointError
 
 SOURCE_RANGE = 128  # copy sources start in the first SOURCE_RANGE tokens of a sample
@@ -46,8 +49,6 @@ SOURCE_RANGE = 128  # copy sources start in the first SOURCE_RANGE tokens of a s
 
 def heldout_stream(path, tokenizer_path):
   """The held-out documents at `path` tokenized and joined by EOS: int32 `[n]`."""
-  from fsjax.data.pipeline import read_documents
-  from fsjax.data.tokenizer import eos_id, load_tokenizer
   tokenizer = load_tokenizer(tokenizer_path)
   encoded = tokenizer.encode_batch(list(read_documents(path)))
   eos = eos_id(tokenizer)
@@ -192,14 +193,12 @@ def main(argv=None):
   args = parse_args(argv)
   try:
     check_args(args)
-    from fsjax.data.pipeline import default_corpus_path
-    from fsjax.eval.loading import load_for_eval
     rows, streams = [], {}
     source = "random ids" if args.random_ids else "needle ids" if args.needle_ids else "text"
     for path in args.checkpoint:
-      name, config, model, variables = load_for_eval(path, args.set)
-      check_sample_source(args.random_ids, args.needle_ids, args.data, config.model.vocab_size)
-      key = config.data.tokenizer
+      loaded = load_model(path, args.set)
+      check_sample_source(args.random_ids, args.needle_ids, args.data, loaded.config.model.vocab_size)
+      key = loaded.tokenizer_path
       if args.random_ids is None and key not in streams:
         streams[key] = heldout_stream(args.data or default_corpus_path("valid"), key)
       for length in args.lengths:
@@ -208,11 +207,11 @@ def main(argv=None):
         copies, controls, sources = make_samples(stream, length, args.samples, args.span, args.seed,
                                                  args.needle_ids)
         # Copies and controls in one call: `score_copies` compiles once per call and length.
-        hits, losses = score_copies(model, variables, np.concatenate([copies, controls]), args.span, args.cue,
-                                    args.batch_size)
+        hits, losses = score_copies(loaded.model, loaded.variables, np.concatenate([copies, controls]), args.span,
+                                    args.cue, args.batch_size)
         (copy_hits, control_hits), copy_losses = np.split(hits, 2), losses[:args.samples]
-        rows.append(dict(model=name, source=source, train_length=config.data.seq_len, length=length,
-                         samples=args.samples, distance=int(np.mean(length - args.span - sources)),
+        rows.append(dict(model=loaded.name, source=source, train_length=loaded.config.data.seq_len,
+                         length=length, samples=args.samples, distance=int(np.mean(length - args.span - sources)),
                          recall=float(copy_hits.mean() - control_hits.mean()), copy_accuracy=float(copy_hits.mean()),
                          control_accuracy=float(control_hits.mean()), copy_loss=float(copy_losses.mean())))
         print(rows[-1], file=sys.stderr, flush=True)

@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fsjax.data.tokenizer import load_tokenizer
 from fsjax.eval import records, tasks
 
 
@@ -28,7 +29,6 @@ def parse_args(argv):
 
 def main(argv=None):
   args = parse_args(argv)
-  from fsjax.data.tokenizer import load_tokenizer
   try:
     unknown = [t for t in args.tasks if t not in tasks.TASKS]
     if unknown or args.num_samples < 1:

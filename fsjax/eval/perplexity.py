@@ -20,6 +20,8 @@ import numpy as np
 import optax
 
 from fsjax.config import ConfigError, ModelConfig, override_model
+from fsjax.data.pipeline import default_corpus_path, make_eval_batches
+from fsjax.loading import load_model
 from fsjax.train.checkpoint import CheckpointError
 
 
@@ -76,18 +78,17 @@ def main(argv=None):
       raise ConfigError("--length, --buckets, --batches and --batch-size must be >= 1, --buckets <= --length")
     for assignment in args.set:
       override_model(ModelConfig(), [assignment])
-    from fsjax.data.pipeline import default_corpus_path, make_eval_batches
-    from fsjax.eval.loading import load_for_eval
     rows = []
     for path in args.checkpoint:
-      name, config, model, variables = load_for_eval(path, args.set)
-      batches = make_eval_batches(path=args.data or default_corpus_path("valid"), tokenizer_path=config.data.tokenizer,
-                                  seq_len=args.length, batch_size=args.batch_size, max_batches=args.batches)
+      loaded = load_model(path, args.set)
+      batches = make_eval_batches(path=args.data or default_corpus_path("valid"),
+                                  tokenizer_path=loaded.tokenizer_path, seq_len=args.length,
+                                  batch_size=args.batch_size, max_batches=args.batches)
       if not batches:
         raise ConfigError(f"--data holds fewer than {args.batch_size} sequences of {args.length} tokens")
-      losses, attended = position_losses(model, variables, batches)
+      losses, attended = position_losses(loaded.model, loaded.variables, batches)
       attended = [None] * args.buckets if attended is None else [f for _, _, f in buckets(attended, args.buckets)]
-      rows += [dict(model=name, train_length=config.data.seq_len, first=a, last=b, loss=loss,
+      rows += [dict(model=loaded.name, train_length=loaded.config.data.seq_len, first=a, last=b, loss=loss,
                     perplexity=math.exp(min(loss, 50.0)), attended=fraction)
                for (a, b, loss), fraction in zip(buckets(losses, args.buckets), attended)]
   except (ConfigError, CheckpointError, FileNotFoundError) as e:

@@ -31,9 +31,12 @@ import numpy as np
 
 from fsjax.cache import init_cache
 from fsjax.config import ConfigError
+from fsjax.data.pipeline import default_corpus_path
+from fsjax.data.tokenizer import load_tokenizer
 from fsjax.decode import extend, selected_cells
 from fsjax.eval import copy_recall, tasks
-from fsjax.ops import cells
+from fsjax.loading import load_model
+from fsjax.reference import cells
 from fsjax.train.checkpoint import CheckpointError
 
 
@@ -218,7 +221,7 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
 
 
 def plot(out, distance, cell):
-  import matplotlib
+  import matplotlib  # here, not at module top: the Agg backend is chosen only when a plot is drawn, before pyplot
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -306,18 +309,14 @@ def main(argv=None):
   args = parse_args(argv)
   try:
     check_copy_args(args)
-    from fsjax.data.tokenizer import load_tokenizer
-    from fsjax.model import Transformer
-    from fsjax.train import checkpoint
-    config, params, frozen, _ = checkpoint.load(args.checkpoint)
-    model, variables = Transformer(config.model), {"params": params, **frozen}
+    loaded = load_model(args.checkpoint)
+    config, model, variables = loaded.config, loaded.model, loaded.variables
     check_freesolo(config.model)
     if args.copies:
       copy_recall.check_sample_source(args.random_ids, args.needle_ids, None, config.model.vocab_size)
       if args.random_ids is not None:
         stream = copy_recall.random_stream(args.random_ids, args.length, args.seed)
       else:
-        from fsjax.data.pipeline import default_corpus_path
         stream = copy_recall.heldout_stream(args.data or default_corpus_path("valid"), config.data.tokenizer)
       summary = probe_copies(model, variables, stream, length=args.length, count=args.copies, span=args.span,
                              cue=args.cue, seed=args.seed, chunk=args.chunk, needle_ids=args.needle_ids)

@@ -19,8 +19,13 @@ import csv
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 from fsjax.config import ConfigError, ModelConfig, override_model
+from fsjax.data.tokenizer import eos_id, load_tokenizer
 from fsjax.eval import records, scoring, tasks
+from fsjax.eval.runner import run_task
+from fsjax.loading import load_model
 from fsjax.train.checkpoint import CheckpointError
 
 
@@ -37,7 +42,7 @@ def parse_args(argv):
   parser.add_argument("--out", default="runs/ruler")
   parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a model config field of every checkpoint, e.g. --set attention.zha_top_p=0.8 "
+                      help="override a model config field of every checkpoint, e.g. --set attention.zha.top_p=0.8 "
                       "(repeatable; the model's name in the results records it)")
   return parser.parse_args(argv)
 
@@ -68,12 +73,8 @@ def evaluate_checkpoint(args, path, progress, scored=None):
 
   `scored`, when given, is called with each row as soon as its task and length are done.
   """
-  from fsjax.data.tokenizer import eos_id, load_tokenizer
-  from fsjax.eval.loading import load_for_eval
-  from fsjax.eval.runner import run_task
-
-  name, config, model, variables = load_for_eval(path, args.set)
-  tokenizer = load_tokenizer(config.data.tokenizer)
+  loaded = load_model(path, args.set)
+  tokenizer = load_tokenizer(loaded.tokenizer_path)
   rows = []
   for length in args.lengths:
     for task in args.tasks:
@@ -85,12 +86,12 @@ def evaluate_checkpoint(args, path, progress, scored=None):
       if args.ruler_data is not None:
         given = records.read_jsonl(Path(args.ruler_data) / str(length) / task / "validation.jsonl")
         given = given[:args.num_samples]
-      score, predicted = run_task(model, variables, tokenizer, task, length, eos_id=eos_id(tokenizer),
+      score, predicted = run_task(loaded.model, loaded.variables, tokenizer, task, length, eos_id=eos_id(tokenizer),
                                   num_samples=args.num_samples, task_records=given, seed=args.seed,
                                   batch_size=args.batch_size, chunk=args.chunk, progress=progress,
                                   corpus=args.corpus, squad=args.squad, hotpotqa=args.hotpotqa)
-      records.write_jsonl(Path(args.out) / name / str(length) / f"{task}.jsonl", predicted)
-      rows.append(dict(model=name, task=task, length=length, samples=len(predicted), score=score))
+      records.write_jsonl(Path(args.out) / loaded.name / str(length) / f"{task}.jsonl", predicted)
+      rows.append(dict(model=loaded.name, task=task, length=length, samples=len(predicted), score=score))
       if scored is not None:
         scored(rows[-1])
   return rows
@@ -115,7 +116,7 @@ def plot(path, rows):
 def figure(rows):
   """Accuracy vs length, one panel per task (four per row), one line per model (log2 length axis). A model keeps
   its color in every panel and is in the legend even where it has no points in the first panel."""
-  import matplotlib
+  import matplotlib  # here, not at module top: the Agg backend is chosen only when a plot is drawn, before pyplot
   matplotlib.use("Agg")
   import matplotlib.lines
   import matplotlib.pyplot as plt
@@ -157,7 +158,6 @@ def main(argv=None):
   args = parse_args(argv)
   try:
     check_args(args)
-    from tqdm import tqdm
     total = len(args.checkpoint) * len(args.tasks) * len(args.lengths) * args.num_samples
     out, done = Path(args.out), []
     scored = lambda row: (done.append(row), write_csv(out / "scores.csv", done))  # a killed run keeps its scores

@@ -5,6 +5,7 @@ import warnings
 
 import numpy as np
 
+from fsjax.data.tokenizer import eos_id, load_tokenizer
 from fsjax.decode import generate
 from fsjax.eval import scoring, tasks
 from fsjax.eval.records import prompt
@@ -68,3 +69,20 @@ def run_task(model, variables, tokenizer, task, length, *, eos_id, num_samples=N
                         max_len=length, batch_size=batch_size, chunk=chunk, progress=progress)
   score = scoring.score(task, predictions, [r["outputs"] for r in task_records])
   return score, [{**r, "pred": p} for r, p in zip(task_records, predictions)]
+
+
+def niah_scores(config, model, variables):
+  """RULER S-NIAH-1 scores of a trained model at 1x and 4x its training length, on `config.eval.niah_samples`
+  generated samples each: `{"s_niah_1@<length>": score}`, empty when that is 0. A `final_evals` hook of
+  `fsjax.train.loop.train` (train.py passes it).
+
+  Args:
+    config: the training config (its tokenizer, `data.seq_len` and `eval.niah_samples`).
+    model, variables: the trained model.
+  """
+  if not config.eval.niah_samples:
+    return {}
+  tokenizer = load_tokenizer(config.data.tokenizer)
+  return {f"s_niah_1@{length}": run_task(model, variables, tokenizer, "niah_single_1", length,
+                                         eos_id=eos_id(tokenizer), num_samples=config.eval.niah_samples)[0]
+          for length in (config.data.seq_len, 4 * config.data.seq_len)}

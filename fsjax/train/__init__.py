@@ -1,1 +1,1 @@
-"""Training: optimizer and schedules, the jitted step, sharding, Orbax checkpoints and the loop."""
+"""Training: the objectives, optimizer and schedules, the jitted step, sharding, Orbax checkpoints and the loop."""

@@ -1,7 +1,11 @@
-"""The training loop: build or resume, step, log, checkpoint, evaluate."""
+"""The training loop: build or resume, step, log, checkpoint, evaluate.
+
+The loop knows no attention kind and no objective: what differs between objectives (the loss, the trainable
+parameters, the parent checkpoints a run starts from, extra metrics) it asks of `fsjax.train.objectives`, and
+evaluations beyond held-out loss come from its caller as `final_evals` (train.py adds RULER's S-NIAH-1).
+"""
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -13,14 +17,16 @@ import flax.traverse_util
 import jax
 
 from fsjax.config import Config, ConfigError, to_dict
-from fsjax.data.tokenizer import eos_id, load_tokenizer
-from fsjax.eval.runner import run_task
+from fsjax.data.mixture import RowMixture
+from fsjax.data.pipeline import default_corpus_path, make_eval_batches, make_train_iterator
+from fsjax.data.random_rows import make_random_iterator
+from fsjax.data.tokenizer import load_tokenizer
 from fsjax.model import Transformer, init_variables, param_counts
 from fsjax.train import checkpoint as ckpt_lib
-from fsjax.train import sharding
+from fsjax.train import objectives, sharding
 from fsjax.train.metrics import MetricsLog, print_table
 from fsjax.train.optim import learning_rate_schedule, make_optimizer
-from fsjax.train.step import create_state, make_eval_step, make_objective, make_train_step
+from fsjax.train.step import create_state, make_eval_step, make_train_step
 
 
 class TrainingStopped(RuntimeError):
@@ -78,9 +84,6 @@ def _local_rows(global_rows):
 
 
 def _train_iterator(config: Config):
-  from fsjax.data.mixture import RowMixture
-  from fsjax.data.pipeline import default_corpus_path, make_train_iterator
-  from fsjax.data.random_rows import make_random_iterator
   data, shards = config.data, dict(shard_index=jax.process_index(), shard_count=jax.process_count())
   if data.tiled_rows % jax.process_count():
     raise ConfigError(f"data.tiled_rows ({data.tiled_rows}) must be a multiple of the process count "
@@ -104,7 +107,6 @@ def _train_iterator(config: Config):
 
 
 def _eval_batches(config: Config):
-  from fsjax.data.pipeline import default_corpus_path, make_eval_batches
   batches = make_eval_batches(path=config.data.eval_path or default_corpus_path("valid"),
                               tokenizer_path=config.data.tokenizer, seq_len=config.data.seq_len,
                               batch_size=config.eval.batch_size, max_batches=config.eval.batches)
@@ -113,22 +115,12 @@ def _eval_batches(config: Config):
   return [b[start:start + rows] for b in batches]  # each process feeds its share of every batch
 
 
-def _without_ref_queries(params):
-  flat = flax.traverse_util.flatten_dict(params)
-  return flax.traverse_util.unflatten_dict({k: v for k, v in flat.items() if "ref_queries" not in k})
-
-
-def _parent_variables(config: Config, abstract_params, abstract_frozen):
-  """Params and routing buffers of `train.init_from`, checked against this config's shapes. A TF++ parent of a
-  ZHA run (ZHA III-B conversion) lacks only the reference queries, which keep their fresh initialisation."""
+def _parent_variables(config: Config, objective, abstract_params, abstract_frozen):
+  """Params and routing buffers of `train.init_from`, checked against this config's shapes for the arrays the
+  objective says a parent holds (`Objective.parent_params`)."""
   parent_config, params, frozen, step = ckpt_lib.load(config.train.init_from)
   where = f"{config.train.init_from} (step {step})"
-  parent_kind = parent_config.model.attention.kind
-  if config.model.attention.kind == "zha" and parent_kind != "zha":
-    if parent_kind != "tfpp":
-      raise ConfigError(f"train.init_from: a ZHA model converts a TF++ checkpoint (ZHA III-B), but {where} holds "
-                        f"a {parent_kind!r} model")
-    abstract_params = _without_ref_queries(abstract_params)
+  abstract_params = objective.parent_params(config, parent_config, abstract_params, where)
   ckpt_lib.check_shapes({"params": params, "frozen": frozen},
                         {"params": abstract_params, "frozen": abstract_frozen}, where)
   print(f"continuing from {where}: {parent_config.model.attention.kind} -> {config.model.attention.kind}, "
@@ -147,16 +139,18 @@ def evaluate(model, params, frozen, batches, mesh):
   return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 
-def niah_scores(config: Config, model, variables):
-  """RULER S-NIAH-1 scores at 1x and 4x the training length: `{"s_niah_1@<length>": score}`."""
-  tokenizer = load_tokenizer(config.data.tokenizer)
-  return {f"s_niah_1@{length}": run_task(model, variables, tokenizer, "niah_single_1", length,
-                                         eos_id=eos_id(tokenizer), num_samples=config.eval.niah_samples)[0]
-          for length in (config.data.seq_len, 4 * config.data.seq_len)}
+def train(config: Config, workdir, final_evals=()):
+  """Trains (or resumes) in `workdir` up to `config.train.steps`; returns the final evaluation dict.
 
+  Args:
+    config: the run's config.
+    workdir: checkpoints, metrics.jsonl, config.json and eval.json go here.
+    final_evals: callables `(config, model, variables) -> {name: value}` run on the final model after the held-out
+      loss; their entries extend the summary (eval.json and the printed table) in order.
 
-def train(config: Config, workdir):
-  """Trains (or resumes) in `workdir` up to `config.train.steps`; returns the final evaluation dict."""
+  Returns:
+    The summary written to eval.json.
+  """
   check_paths(config)
   check_vocabulary(config)
   sharding.initialize_distributed()
@@ -164,12 +158,10 @@ def train(config: Config, workdir):
   _check_divisible(config, mesh)
   os.makedirs(workdir, exist_ok=True)
 
+  objective = objectives.get(config.train.objective)
   model = Transformer(config.model)
-  train_model = model
-  if config.train.objective == "zha_kl":  # frozen dense forward, each layer sowing its KL
-    train_model = Transformer(dataclasses.replace(config.model, attention=dataclasses.replace(
-        config.model.attention, zha_distill=True)))
-  optimizer = make_optimizer(config.train)
+  train_model = Transformer(objective.model_config(config.model))
+  optimizer = make_optimizer(config.train, objective.trainable)
   schedule = learning_rate_schedule(config.train)
   rng = jax.random.PRNGKey(config.train.seed)
   init_state = lambda: create_state(init_variables(config.model, rng, config.model.attention.block), optimizer)
@@ -189,13 +181,13 @@ def train(config: Config, workdir):
     log.truncate_after(latest)
     print(f"resumed from {checkpoints.directory}/{latest}", flush=True)
   else:
-    parent = (_parent_variables(config, abstract_state.params, abstract_state.frozen)
+    parent = (_parent_variables(config, objective, abstract_state.params, abstract_state.frozen)
               if config.train.init_from else None)
     state = jax.jit(init_state, out_shardings=state_shardings)()
     if parent is not None:
       parent_params, parent_frozen = parent
       fresh = flax.traverse_util.flatten_dict(jax.device_get(state.params))
-      fresh.update(flax.traverse_util.flatten_dict(parent_params))  # a ZHA conversion keeps fresh ref_queries
+      fresh.update(flax.traverse_util.flatten_dict(parent_params))  # arrays the parent lacks stay fresh
       params, frozen = jax.device_put((flax.traverse_util.unflatten_dict(fresh), parent_frozen),
                                       (state_shardings.params, state_shardings.frozen))
       state = state.replace(params=params, frozen=frozen, opt_state=optimizer.init(params))
@@ -206,7 +198,7 @@ def train(config: Config, workdir):
   print(f"{config.model.attention.kind} model, {counts['total']:,} parameters, mesh {dict(mesh.shape)}, "
         f"{config.train.batch_size} x {config.data.seq_len} tokens per step", flush=True)
   batch_shardings = sharding.batch_sharding(mesh)
-  train_step = jax.jit(make_train_step(make_objective(train_model, config.train), optimizer, schedule),
+  train_step = jax.jit(make_train_step(objective.loss(train_model, config.train), optimizer, schedule),
                        in_shardings=(state_shardings, batch_shardings), out_shardings=(state_shardings, None),
                        donate_argnums=0)
   eval_batches = _eval_batches(config)
@@ -230,7 +222,7 @@ def train(config: Config, workdir):
         checkpoints.save(step, state, data.get_state(), config)
       if step % config.log.every == 0 or step == config.train.steps or stopping:
         now = time.perf_counter()
-        extra = {name: value for name, value in metrics.items() if name.startswith("kl_level_")}
+        extra = {name: metrics[name] for name in objective.metric_names(config.model)}
         log.write(step, dict(loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                              learning_rate=metrics["learning_rate"], skipped=int(state.skipped),
                              tokens_per_s=tokens_per_step * (step - last_step) / (now - last_time), **extra))
@@ -252,8 +244,8 @@ def train(config: Config, workdir):
   summary = dict(model=config.model.attention.kind, parameters=counts["total"], steps=step,
                  tokens_seen=step * tokens_per_step, heldout_loss=result["loss"],
                  heldout_perplexity=result["perplexity"])
-  if config.eval.niah_samples:
-    summary.update(niah_scores(config, model, {"params": state.params, **state.frozen}))
+  for final_eval in final_evals:
+    summary.update(final_eval(config, model, {"params": state.params, **state.frozen}))
   with open(os.path.join(workdir, "eval.json"), "w") as f:
     json.dump(summary, f, indent=2)
   if jax.process_index() == 0:

@@ -41,8 +41,9 @@ def _tensorboard_writer(logdir):
   return SummaryWriter(logdir)
 
 
-def print_table(rows, file=sys.stdout):
-  """Prints a list of dicts with the same keys as a Markdown table."""
+def print_table(rows, file=None):
+  """Prints a list of dicts with the same keys as a Markdown table to `file` (default: the current stdout)."""
+  file = file or sys.stdout
   keys = list(rows[0])
   cells = [[_format(row[k]) for k in keys] for row in rows]
   widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]

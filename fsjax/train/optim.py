@@ -32,24 +32,24 @@ DECAYED = ("kernel", "embedding")
 
 def decay_mask(params):
   """Weight decay on projection kernels and the embedding only: not on norm scales, readout gains, α or ZHA's
-  reference queries. Decided by name, not rank: with `scan_layers` every parameter gains a leading layer axis, and
-  a rule of `ndim >= 2` decayed the stacked norm scales, gains and α."""
+  reference queries. Decided by name, not rank: with `scan_layers` every parameter gains a leading layer axis, so a
+  rule of `ndim >= 2` would decay the stacked norm scales, gains and α."""
   return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) in DECAYED, params)
 
 
-def trainable_labels(params):
-  """"train" for ZHA's reference queries, "frozen" for every other parameter (ZHA III-B freezes the backbone)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: "train" if any(getattr(p, "key", None) == "ref_queries" for p in path) else "frozen", params)
+def make_optimizer(train: TrainConfig, trainable=None):
+  """Global-norm clipping, then AdamW with the schedule and the decay mask.
 
-
-def make_optimizer(train: TrainConfig):
-  """Global-norm clipping, then AdamW with the schedule and the decay mask; for the "zha_kl" objective only the
-  reference queries are updated (the others get zero updates and no optimizer state)."""
+  Args:
+    train: the optimisation settings.
+    trainable: None (every parameter trains), or `params` → a pytree of bools like it (an objective's
+      `trainable`): parameters marked False get zero updates and no optimizer state.
+  """
   adamw = optax.chain(
       optax.clip_by_global_norm(train.clip_norm),
       optax.adamw(learning_rate_schedule(train), b1=train.beta1, b2=train.beta2, eps=train.eps,
                   weight_decay=train.weight_decay, mask=decay_mask))
-  if train.objective == "zha_kl":
-    return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, trainable_labels)
-  return adamw
+  if trainable is None:
+    return adamw
+  labels = lambda params: jax.tree_util.tree_map(lambda t: "train" if t else "frozen", trainable(params))
+  return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
