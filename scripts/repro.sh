@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #9 / docs/results.md: trains and evaluates the small-scale length-extrapolation models on one GPU.
+# docs/results.md: trains and evaluates the small-scale length-extrapolation models on one GPU.
 #
 #   python scripts/build_corpus.py --train-chars 1000000000 --max-chars 100000000 --out data/repro
 #   scripts/repro.sh tf    # TF++ and SWA in parallel, then ZHA distilled on TF++, then their evaluations

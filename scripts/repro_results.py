@@ -24,6 +24,8 @@ import json
 import math
 from pathlib import Path
 
+from fsjax.eval.ruler import format_table, plot
+
 MODELS = ("tfpp", "swa", "fs", "fsl", "fsb", "zha")
 SECTIONS = ("training", "copy", "needles", "ruler", "ppl", "steps")
 ROW_SECTIONS = ("copy", "needles", "ruler", "ppl")  # stored as {"columns": [...], "rows": [[...], ...]}
@@ -222,8 +224,6 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.summary and args.runs.is_file():
     parser.error("--summary writes the summary of a runs directory, not of a summary")
-  from fsjax.eval.ruler import format_table, plot
-
   summary = load(args.runs)
   if args.summary:
     args.summary.parent.mkdir(parents=True, exist_ok=True)

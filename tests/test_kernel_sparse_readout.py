@@ -1,5 +1,6 @@
-"""pallas_kernels.sparse_readout (forward and custom_vjp backward) against fsjax.ops.sparse_readout (Eq. 9),
-on random given selections with -1 sentinels, and the kernels wired into ops.freesolo_attention."""
+"""pallas_kernels.sparse_readout (forward and custom_vjp backward) at its own tile sizes against the reference
+readout (Eq. 9), on random given selections with -1 sentinels. The ops that run it (freesolo_attention,
+sparse_readout, cached_readout) are checked against the reference in tests/test_parity.py."""
 
 import functools
 
@@ -9,8 +10,9 @@ import numpy as np
 import pytest
 
 from fsjax import ops
-from helpers import assert_close, kernel_modes
 from pallas_kernels import sparse_readout as readout_kernel
+
+from helpers import assert_close, kernel_modes
 
 SIZES = readout_kernel.BlockSizes(queries=32)
 
@@ -65,19 +67,3 @@ def test_tile_unions_are_the_distinct_selected_cells(rng):
       for t in range(4):
         expected = sorted(set(np.asarray(cell_idx[b, 16 * t:16 * (t + 1), h]).ravel()) - {-1})
         assert list(np.asarray(unions[b, h, t, :counts[b, h, t]])) == expected
-
-
-@pytest.mark.parametrize("variant", ["fs", "fsl"])
-def test_freesolo_attention_pallas_equals_reference(rng, variant):
-  """Dispatch end to end (selection + readout + norm + local branch), forward and gradients, float32;
-  impl="pallas" compiles on a GPU and interprets elsewhere."""
-  batch, seq, heads, dim = 2, 200, 2, 32
-  q, k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, dim)), jnp.float32) for _ in range(3))
-  kw = dict(variant=variant, alpha=jnp.asarray(rng.uniform(0.5, 1.5, heads), jnp.float32), lam=0.7, sigma=3.0,
-            lr_gain=1.0, window=40, cell=16, block=32, top_k=3, retain_top=4, retain_recent=1)
-  weights = jnp.asarray(rng.standard_normal((batch, seq, heads, dim)), jnp.float32)
-  loss = lambda impl: lambda q, k, v: jnp.sum(ops.freesolo_attention(q, k, v, impl=impl, **kw) * weights)
-  assert_close(ops.freesolo_attention(q, k, v, impl="pallas", **kw),
-               ops.freesolo_attention(q, k, v, impl="reference", **kw), jnp.float32)
-  for got, want in zip(jax.grad(loss("pallas"), (0, 1, 2))(q, k, v), jax.grad(loss("reference"), (0, 1, 2))(q, k, v)):
-    assert_close(got, want, jnp.float32)

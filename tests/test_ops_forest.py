@@ -1,4 +1,4 @@
-"""FS-B reference (fsjax.ops.forest) against brute-force loops, and the forest properties FS App. E.1 states."""
+"""FS-B reference (fsjax.reference.forest) against brute-force loops, and the forest properties FS App. E.1 states."""
 
 import functools
 import math
@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fsjax.reference import forest
+
 import brute_force
-from fsjax import ops
-from fsjax.ops import forest
-from helpers import assert_close, random_qkv
+from helpers import random_qkv
 
 # (batch, seq, heads, dim, cell, block, top_k, beam)
 GEOMETRIES = [
@@ -103,15 +103,3 @@ def test_every_ball_encloses_its_cells_and_forests_have_height_ceil_log2_m(rng):
     admitted_cells = np.flatnonzero(np.asarray(admitted))[:before[n]]
     assert sorted(cells) == sorted(admitted_cells.tolist())
     assert height == math.ceil(math.log2(before[n]))
-
-
-def test_fsb_attention_reads_the_forest_selection_through_the_readout_kernel(rng):
-  """`freesolo_attention(variant="fsb")`: selection by the forests, readout by the reference or (impl="pallas",
-  interpreted off GPU) the readout kernel, with the same result."""
-  q, k, v = random_qkv(rng, (1, 128, 2, 16), np.float32)
-  kw = dict(variant="fsb", alpha=np.array([1.0, 0.5]), cell=16, block=32, window=40, top_k=2, tau=3.0, beam=4)
-  reference = ops.freesolo_attention(q, k, v, impl="reference", **kw)
-  kernels = ops.freesolo_attention(q, k, v, impl="pallas", **kw)
-  assert_close(kernels, reference, jnp.float32)
-  local = ops.local_attention(q, k, v, window=40)
-  assert not np.allclose(np.asarray(reference)[:, 32:], np.asarray(local)[:, 32:])  # the long-range branch reads

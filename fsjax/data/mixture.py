@@ -1,5 +1,5 @@
 """Training batches whose rows come from several iterators, each giving a fixed number of rows per batch: text,
-or random rows with copies, with a share of tiled random rows (`data.tiled_rows`, issue #9)."""
+or random rows with copies, with a share of tiled random rows (`data.tiled_rows`)."""
 
 import numpy as np
 

@@ -17,6 +17,7 @@ import grain
 import numpy as np
 
 from fsjax.data.copies import insert_copies
+from fsjax.data.recall import recall_masks
 from fsjax.data.tokenizer import eos_id, load_tokenizer
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".txt")
@@ -88,7 +89,6 @@ class Encode:
     self._copies = copies
     self._recall_masks = None
     if masks is not None:
-      from fsjax.data.recall import recall_masks  # lazy: only recall-weighted training needs it
       self._recall_masks = functools.partial(recall_masks, **masks)
 
   def __call__(self, text, rng=None):

@@ -1,17 +1,17 @@
-"""Random-id rows with spliced copies: a warm-up that teaches a model to copy before it reads text (issue #9).
+"""Random-id rows with spliced copies: a warm-up that teaches a model to copy before it reads text.
 
 Every row is a sequence of uniformly random token ids into which the copy curriculum (`fsjax.data.copies`)
 splices earlier spans of the same row, at random distances. The copies are the only predictable tokens, and only
 by finding the earlier occurrence of the current token and reading what followed it: the content-based induction
 that copying and needle retrieval rest on. Random distances rule out the shortcut of a fixed relative offset
 (a row that repeats with one period is solved by a head attending exactly one period back, which does not carry
-over to text: docs/results.md, run 4). Natural text with spliced copies lets a model lower its loss by local
-statistics first, for far longer than our runs lasted (runs 2-3).
+over to text: docs/results.md). Natural text with spliced copies lets a model lower its loss by local
+statistics first, for a long time before copying pays off (docs/results.md).
 
 Tiled rows (`period`) are the dense variant: one random sequence of a per-row random length, repeated, so after
 its first period every token is a copy. The period differs from row to row, so no fixed offset solves them; a
 model has to find the current token's previous occurrence. They are meant as the first stage of a curriculum
-(tiled rows, then sparse copies or text): docs/results.md, run 5, says what they did on CPU.
+(tiled rows, then sparse copies or text): docs/results.md says what they did on CPU.
 
 The rows are generic: no text, no template, no evaluation content. Row `i` is a pure function of `(seed, i)`, so
 the iterator's state is one index and a resumed run sees the same rows.
