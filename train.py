@@ -20,10 +20,16 @@ from fsjax.train.loop import TrainingInterrupted, TrainingStopped, train
 def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a config field, e.g. --set train.steps=100 (repeatable)")
-  parser.add_argument("--workdir", help="checkpoints, metrics.jsonl and eval.json go here "
-                      "(default: runs/<config name>)")
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="override a config field, e.g. --set train.steps=100 (repeatable)",
+  )
+  parser.add_argument(
+    "--workdir", help="checkpoints, metrics.jsonl and eval.json go here (default: runs/<config name>)"
+  )
   return parser.parse_args(argv)
 
 

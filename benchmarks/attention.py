@@ -33,8 +33,10 @@ BF16_PEAK_FLOPS = 989e12  # H200 dense bf16 tensor-core peak (datasheet)
 def forward_backward(fn):
   """`fn(q, k, v, *rest)` → a jitted function of `(q, k, v, w, *rest)` giving the gradients in q, k, v of
   `sum(fn(...) * w)`. Everything is an argument: a closed-over array would be constant-folded at compile time."""
+
   def loss(q, k, v, w, *rest):
     return jnp.sum(fn(q, k, v, *rest).astype(jnp.float32) * w)
+
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
@@ -62,11 +64,15 @@ def measure(length, dim, tokens):
   batch = max(1, tokens // length)
   q, k, v, w = random_inputs((batch, length, HEADS, dim), length + dim)
   alpha = jnp.ones((HEADS,), jnp.float32)
-  fs = lambda variant: lambda q, k, v: ops.freesolo_attention(q, k, v, variant=variant, alpha=alpha, window=512,
-                                                              impl="pallas", **ROUTING)
-  layers = {"cuDNN causal": lambda q, k, v: causal_rope_attention_cudnn(q, k, v),
-            "cuDNN window 512": lambda q, k, v: causal_rope_attention_cudnn(q, k, v, window=512),
-            "FS": fs("fs"), "FS-L": fs("fsl")}
+  fs = lambda variant: (
+    lambda q, k, v: ops.freesolo_attention(q, k, v, variant=variant, alpha=alpha, window=512, impl="pallas", **ROUTING)
+  )
+  layers = {
+    "cuDNN causal": lambda q, k, v: causal_rope_attention_cudnn(q, k, v),
+    "cuDNN window 512": lambda q, k, v: causal_rope_attention_cudnn(q, k, v, window=512),
+    "FS": fs("fs"),
+    "FS-L": fs("fsl"),
+  }
   times = {}
   for name, fn in layers.items():
     try:
@@ -78,8 +84,10 @@ def measure(length, dim, tokens):
   cell_idx = select(q, k)
   times["cell scoring + top-K"] = (median_ms(select, q, k), float("nan"))
   readout = functools.partial(sparse_readout.sparse_readout, cell=ROUTING["cell"])
-  times["sparse readout"] = (median_ms(jax.jit(readout), q, k, v, cell_idx),
-                             median_ms(forward_backward(readout), q, k, v, w, cell_idx))
+  times["sparse readout"] = (
+    median_ms(jax.jit(readout), q, k, v, cell_idx),
+    median_ms(forward_backward(readout), q, k, v, w, cell_idx),
+  )
   moved, mean_cells = readout_bytes(q, cell_idx, sparse_readout.BlockSizes.get_default().queries)
   return batch, times, moved / (times["sparse readout"][0] / 1e3), mean_cells
 
@@ -92,21 +100,30 @@ def main():
   args = parser.parse_args()
   peak_fraction = harness_check()
   bandwidth = copy_bandwidth()
-  print(f"harness: cuDNN causal fwd 8k d128 at {peak_fraction:.2f} of bf16 peak (target >= 0.55); "
-        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+  print(
+    f"harness: cuDNN causal fwd 8k d128 at {peak_fraction:.2f} of bf16 peak (target >= 0.55); "
+    f"copy bandwidth {bandwidth / 1e12:.2f} TB/s",
+    flush=True,
+  )
   lines = []
   for dim in args.head_dims:
     for length in args.lengths:
       batch, times, readout_bw, mean_cells = measure(length, dim, args.tokens)
       base_fwd, base_fwd_bwd = times["cuDNN causal"]
       for name, (fwd, fwd_bwd) in times.items():
-        lines.append(f"| {dim} | {length} | {batch} | {name} | {fwd:.2f} | {fwd / base_fwd:.2f}x | "
-                     f"{fwd_bwd:.2f} | {fwd_bwd / base_fwd_bwd:.2f}x |")
-      lines.append(f"| {dim} | {length} | {batch} | readout: {mean_cells:.0f} cells per 64-query tile, "
-                   f"{readout_bw / 1e12:.2f} TB/s = {readout_bw / bandwidth:.2f} of copy | | | | |")
-      print(*lines[-len(times) - 1:], sep="\n", flush=True)
-  print(f"\n{args.tokens} tokens per step, {HEADS} heads, bf16, {jax.devices()[0].device_kind}, jax {jax.__version__}; "
-        f"harness {peak_fraction:.2f} of bf16 peak, copy {bandwidth / 1e12:.2f} TB/s")
+        lines.append(
+          f"| {dim} | {length} | {batch} | {name} | {fwd:.2f} | {fwd / base_fwd:.2f}x | "
+          f"{fwd_bwd:.2f} | {fwd_bwd / base_fwd_bwd:.2f}x |"
+        )
+      lines.append(
+        f"| {dim} | {length} | {batch} | readout: {mean_cells:.0f} cells per 64-query tile, "
+        f"{readout_bw / 1e12:.2f} TB/s = {readout_bw / bandwidth:.2f} of copy | | | | |"
+      )
+      print(*lines[-len(times) - 1 :], sep="\n", flush=True)
+  print(
+    f"\n{args.tokens} tokens per step, {HEADS} heads, bf16, {jax.devices()[0].device_kind}, jax {jax.__version__}; "
+    f"harness {peak_fraction:.2f} of bf16 peak, copy {bandwidth / 1e12:.2f} TB/s"
+  )
   print("| head_dim | length | batch | op | fwd ms | fwd vs causal | fwd+bwd ms | fwd+bwd vs causal |")
   print("|---|---|---|---|---|---|---|---|")
   print(*lines, sep="\n")

@@ -31,15 +31,22 @@ def run_cases(script, kinds, lengths, extra_args, timeout=None):
     for kind in kinds:
       cmd = [sys.executable, script, "--case", f"{kind}:{length}", *map(str, extra_args)]
       try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        row = (json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else
-               dict(kind=kind, length=length, error=(result.stderr.strip().splitlines() or ["?"])[-1][:100]))
+        result = subprocess.run(
+          cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+        row = (
+          json.loads(result.stdout.strip().splitlines()[-1])
+          if result.returncode == 0
+          else dict(kind=kind, length=length, error=(result.stderr.strip().splitlines() or ["?"])[-1][:100])
+        )
       except subprocess.TimeoutExpired as timed_out:
         done = timed_out.stderr or b""  # what the case printed before it was stopped (bytes, even with text=True)
         done = (done.decode(errors="replace") if isinstance(done, bytes) else done).strip().splitlines()
-        row = dict(kind=kind, length=length, error=f"not done after {timeout:.0f} s" +
-                   (f"; last: {done[-1][:100]}" if done else ""))
+        row = dict(
+          kind=kind,
+          length=length,
+          error=f"not done after {timeout:.0f} s" + (f"; last: {done[-1][:100]}" if done else ""),
+        )
       rows.append(row)
       print(json.dumps(row), file=sys.stderr, flush=True)
   return rows

@@ -49,12 +49,14 @@ def progress(message):
 
 
 def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, profile=False):
-  config = dataclasses.replace(model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16",
-                               scan_layers=layers == "scanned")
+  config = dataclasses.replace(
+    model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16", scan_layers=layers == "scanned"
+  )
   if kind == "zha":
     att = config.attention
-    config = dataclasses.replace(config, attention=dataclasses.replace(
-        att, zha=dataclasses.replace(att.zha, max_nodes=zha_max_nodes or None)))
+    config = dataclasses.replace(
+      config, attention=dataclasses.replace(att, zha=dataclasses.replace(att.zha, max_nodes=zha_max_nodes or None))
+    )
   model = Transformer(config)
   variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, config.vocab_size)
@@ -66,8 +68,9 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, 
   state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(fresh()))
   lengths = jnp.array([length])
   clock = time.perf_counter()
-  _, cache = prefill(model, variables, tokens[:, :chunk], jnp.array([chunk]), fresh(), chunk,
-                     all_logits=False)  # compile
+  _, cache = prefill(
+    model, variables, tokens[:, :chunk], jnp.array([chunk]), fresh(), chunk, all_logits=False
+  )  # compile
   progress(f"{kind} at {length:,}: prefill chunk compiled and run in {time.perf_counter() - clock:.0f} s")
   start = time.perf_counter()
   logits, cache = prefill(model, variables, tokens, lengths, fresh(), chunk, all_logits=False)
@@ -77,9 +80,19 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, 
   # One compile of the jitted loop `decode_loop` runs, reused for every call below: jitting a wrapper around
   # `decode_loop` for its HLO text would compile the same program a second time (minutes for FS-B).
   clock = time.perf_counter()
-  loop = decode._decode_loop.lower(model, variables, cache, tokens[:, -1], lengths, jax.random.PRNGKey(2),
-                                   max_new_tokens=decode_tokens, eos_id=-1, temperature=0.0, top_p=1.0,
-                                   return_cells=False).compile()
+  loop = decode._decode_loop.lower(
+    model,
+    variables,
+    cache,
+    tokens[:, -1],
+    lengths,
+    jax.random.PRNGKey(2),
+    max_new_tokens=decode_tokens,
+    eos_id=-1,
+    temperature=0.0,
+    top_p=1.0,
+    return_cells=False,
+  ).compile()
   run = lambda c: loop(variables, c, tokens[:, -1], lengths, jax.random.PRNGKey(2))[0]
   run(jax.tree_util.tree_map(jnp.copy, cache)).block_until_ready()  # the loop donates its cache: warm up on a copy
   progress(f"{kind} at {length:,}: decode loop compiled and warmed up in {time.perf_counter() - clock:.0f} s")
@@ -89,10 +102,18 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, 
   decode_s = (time.perf_counter() - start) / (decode_tokens - 1)
   kernels = traced_kernels(lambda: run(traced), decode_tokens - 1) if profile else []
   param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(variables))
-  return dict(kind=kind, length=length, prefill_tok_s=length / prefill_s, decode_tok_s=1 / decode_s,
-              state_mib=state_bytes / 2**20, roofline_tok_s=copy_bandwidth() / (param_bytes + state_bytes),
-              kernels=kernels_per_step(loop.as_text()), layers=layers, device=jax.devices()[0].device_kind,
-              top_kernels=kernels)
+  return dict(
+    kind=kind,
+    length=length,
+    prefill_tok_s=length / prefill_s,
+    decode_tok_s=1 / decode_s,
+    state_mib=state_bytes / 2**20,
+    roofline_tok_s=copy_bandwidth() / (param_bytes + state_bytes),
+    kernels=kernels_per_step(loop.as_text()),
+    layers=layers,
+    device=jax.devices()[0].device_kind,
+    top_kernels=kernels,
+  )
 
 
 def main():
@@ -104,17 +125,36 @@ def main():
   parser.add_argument("--profile", action="store_true", help="print each case's costliest kernels per token")
   args = parser.parse_args()
   if args.case:
-    print(json.dumps(run_case(*args.case, args.decode_tokens, args.preset, args.chunk, args.layers,
-                              args.zha_max_nodes, args.profile)))
+    print(
+      json.dumps(
+        run_case(*args.case, args.decode_tokens, args.preset, args.chunk, args.layers, args.zha_max_nodes, args.profile)
+      )
+    )
     return
-  rows = run_cases(__file__, args.kinds, args.lengths,
-                   ["--decode-tokens", args.decode_tokens, "--chunk", args.chunk, "--preset", args.preset,
-                    "--layers", args.layers, "--zha-max-nodes", args.zha_max_nodes,
-                    *(["--profile"] if args.profile else [])], args.case_timeout)
+  rows = run_cases(
+    __file__,
+    args.kinds,
+    args.lengths,
+    [
+      "--decode-tokens",
+      args.decode_tokens,
+      "--chunk",
+      args.chunk,
+      "--preset",
+      args.preset,
+      "--layers",
+      args.layers,
+      "--zha-max-nodes",
+      args.zha_max_nodes,
+      *(["--profile"] if args.profile else []),
+    ],
+    args.case_timeout,
+  )
 
   base = {r["length"]: r for r in rows if r["kind"] == "tfpp" and "error" not in r}
-  print(f"\n{args.preset}, batch 1, bf16, {args.layers} layers, "
-        f"{next((r['device'] for r in rows if 'device' in r), '?')}")
+  print(
+    f"\n{args.preset}, batch 1, bf16, {args.layers} layers, {next((r['device'] for r in rows if 'device' in r), '?')}"
+  )
   print("| kind | length | prefill tok/s | vs TF++ | decode tok/s | vs TF++ | roofline tok/s | state MiB | kernels |")
   print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
@@ -123,9 +163,11 @@ def main():
       continue
     b = base.get(r["length"])
     ratio = lambda key: f"{r[key] / b[key]:.2f}x" if b else "–"
-    print(f"| {r['kind']} | {r['length']} | {r['prefill_tok_s']:,.0f} | {ratio('prefill_tok_s')} | "
-          f"{r['decode_tok_s']:,.1f} | {ratio('decode_tok_s')} | {r['roofline_tok_s']:,.0f} | {r['state_mib']:.1f} | "
-          f"{r['kernels']} |")
+    print(
+      f"| {r['kind']} | {r['length']} | {r['prefill_tok_s']:,.0f} | {ratio('prefill_tok_s')} | "
+      f"{r['decode_tok_s']:,.1f} | {ratio('decode_tok_s')} | {r['roofline_tok_s']:,.0f} | {r['state_mib']:.1f} | "
+      f"{r['kernels']} |"
+    )
   for r in rows:
     if r.get("top_kernels"):
       print(f"\n{r['kind']} at {r['length']:,}: costliest device kernels per decoded token")

@@ -62,8 +62,9 @@ def filled_cache(start_cells, window_cells, heads, dim, cell, key, admission):
     prefix_key, offset_key, window_key = jax.random.split(jax.random.PRNGKey(0), 3)
     offsets = jax.random.randint(offset_key, (heads,), 64, 128)
     ranks = jnp.argsort(jax.random.uniform(prefix_key, (start_cells, heads)), axis=0)
-    admitted = jnp.concatenate([ranks < start_cells // 2 + offsets,
-                                jax.random.bernoulli(window_key, 0.5, (window_cells, heads))])  # [cells, heads]
+    admitted = jnp.concatenate(
+      [ranks < start_cells // 2 + offsets, jax.random.bernoulli(window_key, 0.5, (window_cells, heads))]
+    )  # [cells, heads]
     k = k * jnp.repeat(jnp.where(admitted, 2.0, 0.5), cell, axis=0)[None, :, :, None]
   k = k.astype(jnp.bfloat16)
   pos = jnp.arange(capacity, dtype=jnp.int32)[None]
@@ -103,8 +104,11 @@ def window_builds(archive, tau, start_cells, blocks, per_block):
   changed = np.asarray(forest_cache.changed_levels(jnp.asarray(counts[:-1]), jnp.asarray(counts[1:]), levels))
   per_level = changed.any(axis=1).sum(axis=0)  # [levels]: blocks in which some head builds level k
   built = {k: int(n) for k, n in enumerate(per_level) if n}
-  return built, int(sum(n << k for k, n in enumerate(per_level))), (int(above[start_cells].min()),
-                                                                    int(above[start_cells].max()))
+  return (
+    built,
+    int(sum(n << k for k, n in enumerate(per_level))),
+    (int(above[start_cells].min()), int(above[start_cells].max())),
+  )
 
 
 def main():
@@ -115,37 +119,66 @@ def main():
   parser.add_argument("--head-dim", type=int, default=64)
   parser.add_argument("--cell", type=int, default=32)
   parser.add_argument("--block", type=int, default=128)
-  parser.add_argument("--looped-from", type=int, default=forest_cache.LOOPED_FROM,
-                      help="first chunk level built by looped_leaf_order (above the top level: all unrolled)")
-  parser.add_argument("--hlo-dir", help="write each length's compiled block loop (HLO text) here, and print its "
-                      "count of copies of node-table-shaped arrays")
-  parser.add_argument("--admission", choices=("aligned", "median"), default="aligned",
-                      help="aligned: forest τ admits the same cells in every length's window (see filled_cache); "
-                      "median: τ is the median cell norm")
-  parser.add_argument("--profile", action="store_true",
-                      help="print the device kernels of the block loop that take the most time per block")
-  parser.add_argument("--update-only", action="store_true",
-                      help="time the block loop only (the other columns compile for minutes at 128k)")
+  parser.add_argument(
+    "--looped-from",
+    type=int,
+    default=forest_cache.LOOPED_FROM,
+    help="first chunk level built by looped_leaf_order (above the top level: all unrolled)",
+  )
+  parser.add_argument(
+    "--hlo-dir",
+    help="write each length's compiled block loop (HLO text) here, and print its "
+    "count of copies of node-table-shaped arrays",
+  )
+  parser.add_argument(
+    "--admission",
+    choices=("aligned", "median"),
+    default="aligned",
+    help="aligned: forest τ admits the same cells in every length's window (see filled_cache); "
+    "median: τ is the median cell norm",
+  )
+  parser.add_argument(
+    "--profile",
+    action="store_true",
+    help="print the device kernels of the block loop that take the most time per block",
+  )
+  parser.add_argument(
+    "--update-only",
+    action="store_true",
+    help="time the block loop only (the other columns compile for minutes at 128k)",
+  )
   args = parser.parse_args()
   per_block = args.block // args.cell
   for length in args.lengths:
     if length & (length - 1) or length < args.cell:
       parser.error(f"--lengths must be powers of two >= --cell, got {length}")
-  print(f"{jax.devices()[0].device_kind}, one layer, {args.heads} heads x {args.head_dim}, cell {args.cell}, "
-        f"block {args.block}, mean over {args.blocks} blocks, levels from {args.looped_from} looped, "
-        f"{args.admission} forest-τ admissions")
+  print(
+    f"{jax.devices()[0].device_kind}, one layer, {args.heads} heads x {args.head_dim}, cell {args.cell}, "
+    f"block {args.block}, mean over {args.blocks} blocks, levels from {args.looped_from} looped, "
+    f"{args.admission} forest-τ admissions"
+  )
   kernels = jax.default_backend() == "gpu"
-  print(f"| length | cells M | update ms/block | vs first length | level-2 build ms | top-level build ms "
-        f"(every M/{per_block} blocks) | prefill-formulation rebuild ms | beam search ms (XLA) | "
-        f"beam search ms (kernel) |")
+  print(
+    f"| length | cells M | update ms/block | vs first length | level-2 build ms | top-level build ms "
+    f"(every M/{per_block} blocks) | prefill-formulation rebuild ms | beam search ms (XLA) | "
+    f"beam search ms (kernel) |"
+  )
   print("|---|---|---|---|---|---|---|---|---|", flush=True)
   first = None
   for length in args.lengths:
     start_cells = length // args.cell
-    cache, tau = filled_cache(start_cells, args.blocks * per_block, args.heads, args.head_dim, args.cell,
-                              jax.random.PRNGKey(length), args.admission)
-    advance = lambda c, target: forest_cache.advance(c, jnp.full((1,), target, jnp.int32), tau, cell=args.cell,
-                                                     block=args.block, looped_from=args.looped_from)
+    cache, tau = filled_cache(
+      start_cells,
+      args.blocks * per_block,
+      args.heads,
+      args.head_dim,
+      args.cell,
+      jax.random.PRNGKey(length),
+      args.admission,
+    )
+    advance = lambda c, target: forest_cache.advance(
+      c, jnp.full((1,), target, jnp.int32), tau, cell=args.cell, block=args.block, looped_from=args.looped_from
+    )
     cache = jax.jit(advance, static_argnums=1)(cache, start_cells)
 
     def loop(cache):
@@ -154,12 +187,18 @@ def main():
     blocks = jax.jit(loop).lower(cache).compile()
     if args.hlo_dir:
       table_copies = write_hlo(blocks.as_text(), cache.forests.nodes, args.hlo_dir, f"blocks_{length}.txt")
-      print(f"<!-- {length:,}: {table_copies} copy instructions of node-table-shaped arrays in the compiled block "
-            f"loop's body (static count) -->", flush=True)
+      print(
+        f"<!-- {length:,}: {table_copies} copy instructions of node-table-shaped arrays in the compiled block "
+        f"loop's body (static count) -->",
+        flush=True,
+      )
     update_ms = median_ms(blocks, cache, repeats=5) / args.blocks
     built, leaf_cells, (least, most) = window_builds(cache.archive, tau, start_cells, args.blocks, per_block)
-    print(f"<!-- {length:,}: blocks building each level in the window {built}, {leaf_cells:,} leaf cells built "
-          f"(each build covers every forest head); forest τ heads start at {least:,}-{most:,} cells -->", flush=True)
+    print(
+      f"<!-- {length:,}: blocks building each level in the window {built}, {leaf_cells:,} leaf cells built "
+      f"(each build covers every forest head); forest τ heads start at {least:,}-{most:,} cells -->",
+      flush=True,
+    )
     first = first or update_ms
     if args.profile:
       for name, ms, launches in traced_kernels(lambda: blocks(cache), args.blocks, count=30):
@@ -167,26 +206,54 @@ def main():
     if args.update_only:
       print(f"| {length:,} | {start_cells:,} | {update_ms:.3f} | {update_ms / first:.2f}x |{' – |' * 5}", flush=True)
       continue
-    build_ms = [queued_ms(jax.jit(lambda f, a, k=k: forest_cache.level_trees(
-        f, a, k, cell=args.cell, looped=k >= args.looped_from)), cache.forests, cache.archive, calls=20)
-                for k in (2, forest_cache.num_levels(start_cells) - 1)]
+    build_ms = [
+      queued_ms(
+        jax.jit(lambda f, a, k=k: forest_cache.level_trees(f, a, k, cell=args.cell, looped=k >= args.looped_from)),
+        cache.forests,
+        cache.archive,
+        calls=20,
+      )
+      for k in (2, forest_cache.num_levels(start_cells) - 1)
+    ]
     archive = cache.archive
     q = jax.random.normal(jax.random.PRNGKey(1), (1, 1, args.heads, args.head_dim), jnp.float32)
-    rebuild = jax.jit(lambda a, q: forest_ref.fsb_select_from_summaries(
-        q, jnp.full((1, 1), length - 1), a.tokens.k.astype(q.dtype), a.mean_keys.astype(q.dtype),
-        a.max_norms.astype(q.dtype), tau=tau, lam=jnp.ones(args.heads), sigma=jnp.full(args.heads, 4.0),
-        cell=args.cell, block=args.block))
+    rebuild = jax.jit(
+      lambda a, q: forest_ref.fsb_select_from_summaries(
+        q,
+        jnp.full((1, 1), length - 1),
+        a.tokens.k.astype(q.dtype),
+        a.mean_keys.astype(q.dtype),
+        a.max_norms.astype(q.dtype),
+        tau=tau,
+        lam=jnp.ones(args.heads),
+        sigma=jnp.full(args.heads, 4.0),
+        cell=args.cell,
+        block=args.block,
+      )
+    )
     rebuild_ms = queued_ms(rebuild, archive, q, calls=20)
     geometry = Routing(variant="fsb", cell=args.cell, block=args.block, beam=16, bound_c=8.0)
     pos = jnp.full((1, 1), length - 1)
-    search = lambda kernels: jax.jit(lambda f, q: forest_search(f, q, pos, geometry, lam=jnp.ones(args.heads),
-                                                                sigma=jnp.full(args.heads, 4.0),
-                                                                impl="pallas" if kernels else "reference"))
-    beam_ms = [queued_ms(search(k), cache.forest(0), q, calls=100) if k in (False, kernels) else None
-               for k in (False, True)]
+    search = lambda kernels: jax.jit(
+      lambda f, q: forest_search(
+        f,
+        q,
+        pos,
+        geometry,
+        lam=jnp.ones(args.heads),
+        sigma=jnp.full(args.heads, 4.0),
+        impl="pallas" if kernels else "reference",
+      )
+    )
+    beam_ms = [
+      queued_ms(search(k), cache.forest(0), q, calls=100) if k in (False, kernels) else None for k in (False, True)
+    ]
     shown = lambda ms: "–" if ms is None else f"{ms:.3f}"
-    print(f"| {length:,} | {start_cells:,} | {update_ms:.3f} | {update_ms / first:.2f}x | {build_ms[0]:.3f} | "
-          f"{build_ms[1]:.2f} | {rebuild_ms:.2f} | {shown(beam_ms[0])} | {shown(beam_ms[1])} |", flush=True)
+    print(
+      f"| {length:,} | {start_cells:,} | {update_ms:.3f} | {update_ms / first:.2f}x | {build_ms[0]:.3f} | "
+      f"{build_ms[1]:.2f} | {rebuild_ms:.2f} | {shown(beam_ms[0])} | {shown(beam_ms[1])} |",
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

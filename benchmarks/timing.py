@@ -42,8 +42,11 @@ def top_kernels(trace_dir, steps, count=12):
   path = next(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))
   events = json.loads(gzip.decompress(path.read_bytes()))
   events = events["traceEvents"] if isinstance(events, dict) else events
-  devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-             and "/device:GPU" in e.get("args", {}).get("name", "")}
+  devices = {
+    e["pid"]
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "process_name" and "/device:GPU" in e.get("args", {}).get("name", "")
+  }
   time_us, launches = collections.Counter(), collections.Counter()
   for e in events:
     if e.get("ph") == "X" and e.get("pid") in devices:

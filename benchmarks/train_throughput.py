@@ -26,8 +26,9 @@ from cases import case_parser, run_cases
 
 
 def run_case(kind, seq_len, tokens_per_step, steps, preset):
-  config = dataclasses.replace(model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="float32",
-                               remat=True, scan_layers=True)
+  config = dataclasses.replace(
+    model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="float32", remat=True, scan_layers=True
+  )
   batch = max(1, tokens_per_step // seq_len)
   train = TrainConfig(steps=1000, warmup_steps=10, batch_size=batch)
   optimizer = make_optimizer(train)
@@ -46,9 +47,17 @@ def run_case(kind, seq_len, tokens_per_step, steps, preset):
   jax.block_until_ready(metrics["loss"])
   step_s = (time.perf_counter() - start) / steps
   stats = jax.local_devices()[0].memory_stats() or {}
-  return dict(kind=kind, length=seq_len, batch=batch, step_ms=1e3 * step_s, tokens_per_s=batch * seq_len / step_s,
-              peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, compile_s=compile_s,
-              loss=float(metrics["loss"]), device=jax.devices()[0].device_kind)
+  return dict(
+    kind=kind,
+    length=seq_len,
+    batch=batch,
+    step_ms=1e3 * step_s,
+    tokens_per_s=batch * seq_len / step_s,
+    peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
+    compile_s=compile_s,
+    loss=float(metrics["loss"]),
+    device=jax.devices()[0].device_kind,
+  )
 
 
 def main():
@@ -59,13 +68,19 @@ def main():
   if args.case:
     print(json.dumps(run_case(*args.case, args.tokens_per_step, args.steps, args.preset)))
     return
-  rows = run_cases(__file__, args.kinds, args.lengths,
-                   ["--tokens-per-step", args.tokens_per_step, "--steps", args.steps, "--preset", args.preset],
-                   args.case_timeout)
+  rows = run_cases(
+    __file__,
+    args.kinds,
+    args.lengths,
+    ["--tokens-per-step", args.tokens_per_step, "--steps", args.steps, "--preset", args.preset],
+    args.case_timeout,
+  )
 
   baseline = {r["length"]: r["tokens_per_s"] for r in rows if r["kind"] == "tfpp" and "error" not in r}
-  print(f"\n{args.preset}, {args.tokens_per_step} tokens per step, bf16 compute, remat, scanned layers, "
-        f"{next((r['device'] for r in rows if 'device' in r), '?')}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+  print(
+    f"\n{args.preset}, {args.tokens_per_step} tokens per step, bf16 compute, remat, scanned layers, "
+    f"{next((r['device'] for r in rows if 'device' in r), '?')}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+  )
   print("| kind | length | batch | step ms | tokens/s | vs TF++ | peak GiB | compile s |")
   print("|---|---|---|---|---|---|---|---|")
   for r in rows:
@@ -73,8 +88,10 @@ def main():
       print(f"| {r['kind']} | {r['length']} | – | – | failed: {r['error']} | – | – | – |")
       continue
     ratio = r["tokens_per_s"] / baseline[r["length"]] if r["length"] in baseline else float("nan")
-    print(f"| {r['kind']} | {r['length']} | {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
-          f"{ratio:.2f}x | {r['peak_gib']:.1f} | {r['compile_s']:.0f} |")
+    print(
+      f"| {r['kind']} | {r['length']} | {r['batch']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+      f"{ratio:.2f}x | {r['peak_gib']:.1f} | {r['compile_s']:.0f} |"
+    )
 
 
 if __name__ == "__main__":

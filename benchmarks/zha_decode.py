@@ -46,7 +46,7 @@ from timing import profiled_kernels, queued_ms
 
 
 def parse_geometry(text):
-  """"R16-C4-L6" → (16, 4, 6)."""
+  """ "R16-C4-L6" → (16, 4, 6)."""
   refs, chunk, levels = (int(part[1:]) for part in text.split("-"))
   return refs, chunk, levels
 
@@ -69,20 +69,24 @@ def build_cache(length, heads, dim, refs, chunk, levels, key):
   ref_queries = jax.random.normal(r_key, (heads, refs, dim), jnp.float32)
   tree = jax.jit(lambda k: zha.build_tree(k.astype(jnp.float32), ref_queries, chunk=chunk, levels=levels))(k)
   store = KVStore(k=k, v=v, pos=jnp.arange(length, dtype=jnp.int32)[None])
-  return zha_cache.ZHACache(store=store, keys=tuple(t[0].astype(jnp.bfloat16) for t in tree),
-                            bias=tuple(t[1].astype(jnp.float32) for t in tree))
+  return zha_cache.ZHACache(
+    store=store, keys=tuple(t[0].astype(jnp.bfloat16) for t in tree), bias=tuple(t[1].astype(jnp.float32) for t in tree)
+  )
 
 
 def in_loop(fn, calls, query_arg):
   """`fn(*args)` run `calls` times in one `lax.fori_loop`, the query `args[query_arg]` nudged each time by 1e-30
   times the mean of the previous result: a real dependence that changes no value, so XLA cannot hoist the calls
   out of the loop."""
+
   def looped(*args):
     def body(_, q):
-      out = fn(*args[:query_arg], q, *args[query_arg + 1:])
+      out = fn(*args[:query_arg], q, *args[query_arg + 1 :])
       out = out[0] if isinstance(out, tuple) else out
       return q + (1e-30 * jnp.mean(out.astype(jnp.float32))).astype(q.dtype)
+
     return jax.lax.fori_loop(0, calls, body, args[query_arg])
+
   return looped
 
 
@@ -111,18 +115,19 @@ def compile_all(jobs):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--lengths", default="16384,65536,262144,1048576",
-                      type=lambda s: [int(n) for n in s.split(",")])
-  parser.add_argument("--geometries", default="R1-C8-L2,R16-C16-L3,R16-C4-L6",
-                      type=lambda s: [parse_geometry(g) for g in s.split(",")])
+  parser.add_argument("--lengths", default="16384,65536,262144,1048576", type=lambda s: [int(n) for n in s.split(",")])
+  parser.add_argument(
+    "--geometries", default="R1-C8-L2,R16-C16-L3,R16-C4-L6", type=lambda s: [parse_geometry(g) for g in s.split(",")]
+  )
   parser.add_argument("--top-p", default="0.8,0.9,0.95", type=lambda s: [float(p) for p in s.split(",")])
   parser.add_argument("--max-nodes", type=int, default=64)
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--head-dim", type=int, default=64)
   parser.add_argument("--sharpness", type=float, default=4.0)
   parser.add_argument("--calls", type=int, default=200, help="calls queued per timing")
-  parser.add_argument("--in-loop", type=int, default=0,
-                      help="time N dependent calls inside one jitted loop, per call (0: isolated calls)")
+  parser.add_argument(
+    "--in-loop", type=int, default=0, help="time N dependent calls inside one jitted loop, per call (0: isolated calls)"
+  )
   parser.add_argument("--profile", action="store_true", help="print the kernels of each ZHA step, per call")
   args = parser.parse_args()
 
@@ -133,15 +138,23 @@ def main():
   jobs_per_p = 4 if args.in_loop else 3  # a looped step returns its query: the fraction needs its own program
 
   on_gpu = dispatch.on_gpu()
-  routes = {f"R{refs}-C{chunk}-L{levels}": dispatch.resolve("zha_route", "auto", chunk=chunk, refs=refs)
-            for refs, chunk, levels in args.geometries}
-  print(f"{jax.devices()[0].device_kind}, {args.heads} heads x {args.head_dim}, bf16 cache, "
-        f"max_nodes {args.max_nodes}, routing impl={', '.join(f'{g}: {i}' for g, i in routes.items())}, "
-        + (f"{args.in_loop} calls per jitted loop, times per call" if args.in_loop else "isolated calls"))
-  print("Rows in measuring order (length by length; every geometry at a length before the next length); the same "
-        "rows sorted by geometry follow the crossover lines.")
-  header = ("| geometry | p | length | dense ms | ZHA ms | vs dense | routing ms | routing share | keys attended | "
-            "uncapped |\n|---|---|---|---|---|---|---|---|---|---|")
+  routes = {
+    f"R{refs}-C{chunk}-L{levels}": dispatch.resolve("zha_route", "auto", chunk=chunk, refs=refs)
+    for refs, chunk, levels in args.geometries
+  }
+  print(
+    f"{jax.devices()[0].device_kind}, {args.heads} heads x {args.head_dim}, bf16 cache, "
+    f"max_nodes {args.max_nodes}, routing impl={', '.join(f'{g}: {i}' for g, i in routes.items())}, "
+    + (f"{args.in_loop} calls per jitted loop, times per call" if args.in_loop else "isolated calls")
+  )
+  print(
+    "Rows in measuring order (length by length; every geometry at a length before the next length); the same "
+    "rows sorted by geometry follow the crossover lines."
+  )
+  header = (
+    "| geometry | p | length | dense ms | ZHA ms | vs dense | routing ms | routing share | keys attended | "
+    "uncapped |\n|---|---|---|---|---|---|---|---|---|---|"
+  )
   print(header, flush=True)
   rows = []
   profiles = []
@@ -151,8 +164,7 @@ def main():
       for refs, chunk, levels in args.geometries:
         name = f"R{refs}-C{chunk}-L{levels}"
         cache = build_cache(length, args.heads, args.head_dim, refs, chunk, levels, jax.random.PRNGKey(length))
-        q = args.sharpness * jax.random.normal(jax.random.PRNGKey(1), (1, 1, args.heads, args.head_dim),
-                                               jnp.float32)
+        q = args.sharpness * jax.random.normal(jax.random.PRNGKey(1), (1, 1, args.heads, args.head_dim), jnp.float32)
         position = jnp.array([[length - 1]], jnp.int32)
         inputs = (cache, q, position)
         dense_inputs = (q.astype(jnp.bfloat16), cache.store.k, cache.store.v)
@@ -161,18 +173,30 @@ def main():
           tree = zha.ZHATree(refs=refs, chunk=chunk, levels=levels, top_p=(p,), max_nodes=args.max_nodes)
           uncapped = zha.ZHATree(refs=refs, chunk=chunk, levels=levels, top_p=(p,))
           decode = lambda c, q, pos, t=tree: zha_step.attend(c, q, pos, tree=t, impl="auto")
-          jobs += [(wrap(decode), inputs),
-                   (wrap(lambda c, q, pos, t=tree: zha_ops.zha_route(q[:, 0], pos[:, 0], c.keys, c.bias, tree=t,
-                                                                     impl="auto")), inputs),
-                   (lambda c, q, pos, t=uncapped: zha_step.attend(c, q, pos, tree=t)[1], inputs)]
+          jobs += [
+            (wrap(decode), inputs),
+            (
+              wrap(
+                lambda c, q, pos, t=tree: zha_ops.zha_route(q[:, 0], pos[:, 0], c.keys, c.bias, tree=t, impl="auto")
+              ),
+              inputs,
+            ),
+            (lambda c, q, pos, t=uncapped: zha_step.attend(c, q, pos, tree=t)[1], inputs),
+          ]
           if args.in_loop:
             jobs.append((lambda c, q, pos, d=decode: d(c, q, pos)[1], inputs))
         dense, *compiled = compile_all(jobs)
         dense_kind = "cudnn" if on_gpu else "xla"
         if isinstance(dense, Exception):  # cuDNN refused the shape only at compile time: XLA's is the baseline
           dense_kind = "xla"
-          dense, = compile_all([(wrap(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
-                                      query_arg=0), dense_inputs)])
+          (dense,) = compile_all(
+            [
+              (
+                wrap(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"), query_arg=0),
+                dense_inputs,
+              )
+            ]
+          )
         dense_kinds[length] = dense_kind
         if isinstance(dense, Exception):
           print(f"| {name} | - | {length:,} | dense failed: {type(dense).__name__}: {str(dense)[:300]} |", flush=True)
@@ -180,19 +204,26 @@ def main():
           continue
         dense_ms = queued_ms(dense, *dense_inputs, calls=args.calls) / per_call
         for i, p in enumerate(args.top_p):
-          step, route, uncapped, *attended = compiled[jobs_per_p * i:jobs_per_p * (i + 1)]
+          step, route, uncapped, *attended = compiled[jobs_per_p * i : jobs_per_p * (i + 1)]
           failed = next((f for f in (step, route, uncapped, *attended) if isinstance(f, Exception)), None)
           if failed is not None:
-            print(f"| {name} | {p} | {length:,} | {dense_ms:.3f} | failed: {type(failed).__name__}: "
-                  f"{str(failed)[:1500]} |", flush=True)
+            print(
+              f"| {name} | {p} | {length:,} | {dense_ms:.3f} | failed: {type(failed).__name__}: {str(failed)[:1500]} |",
+              flush=True,
+            )
             continue
           zha_ms = queued_ms(step, *inputs, calls=args.calls) / per_call
           route_ms = queued_ms(route, *inputs, calls=args.calls) / per_call
           fraction = float(jnp.mean(attended[0](*inputs) if attended else step(*inputs)[1]))
           uncapped_fraction = float(jnp.mean(uncapped(*inputs)))
-          row = dict(geometry=name, p=p, length=length, ratio=zha_ms / dense_ms,
-                     text=f"| {name} | {p} | {length:,} | {dense_ms:.3f} | {zha_ms:.3f} | {zha_ms / dense_ms:.2f}x | "
-                          f"{route_ms:.3f} | {route_ms / zha_ms:.0%} | {fraction:.2%} | {uncapped_fraction:.2%} |")
+          row = dict(
+            geometry=name,
+            p=p,
+            length=length,
+            ratio=zha_ms / dense_ms,
+            text=f"| {name} | {p} | {length:,} | {dense_ms:.3f} | {zha_ms:.3f} | {zha_ms / dense_ms:.2f}x | "
+            f"{route_ms:.3f} | {route_ms / zha_ms:.0%} | {fraction:.2%} | {uncapped_fraction:.2%} |",
+          )
           rows.append(row)
           print(row["text"], flush=True)
           if args.profile:
@@ -205,8 +236,11 @@ def main():
   for name in dict.fromkeys(r["geometry"] for r in rows):
     for p in args.top_p:
       faster = [r["length"] for r in rows if r["geometry"] == name and r["p"] == p and r["ratio"] < 1.0]
-      print(f"{name} p={p}: faster than dense from {min(faster):,} tokens" if faster else
-            f"{name} p={p}: not faster than dense at any measured length")
+      print(
+        f"{name} p={p}: faster than dense from {min(faster):,} tokens"
+        if faster
+        else f"{name} p={p}: not faster than dense at any measured length"
+      )
   print("\nSorted by geometry, threshold and length:")
   print(header)
   order = {f"R{refs}-C{chunk}-L{levels}": i for i, (refs, chunk, levels) in enumerate(args.geometries)}
@@ -215,8 +249,10 @@ def main():
   print(flush=True)
   for title, kernels in profiles:
     launches = sum(n for _, _, n in kernels)
-    print(f"ZHA step kernels, {title}: {launches:g} launches, {1e3 * sum(ms for _, ms, _ in kernels):.1f} us "
-          f"of kernel time per call{' (per loop: --in-loop)' if args.in_loop else ''}")
+    print(
+      f"ZHA step kernels, {title}: {launches:g} launches, {1e3 * sum(ms for _, ms, _ in kernels):.1f} us "
+      f"of kernel time per call{' (per loop: --in-loop)' if args.in_loop else ''}"
+    )
     for kernel, ms, n in kernels:
       print(f"  {1e3 * ms:8.2f} us  x{n:<5g} {kernel[:110]}")
   print(flush=True)

@@ -62,12 +62,18 @@ def main(argv=None):
     loaded = load_model(args.checkpoint)
     config = loaded.config
     if config.model.attention.kind not in FREESOLO_KINDS:
-      raise ConfigError(f"τ calibration needs a FreeSolo checkpoint, got attention kind "
-                        f"{config.model.attention.kind!r}")
+      raise ConfigError(
+        f"τ calibration needs a FreeSolo checkpoint, got attention kind {config.model.attention.kind!r}"
+      )
     if args.length < config.model.attention.cell:
       raise ConfigError(f"--length ({args.length}) must hold at least one cell ({config.model.attention.cell})")
-    batches = make_eval_batches(path=args.data or default_corpus_path("valid"), tokenizer_path=config.data.tokenizer,
-                                seq_len=args.length, batch_size=args.batch_size, max_batches=args.batches)
+    batches = make_eval_batches(
+      path=args.data or default_corpus_path("valid"),
+      tokenizer_path=config.data.tokenizer,
+      seq_len=args.length,
+      batch_size=args.batch_size,
+      max_batches=args.batches,
+    )
     if not batches:
       raise ConfigError(f"the held-out text holds no full batch of {args.batch_size} x {args.length} tokens")
     tau = calibrate(loaded.model, loaded.variables, [b[:, :-1] for b in batches])

@@ -51,6 +51,7 @@ class MoBAConfig:
     block: block size in tokens.
     top_k: blocks read per query, the current one included.
   """
+
   block: int = 512
   top_k: int = 3
 
@@ -73,6 +74,7 @@ class ZHAConfig:
     distill: run the frozen dense (TF++) attention and sow each layer's ZHA KL loss instead of routing; set by the
       ZHA objective (`train.objective: zha_kl`).
   """
+
   refs: int = 16
   chunk: int = 8
   levels: int = 2
@@ -83,8 +85,7 @@ class ZHAConfig:
   @property
   def tree(self):
     """The tree's geometry and routing as one frozen `ZHATree`."""
-    return ZHATree(refs=self.refs, chunk=self.chunk, levels=self.levels, top_p=self.top_p,
-                   max_nodes=self.max_nodes)
+    return ZHATree(refs=self.refs, chunk=self.chunk, levels=self.levels, top_p=self.top_p, max_nodes=self.max_nodes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,7 @@ class AttentionConfig:
   The flat keys of earlier configs (`moba_block`, `moba_top_k`, `zha_refs`, `zha_chunk`, `zha_levels`,
   `zha_top_p`, `zha_max_nodes`, `zha_distill`) still load, into their sections.
   """
+
   kind: str = "fs"
   window: int = 512
   cell: int = 32
@@ -149,9 +151,17 @@ class AttentionConfig:
   def routing(self):
     """The FreeSolo routing geometry as one frozen `Routing` (variant: the kind for FreeSolo kinds, else "fs";
     the cell and block still size every kind's decode cache)."""
-    return Routing(variant=self.kind if self.kind in FREESOLO_KINDS else "fs", window=self.window, cell=self.cell,
-                   block=self.block, top_k=self.top_k, retain_top=self.retain_top,
-                   retain_recent=self.retain_recent, beam=self.beam, bound_c=self.bound_c)
+    return Routing(
+      variant=self.kind if self.kind in FREESOLO_KINDS else "fs",
+      window=self.window,
+      cell=self.cell,
+      block=self.block,
+      top_k=self.top_k,
+      retain_top=self.retain_top,
+      retain_recent=self.retain_recent,
+      beam=self.beam,
+      bound_c=self.bound_c,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +185,7 @@ class ModelConfig:
       kernel's Triton compile) does not grow with depth. Checkpoints of the two layouts do not mix.
     attention: the attention config.
   """
+
   vocab_size: int = 32000
   num_layers: int = 24
   d_model: int = 1024
@@ -237,6 +248,7 @@ class DataConfig:
       copy curriculum's copies (source "random", copy_rate > 0): tiled rows start copying, the copies ask for it
       at the curriculum's distances. Those tiled rows draw from seed + 1, so they are not the copy rows' ids.
   """
+
   train_path: str | None = None
   eval_path: str | None = None
   tokenizer: str | None = None
@@ -260,28 +272,39 @@ class DataConfig:
     if self.source == "random" or self.tiled_rows:
       if len(self.random_ids) != 2 or not 0 <= self.random_ids[0] < self.random_ids[1]:
         raise ConfigError(f"data.random_ids must be [min, max) with 0 <= min < max, got {list(self.random_ids)}")
-      if self.random_period is not None and (len(self.random_period) != 2
-                                             or not 1 <= self.random_period[0] <= self.random_period[1] < self.seq_len):
-        raise ConfigError(f"data.random_period must be [min, max] with 1 <= min <= max < data.seq_len={self.seq_len} "
-                          f"(a row repeats its sequence at least once), got {list(self.random_period)}")
+      if self.random_period is not None and (
+        len(self.random_period) != 2 or not 1 <= self.random_period[0] <= self.random_period[1] < self.seq_len
+      ):
+        raise ConfigError(
+          f"data.random_period must be [min, max] with 1 <= min <= max < data.seq_len={self.seq_len} "
+          f"(a row repeats its sequence at least once), got {list(self.random_period)}"
+        )
       if self.recall_masks:
-        raise ConfigError("data.recall_masks must be false with random rows (data.source random or "
-                          "data.tiled_rows > 0): they have no masks")
+        raise ConfigError(
+          "data.recall_masks must be false with random rows (data.source random or "
+          "data.tiled_rows > 0): they have no masks"
+        )
     if self.tiled_rows:
       if self.random_period is None:
         raise ConfigError("data.tiled_rows needs data.random_period (the tiled rows' period range)")
       if self.source == "random" and not self.copy_rate:
-        raise ConfigError("data.tiled_rows with data.source random needs data.copy_rate > 0 (the other rows are "
-                          "random rows with copies; for tiled rows only, leave tiled_rows at 0)")
+        raise ConfigError(
+          "data.tiled_rows with data.source random needs data.copy_rate > 0 (the other rows are "
+          "random rows with copies; for tiled rows only, leave tiled_rows at 0)"
+        )
     elif self.source == "random":
       if bool(self.copy_rate) == (self.random_period is not None):
-        raise ConfigError("data.source random needs exactly one of data.copy_rate > 0 and data.random_period: "
-                          "its copies or its repeats are all there is to learn")
+        raise ConfigError(
+          "data.source random needs exactly one of data.copy_rate > 0 and data.random_period: "
+          "its copies or its repeats are all there is to learn"
+        )
     elif self.random_period is not None:
       raise ConfigError("data.random_period needs data.source random or data.tiled_rows > 0")
     if self.source == "random" and self.copy_rate and self.copy_distance[0] >= self.seq_len:
-      raise ConfigError(f"data.copy_distance min must be < data.seq_len={self.seq_len} with data.source random "
-                        f"(a row holds no copy otherwise), got {self.copy_distance[0]}")
+      raise ConfigError(
+        f"data.copy_distance min must be < data.seq_len={self.seq_len} with data.source random "
+        f"(a row holds no copy otherwise), got {self.copy_distance[0]}"
+      )
     try:
       validate_copies(rate=self.copy_rate, span=self.copy_span, distance=self.copy_distance, prefix="data.")
     except ValueError as e:
@@ -328,6 +351,7 @@ class TrainConfig:
     objective: "lm" (next-token loss) or "zha_kl" (ZHA III-B: the backbone is frozen and runs dense attention;
       only the reference queries train, on the sum over levels of the chunk-mass KL, averaged over layers).
   """
+
   steps: int = 1000
   batch_size: int = 128
   seed: int = 0
@@ -375,6 +399,7 @@ class CheckpointConfig:
     keep: keep the newest this many checkpoints.
     async_save: write in the background while training continues.
   """
+
   every: int = 1000
   keep: int = 3
   async_save: bool = True
@@ -391,6 +416,7 @@ class MeshConfig:
     data: data-parallel axis size; -1 = all devices not used by fsdp.
     fsdp: parameter-sharding axis size; -1 = all devices not used by data.
   """
+
   data: int = -1
   fsdp: int = 1
 
@@ -413,6 +439,7 @@ class EvalConfig:
     niah_samples: at the end, also score RULER's S-NIAH-1 (fsjax.eval) on this many generated samples at 1x
       and 4x `data.seq_len`, greedy; 0 = off.
   """
+
   batches: int = 8
   batch_size: int = 8
   every: int | None = None
@@ -436,6 +463,7 @@ class LogConfig:
   Attributes:
     every: print progress and append to metrics.jsonl every this many steps.
   """
+
   every: int = 10
 
   def __post_init__(self):
@@ -445,6 +473,7 @@ class LogConfig:
 @dataclasses.dataclass(frozen=True)
 class Config:
   """A config file: `model`, `data`, `train`, `checkpoint`, `mesh`, `eval`, `log` sections."""
+
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -455,19 +484,23 @@ class Config:
 
   def __post_init__(self):
     if (self.data.source == "random" or self.data.tiled_rows) and self.data.random_ids[1] > self.model.vocab_size:
-      raise ConfigError(f"data.random_ids must lie below model.vocab_size={self.model.vocab_size}, got "
-                        f"{list(self.data.random_ids)}")
+      raise ConfigError(
+        f"data.random_ids must lie below model.vocab_size={self.model.vocab_size}, got {list(self.data.random_ids)}"
+      )
     if self.data.tiled_rows >= self.train.batch_size:
-      raise ConfigError(f"data.tiled_rows ({self.data.tiled_rows}) must be below train.batch_size "
-                        f"({self.train.batch_size}): the rest of each batch is text")
+      raise ConfigError(
+        f"data.tiled_rows ({self.data.tiled_rows}) must be below train.batch_size "
+        f"({self.train.batch_size}): the rest of each batch is text"
+      )
     if self.train.objective == "zha_kl" and self.model.attention.kind != "zha":
-      raise ConfigError(f"train.objective zha_kl needs model.attention.kind zha, got "
-                        f"{self.model.attention.kind!r}")
+      raise ConfigError(f"train.objective zha_kl needs model.attention.kind zha, got {self.model.attention.kind!r}")
     if self.train.recall_beta + self.train.recall_switch_beta > 0 and not self.data.recall_masks:
       raise ConfigError("data.recall_masks must be true when train.recall_beta or train.recall_switch_beta > 0")
     if self.eval.niah_samples and self.data.seq_len < NIAH_MIN_LENGTH:
-      raise ConfigError(f"eval.niah_samples needs data.seq_len >= {NIAH_MIN_LENGTH} (S-NIAH's 128-token "
-                        f"generation budget plus its prompt), got {self.data.seq_len}")
+      raise ConfigError(
+        f"eval.niah_samples needs data.seq_len >= {NIAH_MIN_LENGTH} (S-NIAH's 128-token "
+        f"generation budget plus its prompt), got {self.data.seq_len}"
+      )
 
 
 def _check_type(value, annotation, path):
@@ -525,9 +558,11 @@ def from_dict(cls, data, path=""):
 
 
 # Flat attention keys of earlier configs (and of checkpoints' config.json) and the section field they now fill.
-_FLAT_SECTION_KEYS = {"moba_block": ("moba", "block"), "moba_top_k": ("moba", "top_k"),
-                      **{f"zha_{name}": ("zha", name)
-                         for name in ("refs", "chunk", "levels", "top_p", "max_nodes", "distill")}}
+_FLAT_SECTION_KEYS = {
+  "moba_block": ("moba", "block"),
+  "moba_top_k": ("moba", "top_k"),
+  **{f"zha_{name}": ("zha", name) for name in ("refs", "chunk", "levels", "top_p", "max_nodes", "distill")},
+}
 
 
 def _nest_flat_sections(data, path):
@@ -574,8 +609,7 @@ def _merge(base, override):
   """Deep merge of two config dicts: `override` wins, sections merge key by key."""
   merged = dict(base)
   for key, value in override.items():
-    merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) \
-        else value
+    merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
   return merged
 
 
@@ -606,20 +640,31 @@ def load_config(path=None, overrides=()):
 
 def to_dict(config):
   """Plain nested dict of a config (tuples as lists), ready for `yaml.safe_dump`."""
-  return dataclasses.asdict(config, dict_factory=lambda items: {k: list(v) if isinstance(v, tuple) else v
-                                                                 for k, v in items})
+  return dataclasses.asdict(
+    config, dict_factory=lambda items: {k: list(v) if isinstance(v, tuple) else v for k, v in items}
+  )
 
 
 # Model shapes of FS App. A and a tiny one for CPU tests.
 MODEL_PRESETS = {
-    "fs_341m": dict(num_layers=24, d_model=1024, num_heads=16, head_dim=64),
-    "fs_743m": dict(num_layers=24, d_model=1536, num_heads=16, head_dim=96),
-    # configs/repro/repro_fs.yaml's shape, for benchmarks/decode.py --preset repro_43m.
-    "repro_43m": dict(num_layers=8, d_model=512, num_heads=8, head_dim=64,
-                      attention=AttentionConfig(window=128, cell=16, block=64, top_k=4, retain_top=32,
-                                                retain_recent=4)),
-    "tiny": dict(vocab_size=512, num_layers=2, d_model=64, num_heads=4, head_dim=16,
-                 attention=AttentionConfig(window=64, cell=8, block=32, top_k=2, retain_top=4, retain_recent=2)),
+  "fs_341m": dict(num_layers=24, d_model=1024, num_heads=16, head_dim=64),
+  "fs_743m": dict(num_layers=24, d_model=1536, num_heads=16, head_dim=96),
+  # configs/repro/repro_fs.yaml's shape, for benchmarks/decode.py --preset repro_43m.
+  "repro_43m": dict(
+    num_layers=8,
+    d_model=512,
+    num_heads=8,
+    head_dim=64,
+    attention=AttentionConfig(window=128, cell=16, block=64, top_k=4, retain_top=32, retain_recent=4),
+  ),
+  "tiny": dict(
+    vocab_size=512,
+    num_layers=2,
+    d_model=64,
+    num_heads=4,
+    head_dim=16,
+    attention=AttentionConfig(window=64, cell=8, block=32, top_k=2, retain_top=4, retain_recent=2),
+  ),
 }
 
 

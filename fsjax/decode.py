@@ -52,8 +52,9 @@ def prefill(model, variables, tokens, lengths, cache, chunk=DEFAULT_CHUNK, all_l
   outputs, last = [], None
   for start in range(0, padded, chunk):
     positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
-    logits, cache, _ = extend(model, variables, tokens[:, start:start + chunk], cache, positions,
-                              positions < lengths[:, None])
+    logits, cache, _ = extend(
+      model, variables, tokens[:, start : start + chunk], cache, positions, positions < lengths[:, None]
+    )
     if all_logits:
       outputs.append(logits)
     else:
@@ -100,8 +101,9 @@ def selected_cells(intermediates, config):
   return jnp.stack(per_layer, axis=2)
 
 
-def decode_loop(model, variables, cache, first_token, position, rng, *, max_new_tokens, eos_id, temperature,
-                top_p, return_cells=False):
+def decode_loop(
+  model, variables, cache, first_token, position, rng, *, max_new_tokens, eos_id, temperature, top_p, return_cells=False
+):
   """Generates on device with `lax.while_loop` until every row emitted EOS or `max_new_tokens` tokens.
 
   Args:
@@ -114,44 +116,89 @@ def decode_loop(model, variables, cache, first_token, position, rng, *, max_new_
     `[batch, max_new_tokens]` int32 tokens (first_token first; after EOS a row holds EOS), and the cells when
     `return_cells`.
   """
-  out, cells, _ = _decode_loop(model, variables, cache, first_token, position, rng, max_new_tokens=max_new_tokens,
-                               eos_id=eos_id, temperature=temperature, top_p=top_p, return_cells=return_cells)
+  out, cells, _ = _decode_loop(
+    model,
+    variables,
+    cache,
+    first_token,
+    position,
+    rng,
+    max_new_tokens=max_new_tokens,
+    eos_id=eos_id,
+    temperature=temperature,
+    top_p=top_p,
+    return_cells=return_cells,
+  )
   return (out, cells) if return_cells else out
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "eos_id", "temperature", "top_p",
-                                             "return_cells"), donate_argnames=("cache",))
-def _decode_loop(model, variables, cache, first_token, position, rng, *, max_new_tokens, eos_id, temperature,
-                 top_p, return_cells):
+@functools.partial(
+  jax.jit,
+  static_argnames=("model", "max_new_tokens", "eos_id", "temperature", "top_p", "return_cells"),
+  donate_argnames=("cache",),
+)
+def _decode_loop(
+  model, variables, cache, first_token, position, rng, *, max_new_tokens, eos_id, temperature, top_p, return_cells
+):
   """`decode_loop`, returning `(tokens, cells, final cache)`. Returning the cache lets XLA give the donated input
   buffers to the loop: otherwise it copies the whole cache into the loop's state, doubling its memory."""
   batch = first_token.shape[0]
   config = model.config
   out = jnp.full((batch, max_new_tokens), eos_id, jnp.int32).at[:, 0].set(first_token)
-  cells_shape = ((batch, max_new_tokens, config.num_layers, config.num_heads, config.attention.top_k)
-                 if return_cells else (0,))
-  state = _Loop(cache=cache, token=first_token, position=position, out=out, done=first_token == eos_id,
-                step=jnp.int32(1), rng=rng, cells=jnp.full(cells_shape, -1, jnp.int32))
+  cells_shape = (
+    (batch, max_new_tokens, config.num_layers, config.num_heads, config.attention.top_k) if return_cells else (0,)
+  )
+  state = _Loop(
+    cache=cache,
+    token=first_token,
+    position=position,
+    out=out,
+    done=first_token == eos_id,
+    step=jnp.int32(1),
+    rng=rng,
+    cells=jnp.full(cells_shape, -1, jnp.int32),
+  )
 
   def cond(s):
     return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
   def body(s):
-    logits, cache, intermediates = _apply(model, variables, s.token[:, None], s.cache, s.position[:, None],
-                                          jnp.ones((batch, 1), bool))
+    logits, cache, intermediates = _apply(
+      model, variables, s.token[:, None], s.cache, s.position[:, None], jnp.ones((batch, 1), bool)
+    )
     rng, key = jax.random.split(s.rng)
     token = jnp.where(s.done, eos_id, sample(logits[:, 0], key, temperature, top_p))
-    cells = s.cells.at[:, s.step - 1].set(selected_cells(intermediates, config)[:, 0]) if return_cells \
-        else s.cells
-    return _Loop(cache=cache, token=token, position=s.position + 1, out=s.out.at[:, s.step].set(token),
-                 done=s.done | (token == eos_id), step=s.step + 1, rng=rng, cells=cells)
+    cells = s.cells.at[:, s.step - 1].set(selected_cells(intermediates, config)[:, 0]) if return_cells else s.cells
+    return _Loop(
+      cache=cache,
+      token=token,
+      position=s.position + 1,
+      out=s.out.at[:, s.step].set(token),
+      done=s.done | (token == eos_id),
+      step=s.step + 1,
+      rng=rng,
+      cells=cells,
+    )
 
   final = jax.lax.while_loop(cond, body, state)
   return final.out, final.cells, final.cache
 
 
-def generate(model, variables, tokens, lengths, *, max_new_tokens, eos_id, temperature=0.0, top_p=1.0, seed=0,
-             chunk=DEFAULT_CHUNK, max_len=None, return_cells=False):
+def generate(
+  model,
+  variables,
+  tokens,
+  lengths,
+  *,
+  max_new_tokens,
+  eos_id,
+  temperature=0.0,
+  top_p=1.0,
+  seed=0,
+  chunk=DEFAULT_CHUNK,
+  max_len=None,
+  return_cells=False,
+):
   """Prefill right-padded prompts, then decode on device.
 
   Returns:
@@ -164,11 +211,23 @@ def generate(model, variables, tokens, lengths, *, max_new_tokens, eos_id, tempe
   lengths = jnp.asarray(lengths, jnp.int32)
   max_len = max_len or tokens.shape[1] + max_new_tokens
   if tokens.shape[1] + max_new_tokens > max_len:
-    raise ValueError(f"max_len ({max_len}) must hold the prompt ({tokens.shape[1]}) + max_new_tokens "
-                     f"({max_new_tokens})")
+    raise ValueError(
+      f"max_len ({max_len}) must hold the prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens})"
+    )
   cache = init_cache(model.config, tokens.shape[0], max_len)
   last, cache = prefill(model, variables, tokens, lengths, cache, chunk, all_logits=False)
   rng, key = jax.random.split(jax.random.PRNGKey(seed))
   first = sample(last, key, temperature, top_p)
-  return decode_loop(model, variables, cache, first, lengths, rng, max_new_tokens=max_new_tokens, eos_id=eos_id,
-                     temperature=temperature, top_p=top_p, return_cells=return_cells)
+  return decode_loop(
+    model,
+    variables,
+    cache,
+    first,
+    lengths,
+    rng,
+    max_new_tokens=max_new_tokens,
+    eos_id=eos_id,
+    temperature=temperature,
+    top_p=top_p,
+    return_cells=return_cells,
+  )

@@ -31,9 +31,14 @@ def parse_args(argv):
   parser.add_argument("--top-p", type=float, default=1.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a model config field, e.g. --set attention.kind=fsb (FS-B on an FS "
-                      "checkpoint, after python -m fsjax.calibrate)")
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="override a model config field, e.g. --set attention.kind=fsb (FS-B on an FS "
+    "checkpoint, after python -m fsjax.calibrate)",
+  )
   return parser.parse_args(argv)
 
 
@@ -54,15 +59,24 @@ def main(argv=None):
     ids = tokenizer.encode(args.prompt).ids
     if not ids:
       raise ConfigError("the prompt encodes to no tokens")
-    out = generate(loaded.model, loaded.variables, jnp.asarray([ids]), [len(ids)],
-                   max_new_tokens=args.max_new_tokens, eos_id=eos_id(tokenizer), temperature=args.temperature,
-                   top_p=args.top_p, seed=args.seed, chunk=args.chunk)
+    out = generate(
+      loaded.model,
+      loaded.variables,
+      jnp.asarray([ids]),
+      [len(ids)],
+      max_new_tokens=args.max_new_tokens,
+      eos_id=eos_id(tokenizer),
+      temperature=args.temperature,
+      top_p=args.top_p,
+      seed=args.seed,
+      chunk=args.chunk,
+    )
   except (ConfigError, CheckpointError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   new = [int(t) for t in out[0]]
   if eos_id(tokenizer) in new:
-    new = new[:new.index(eos_id(tokenizer))]
+    new = new[: new.index(eos_id(tokenizer))]
   print(args.prompt + tokenizer.decode(new))
   return 0
 

@@ -33,6 +33,7 @@ class Kind:
       cache; `bounded=False` asks for the kind's unbounded reference cache where it has one.
     capacity: `(attention_config, max_len)` → token slots per layer of that cache.
   """
+
   name: str
   family: str
   section: str | None
@@ -69,8 +70,9 @@ def _freesolo_module(att, **common):
 
 
 def _dense_module(att, **common):
-  return DenseAttention(kind=att.kind, window=att.window, moba_block=att.moba.block, moba_top_k=att.moba.top_k,
-                        impl=att.impl, **common)
+  return DenseAttention(
+    kind=att.kind, window=att.window, moba_block=att.moba.block, moba_top_k=att.moba.top_k, impl=att.impl, **common
+  )
 
 
 def _zha_module(att, **common):
@@ -106,21 +108,36 @@ def _zha_cache(att, batch, capacity, heads, head_dim, dtype, bounded):
   return empty_zha(batch, capacity, heads, head_dim, att.zha.tree, dtype)
 
 
-_FREESOLO = dict(family="freesolo", section=None, validate=_routing_rules, module=_freesolo_module,
-                 capacity=_block_capacity)
+_FREESOLO = dict(
+  family="freesolo", section=None, validate=_routing_rules, module=_freesolo_module, capacity=_block_capacity
+)
 _DENSE = dict(family="dense", validate=_no_rules, module=_dense_module, cache=_store)
 
-REGISTRY = {kind.name: kind for kind in (
+REGISTRY = {
+  kind.name: kind
+  for kind in (
     Kind("fs", cache=_archive, **_FREESOLO),
     Kind("fsl", cache=_fsl_cache, **_FREESOLO),
     Kind("fsb", cache=_fsb_cache, **_FREESOLO),
     Kind("tfpp", section=None, capacity=_block_capacity, **_DENSE),
     Kind("swa", section=None, capacity=lambda att, max_len: att.window + 1, **_DENSE),  # a ring of w + 1 slots
-    Kind("moba", section="moba", capacity=lambda att, max_len: _whole_units(max_len, att.cell, att.block,
-                                                                            att.moba.block), **_DENSE),
-    Kind("zha", family="zha", section="zha", validate=_zha_rules, module=_zha_module, cache=_zha_cache,
-         capacity=_block_capacity),
-)}
+    Kind(
+      "moba",
+      section="moba",
+      capacity=lambda att, max_len: _whole_units(max_len, att.cell, att.block, att.moba.block),
+      **_DENSE,
+    ),
+    Kind(
+      "zha",
+      family="zha",
+      section="zha",
+      validate=_zha_rules,
+      module=_zha_module,
+      cache=_zha_cache,
+      capacity=_block_capacity,
+    ),
+  )
+}
 
 
 def names(family=None):

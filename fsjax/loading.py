@@ -31,6 +31,7 @@ class LoadedModel:
     variables: `{"params": ..., **frozen collections}`, with FS-B's τ in "routing" when the model is FS-B.
     step: the checkpoint's step.
   """
+
   name: str
   config: Config
   model: Transformer
@@ -62,7 +63,8 @@ def load_model(checkpoint, overrides=()):
   model_config = override_model(config.model, list(overrides))
   variables = {"params": params, **attach_tau(model_config, frozen, checkpoint)}
   name = f"{Path(checkpoint).name}@{step}" + "".join(
-      f"[{key.split('.')[-1]}={value}]" for key, value in (a.split("=", 1) for a in overrides))
+    f"[{key.split('.')[-1]}={value}]" for key, value in (a.split("=", 1) for a in overrides)
+  )
   return LoadedModel(name=name, config=config, model=Transformer(model_config), variables=variables, step=step)
 
 
@@ -88,17 +90,20 @@ def attach_tau(model_config, frozen, checkpoint_path):
     return frozen
   path, step = calibration_path(checkpoint_path)
   if not os.path.exists(path):
-    raise CheckpointError(f"an FS-B model needs τ: run `python -m fsjax.calibrate --checkpoint {checkpoint_path}` "
-                          f"first (no {path})")
+    raise CheckpointError(
+      f"an FS-B model needs τ: run `python -m fsjax.calibrate --checkpoint {checkpoint_path}` first (no {path})"
+    )
   with open(path) as f:
     saved = json.load(f)
   if saved["step"] != step:
-    raise CheckpointError(f"{path} was computed for step {saved['step']}, the checkpoint is step {step}: "
-                          "calibrate again")
+    raise CheckpointError(
+      f"{path} was computed for step {saved['step']}, the checkpoint is step {step}: calibrate again"
+    )
   tau = jnp.asarray(saved["tau"], jnp.float32)  # [layers, heads]
   if tau.shape != (model_config.num_layers, model_config.num_heads):
-    raise CheckpointError(f"{path} holds τ of shape {tuple(tau.shape)}, the model needs "
-                          f"{(model_config.num_layers, model_config.num_heads)}")
+    raise CheckpointError(
+      f"{path} holds τ of shape {tuple(tau.shape)}, the model needs {(model_config.num_layers, model_config.num_heads)}"
+    )
   return with_tau(model_config, frozen, tau)
 
 
@@ -109,9 +114,16 @@ def with_tau(model_config, variables, tau):
   set_tau = lambda entry, value: {**entry, "tau": value}
   if model_config.scan_layers:
     layers = routing["layers"]
-    routing = {**routing, "layers": {**layers, "layer": {**layers["layer"], "attention": set_tau(
-        layers["layer"]["attention"], tau)}}}
+    routing = {
+      **routing,
+      "layers": {**layers, "layer": {**layers["layer"], "attention": set_tau(layers["layer"]["attention"], tau)}},
+    }
   else:
-    routing = {**routing, **{f"layer_{i}": {**routing[f"layer_{i}"], "attention": set_tau(
-        routing[f"layer_{i}"]["attention"], tau[i])} for i in range(model_config.num_layers)}}
+    routing = {
+      **routing,
+      **{
+        f"layer_{i}": {**routing[f"layer_{i}"], "attention": set_tau(routing[f"layer_{i}"]["attention"], tau[i])}
+        for i in range(model_config.num_layers)
+      },
+    }
   return {**variables, "routing": routing}

@@ -19,26 +19,35 @@ EMBED_INIT_STD = 0.02  # keeps tied-embedding logits O(1) at init (LLaMA's choic
 def make_attention(config: ModelConfig, name=None):
   """The attention module of `config.attention.kind`, built by its entry in `fsjax.kinds`."""
   att = config.attention
-  return kinds.get(att.kind).module(att, num_heads=config.num_heads, head_dim=config.head_dim,
-                                    rope_theta=att.rope_theta, dtype=jnp.dtype(config.dtype),
-                                    param_dtype=jnp.dtype(config.param_dtype), name=name)
+  return kinds.get(att.kind).module(
+    att,
+    num_heads=config.num_heads,
+    head_dim=config.head_dim,
+    rope_theta=att.rope_theta,
+    dtype=jnp.dtype(config.dtype),
+    param_dtype=jnp.dtype(config.param_dtype),
+    name=name,
+  )
 
 
 class SwiGLU(nn.Module):
   """`x [.., d_model]` → `W_down(silu(W_gate x) * W_up x)`."""
+
   hidden: int
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x):
-    dense = lambda features, name: nn.Dense(features, use_bias=False, dtype=self.dtype,
-                                            param_dtype=self.param_dtype, name=name)
+    dense = lambda features, name: nn.Dense(
+      features, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name
+    )
     return dense(x.shape[-1], "down")(nn.silu(dense(self.hidden, "gate")(x)) * dense(self.hidden, "up")(x))
 
 
 class DecoderLayer(nn.Module):
   """`x + attention(RMSNorm(x))`, then `x + SwiGLU(RMSNorm(x))`; with a cache, returns `(x, new_cache)`."""
+
   config: ModelConfig
 
   @nn.compact
@@ -62,6 +71,7 @@ class ScannedLayer(nn.Module):
   (`fsjax.cache.layer_of`): scanning the cache as per-layer slices would copy every layer's cache out and
   back at each step.
   """
+
   config: ModelConfig
 
   @nn.compact
@@ -77,9 +87,13 @@ class ScannedLayer(nn.Module):
 def _scanned_layers(config: ModelConfig):
   """All layers as one scanned module over the layer index: parameters, routing buffers and sown intermediates
   stacked on axis 0; x and the stacked cache carried; positions and valid broadcast."""
-  return nn.scan(ScannedLayer, variable_axes={"params": 0, ROUTING: 0, "intermediates": 0},
-                 split_rngs={"params": True}, in_axes=(0, nn.broadcast, nn.broadcast),
-                 length=config.num_layers)(config, name="layers")
+  return nn.scan(
+    ScannedLayer,
+    variable_axes={"params": 0, ROUTING: 0, "intermediates": 0},
+    split_rngs={"params": True},
+    in_axes=(0, nn.broadcast, nn.broadcast),
+    length=config.num_layers,
+  )(config, name="layers")
 
 
 class Transformer(nn.Module):
@@ -89,18 +103,26 @@ class Transformer(nn.Module):
   (`valid` `[batch, C]` marks real tokens; right padding is not cached) and the call returns
   `(logits, new_cache)`. Layers are `layer_0..layer_{L-1}`, or one scanned `layers` (`config.scan_layers`).
   """
+
   config: ModelConfig
 
   @nn.compact
   def __call__(self, tokens, cache=None, positions=None, valid=None):
     c = self.config
-    embed = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(EMBED_INIT_STD),
-                     dtype=c.dtype, param_dtype=c.param_dtype, name="embed")
+    embed = nn.Embed(
+      c.vocab_size,
+      c.d_model,
+      embedding_init=nn.initializers.normal(EMBED_INIT_STD),
+      dtype=c.dtype,
+      param_dtype=c.param_dtype,
+      name="embed",
+    )
     x = embed(tokens)
     new_cache = {}
     if c.scan_layers:
-      (x, new_cache["layers"]), _ = _scanned_layers(c)((x, None if cache is None else cache["layers"]),
-                                                       jnp.arange(c.num_layers), positions, valid)
+      (x, new_cache["layers"]), _ = _scanned_layers(c)(
+        (x, None if cache is None else cache["layers"]), jnp.arange(c.num_layers), positions, valid
+      )
     else:
       layer = nn.remat(DecoderLayer) if c.remat else DecoderLayer
       for i in range(c.num_layers):
@@ -113,8 +135,7 @@ class Transformer(nn.Module):
     if c.tie_embeddings:
       logits = embed.attend(x)
     else:
-      logits = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
-                        name="lm_head")(x)
+      logits = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype, name="lm_head")(x)
     logits = logits.astype(jnp.float32)
     return logits if cache is None else (logits, new_cache)
 
@@ -126,8 +147,7 @@ def init_variables(config: ModelConfig, rng, seq_len=None):
 
 
 def _param_group(names):
-  for module, group in (("attention", "attention"), ("mlp", "mlp"), ("embed", "embedding"),
-                        ("lm_head", "lm_head")):
+  for module, group in (("attention", "attention"), ("mlp", "mlp"), ("embed", "embedding"), ("lm_head", "lm_head")):
     if module in names:
       return group
   return "norm"

@@ -37,6 +37,7 @@ FILL_PROGRAMS = 256
 class BlockSizes:
   """Queries per program and cells scored per loop step (both powers of two, >= 16 when compiled); `splits`:
   cell ranges per (query tile, batch, head), None to split only as far as needed to fill the GPU."""
+
   queries: int = 64
   cells: int = 64
   num_warps: int = 4
@@ -73,8 +74,26 @@ def _extract_into(carry, *, first, lane):
   return top_values, top_indices, jnp.where(lane[None, :] == arg[:, None], -jnp.inf, scores)
 
 
-def _cell_topk_kernel(q_ref, pos_ref, mean_ref, amp_ref, death_ref, inv_sigma_ref, idx_ref, value_ref, *, cell,
-                      block, top_k, retain_recent, chunk, steps_per_split, pruned, scale, precision):
+def _cell_topk_kernel(
+  q_ref,
+  pos_ref,
+  mean_ref,
+  amp_ref,
+  death_ref,
+  inv_sigma_ref,
+  idx_ref,
+  value_ref,
+  *,
+  cell,
+  block,
+  top_k,
+  retain_recent,
+  chunk,
+  steps_per_split,
+  pruned,
+  scale,
+  precision,
+):
   """q_ref `[Bq, d]`, pos_ref `[Bq]`, mean_ref `[M', d]`, amp_ref / death_ref `[M']` (λ_h a_c and Eq. 8 death
   blocks), inv_sigma_ref `[H']` (1/(2σ_h)) → idx_ref, value_ref `[Bq, K']`: the top-K of this program's cell
   range (chunks `split · steps_per_split` onwards) and their scores."""
@@ -91,8 +110,10 @@ def _cell_topk_kernel(q_ref, pos_ref, mean_ref, amp_ref, death_ref, inv_sigma_re
     first = step * chunk
     c = first + lane
     mean = mean_ref[pl.ds(first, chunk), :].astype(jnp.float32)
-    content = jax.lax.dot_general(q, mean, (((1,), (1,)), ((), ())), precision=precision,
-                                  preferred_element_type=jnp.float32) * scale
+    content = (
+      jax.lax.dot_general(q, mean, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+      * scale
+    )
     amplitude = amp_ref[pl.ds(first, chunk)][None, :]
 
     def prior_with_erf():
@@ -112,12 +133,14 @@ def _cell_topk_kernel(q_ref, pos_ref, mean_ref, amp_ref, death_ref, inv_sigma_re
     scores = jnp.where(available & (scores > top_values[-1][:, None]), scores, -jnp.inf)
     contenders = jnp.minimum(jnp.max(jnp.sum((scores > -jnp.inf).astype(jnp.int32), axis=1)), top_k)
     top_values, top_indices, _ = jax.lax.fori_loop(
-        0, contenders, lambda _, carry: _extract_into(carry, first=first, lane=lane),
-        (top_values, top_indices, scores))
+      0, contenders, lambda _, carry: _extract_into(carry, first=first, lane=lane), (top_values, top_indices, scores)
+    )
     return top_values, top_indices
 
-  init = (tuple(jnp.full(pos.shape, -jnp.inf, jnp.float32) for _ in range(top_k)),
-          tuple(jnp.full(pos.shape, NO_CELL, jnp.int32) for _ in range(top_k)))
+  init = (
+    tuple(jnp.full(pos.shape, -jnp.inf, jnp.float32) for _ in range(top_k)),
+    tuple(jnp.full(pos.shape, NO_CELL, jnp.int32) for _ in range(top_k)),
+  )
   first_step = pl.program_id(3) * steps_per_split
   num_steps = jnp.minimum((jnp.max(num_eligible) + chunk - 1) // chunk, first_step + steps_per_split)
   top_values, top_indices = jax.lax.fori_loop(first_step, num_steps, body, init)
@@ -138,11 +161,28 @@ def _num_splits(sizes, *, programs, num_chunks):
   return max(1, min(wanted, num_chunks))
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "cell", "block", "top_k", "retain_top", "retain_recent",
-                                             "block_sizes", "interpret"))
-def select_from_summaries(q, positions, mean_keys, max_norms, death=None, *, variant="fs", lam=1.0, sigma=4.0,
-                          cell=32, block=128, top_k=4, retain_top=64, retain_recent=8, block_sizes=None,
-                          interpret=None):
+@functools.partial(
+  jax.jit,
+  static_argnames=("variant", "cell", "block", "top_k", "retain_top", "retain_recent", "block_sizes", "interpret"),
+)
+def select_from_summaries(
+  q,
+  positions,
+  mean_keys,
+  max_norms,
+  death=None,
+  *,
+  variant="fs",
+  lam=1.0,
+  sigma=4.0,
+  cell=32,
+  block=128,
+  top_k=4,
+  retain_top=64,
+  retain_recent=8,
+  block_sizes=None,
+  interpret=None,
+):
   """Top-K cells (Eq. 6-8) for queries at `positions`, given the cell summaries (Eq. 5).
 
   Args:
@@ -174,8 +214,10 @@ def select_from_summaries(q, positions, mean_keys, max_norms, death=None, *, var
   if variant == "fs":
     death = jnp.zeros_like(max_norms, jnp.int32)
   elif death is None or death.shape != max_norms.shape:
-    raise ValueError(f"variant 'fsl' needs death blocks shaped like max_norms {max_norms.shape}, got "
-                     f"{None if death is None else death.shape}")
+    raise ValueError(
+      f"variant 'fsl' needs death blocks shaped like max_norms {max_norms.shape}, got "
+      f"{None if death is None else death.shape}"
+    )
 
   tile, chunk = min(sizes.queries, pl.next_power_of_2(seq)), sizes.cells
   padded_seq = pl.cdiv(seq, tile) * tile
@@ -190,32 +232,38 @@ def select_from_summaries(q, positions, mean_keys, max_norms, death=None, *, var
   inv_two_sigma = pad_axis(1.0 / (2.0 * sigma), 0, pl.next_power_of_2(heads), 1.0)
   dim = q.shape[-1]
 
-  kernel = functools.partial(_cell_topk_kernel, cell=cell, block=block, top_k=top_k,
-                             retain_recent=retain_recent, chunk=chunk,
-                             steps_per_split=pl.cdiv(padded_cells // chunk, splits), pruned=variant == "fsl",
-                             scale=1.0 / math.sqrt(head_dim),
-                             # Tensor cores in three TF32 passes keep float32 accuracy; the CPU interpreter has
-                             # no such algorithm and multiplies in full float32.
-                             precision=(jax.lax.Precision.HIGHEST if interpret
-                                        else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3))
+  kernel = functools.partial(
+    _cell_topk_kernel,
+    cell=cell,
+    block=block,
+    top_k=top_k,
+    retain_recent=retain_recent,
+    chunk=chunk,
+    steps_per_split=pl.cdiv(padded_cells // chunk, splits),
+    pruned=variant == "fsl",
+    scale=1.0 / math.sqrt(head_dim),
+    # Tensor cores in three TF32 passes keep float32 accuracy; the CPU interpreter has
+    # no such algorithm and multiplies in full float32.
+    precision=(jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3),
+  )
   out_spec = pl.BlockSpec((None, tile, None, None, padded_k), lambda i, b, h, s: (b, i, h, s, 0))
   out_shape = (batch, padded_seq, heads, splits, padded_k)
   idx, values = pl.pallas_call(
-      kernel,
-      grid=(padded_seq // tile, batch, heads, splits),
-      in_specs=[
-          pl.BlockSpec((None, tile, None, dim), lambda i, b, h, s: (b, i, h, 0)),
-          pl.BlockSpec((None, tile), lambda i, b, h, s: (b, i)),
-          pl.BlockSpec((None, padded_cells, None, dim), lambda i, b, h, s: (b, 0, h, 0)),
-          pl.BlockSpec((None, padded_cells, None), lambda i, b, h, s: (b, 0, h)),
-          pl.BlockSpec((None, padded_cells, None), lambda i, b, h, s: (b, 0, h)),
-          pl.BlockSpec(inv_two_sigma.shape, lambda i, b, h, s: (0,)),
-      ],
-      out_specs=[out_spec, out_spec],
-      out_shape=[jax.ShapeDtypeStruct(out_shape, jnp.int32), jax.ShapeDtypeStruct(out_shape, jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
-      interpret=interpret,
-      name="freesolo_cell_topk",
+    kernel,
+    grid=(padded_seq // tile, batch, heads, splits),
+    in_specs=[
+      pl.BlockSpec((None, tile, None, dim), lambda i, b, h, s: (b, i, h, 0)),
+      pl.BlockSpec((None, tile), lambda i, b, h, s: (b, i)),
+      pl.BlockSpec((None, padded_cells, None, dim), lambda i, b, h, s: (b, 0, h, 0)),
+      pl.BlockSpec((None, padded_cells, None), lambda i, b, h, s: (b, 0, h)),
+      pl.BlockSpec((None, padded_cells, None), lambda i, b, h, s: (b, 0, h)),
+      pl.BlockSpec(inv_two_sigma.shape, lambda i, b, h, s: (0,)),
+    ],
+    out_specs=[out_spec, out_spec],
+    out_shape=[jax.ShapeDtypeStruct(out_shape, jnp.int32), jax.ShapeDtypeStruct(out_shape, jnp.float32)],
+    compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
+    interpret=interpret,
+    name="freesolo_cell_topk",
   )(q, positions, mean_keys, amplitude, death, inv_two_sigma)
   idx, values = idx[:, :seq, :, :, :top_k], values[:, :seq, :, :, :top_k]
   if splits == 1:
@@ -223,4 +271,3 @@ def select_from_summaries(q, positions, mean_keys, max_norms, death=None, *, var
   # Ranges in cell order, each best first: lax.top_k's lower-position-first ties are the kernel's lower cell.
   _, best = jax.lax.top_k(values.reshape(*values.shape[:3], -1), top_k)
   return jnp.take_along_axis(idx.reshape(*idx.shape[:3], -1), best, axis=-1)
-

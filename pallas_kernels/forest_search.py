@@ -36,8 +36,28 @@ def _place(node, rank, slot_of, beam):
   return jnp.max(jnp.where(hit, node[:, None, :], NO_NODE), axis=2)
 
 
-def _beam_kernel(q_ref, pos_ref, root_ref, lam_ref, sigma_ref, layer_ref, mu_ref, rho_ref, amax_ref, pmin_ref,
-                 first_ref, leaf_ref, child0_ref, child1_ref, out_ref, *, beam, steps, bound_c, scale):
+def _beam_kernel(
+  q_ref,
+  pos_ref,
+  root_ref,
+  lam_ref,
+  sigma_ref,
+  layer_ref,
+  mu_ref,
+  rho_ref,
+  amax_ref,
+  pmin_ref,
+  first_ref,
+  leaf_ref,
+  child0_ref,
+  child1_ref,
+  out_ref,
+  *,
+  beam,
+  steps,
+  bound_c,
+  scale,
+):
   """FS-B Eq. 11 for a tile of queries over one (batch, head)'s node table. q_ref `[BQ, d]`, pos_ref / root_ref
   `[BQ]`, lam_ref / sigma_ref / layer_ref `[1]`, node refs `[L, N(, d)]` of which layer `layer_ref[0]` is read →
   out_ref `[BQ, W]` the final beam's leaf cells.
@@ -86,8 +106,7 @@ def _beam_kernel(q_ref, pos_ref, root_ref, lam_ref, sigma_ref, layer_ref, mu_ref
 
 
 @functools.partial(jax.jit, static_argnames=("beam", "steps", "bound_c", "block_q", "interpret"))
-def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c, layer=None, block_q=8,
-                interpret=None):
+def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c, layer=None, block_q=8, interpret=None):
   """FS-B beam search (FS Eq. 11) of every query over its (batch, head)'s forest node table.
 
   Args:
@@ -117,22 +136,31 @@ def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c,
   table_spec = pl.BlockSpec((layers, None, None, num_nodes), lambda b, h, t: (0, b, h, 0))
   order = ("rho", "amax", "pmin", "first", "leaf", "child0", "child1")
   out = pl.pallas_call(
-      functools.partial(_beam_kernel, beam=beam, steps=steps, bound_c=bound_c, scale=1.0 / math.sqrt(dim)),
-      grid=(batch, heads, padded // block_q),
-      in_specs=[pl.BlockSpec((None, block_q, None, width), lambda b, h, t: (b, t, h, 0)),
-                pl.BlockSpec((None, block_q), lambda b, h, t: (b, t)),
-                pl.BlockSpec((None, block_q, None), lambda b, h, t: (b, t, h)),
-                pl.BlockSpec((1,), lambda b, h, t: (h,)),
-                pl.BlockSpec((1,), lambda b, h, t: (h,)),
-                pl.BlockSpec((1,), lambda b, h, t: (0,)),
-                pl.BlockSpec((layers, None, None, num_nodes, width), lambda b, h, t: (0, b, h, 0, 0)),
-                *([table_spec] * len(order))],
-      out_specs=pl.BlockSpec((None, block_q, None, beam), lambda b, h, t: (b, t, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((batch, padded, heads, beam), jnp.int32),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-      interpret=interpret,
-      name="fsb_beam_search",
-  )(q, positions, roots, lam.astype(jnp.float32), sigma.astype(jnp.float32),
-    layer_index, pad_head_dim(mu.astype(jnp.float32)), *(nodes[name].astype(
-        jnp.float32 if name in ("rho", "amax", "pmin") else jnp.int32) for name in order))
+    functools.partial(_beam_kernel, beam=beam, steps=steps, bound_c=bound_c, scale=1.0 / math.sqrt(dim)),
+    grid=(batch, heads, padded // block_q),
+    in_specs=[
+      pl.BlockSpec((None, block_q, None, width), lambda b, h, t: (b, t, h, 0)),
+      pl.BlockSpec((None, block_q), lambda b, h, t: (b, t)),
+      pl.BlockSpec((None, block_q, None), lambda b, h, t: (b, t, h)),
+      pl.BlockSpec((1,), lambda b, h, t: (h,)),
+      pl.BlockSpec((1,), lambda b, h, t: (h,)),
+      pl.BlockSpec((1,), lambda b, h, t: (0,)),
+      pl.BlockSpec((layers, None, None, num_nodes, width), lambda b, h, t: (0, b, h, 0, 0)),
+      *([table_spec] * len(order)),
+    ],
+    out_specs=pl.BlockSpec((None, block_q, None, beam), lambda b, h, t: (b, t, h, 0)),
+    out_shape=jax.ShapeDtypeStruct((batch, padded, heads, beam), jnp.int32),
+    compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+    interpret=interpret,
+    name="fsb_beam_search",
+  )(
+    q,
+    positions,
+    roots,
+    lam.astype(jnp.float32),
+    sigma.astype(jnp.float32),
+    layer_index,
+    pad_head_dim(mu.astype(jnp.float32)),
+    *(nodes[name].astype(jnp.float32 if name in ("rho", "amax", "pmin") else jnp.int32) for name in order),
+  )
   return out[:, :count]

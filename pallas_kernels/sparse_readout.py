@@ -31,6 +31,7 @@ _UNUSED = jnp.iinfo(jnp.int32).max  # sorts after every cell index
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Queries per program (a power of two, >= 16 when compiled) and Triton launch options."""
+
   queries: int = 64
   num_warps: int = 4
   num_stages: int = 2
@@ -44,8 +45,9 @@ def _dot(a, b, contract=(1, 1)):
   """`a @ b.T` (contract=(1, 1)), `a.T @ b` ((0, 0)) or `a @ b` ((1, 0)) with float32 accumulation; float32
   inputs multiply in full precision."""
   precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-  return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(
+    a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+  )
 
 
 def _selected(idx, cell_index):
@@ -88,8 +90,9 @@ def _probabilities(q, keys, idx, lse, cell_index, scale):
   return jnp.where(_selected(idx, cell_index)[:, None], jnp.exp(logits - lse), 0.0)
 
 
-def _backward_dq_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, count_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-                        cell, scale):
+def _backward_dq_kernel(
+  q_ref, k_ref, v_ref, idx_ref, union_ref, count_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cell, scale
+):
   """Query-major: dq_ref `[Bq, d]` from the tile's selected cells (the forward walk)."""
   q, idx, do = q_ref[...], idx_ref[...], do_ref[...]
   lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]  # delta = rowsum(do · o)
@@ -106,8 +109,23 @@ def _backward_dq_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, count_ref, do_r
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _backward_dkv_kernel(k_ref, v_ref, q_ref, idx_ref, do_ref, lse_ref, delta_ref, readers_ref, offsets_ref,
-                         dk_ref, dv_ref, *, cell, tile, scale):
+def _backward_dkv_kernel(
+  k_ref,
+  v_ref,
+  q_ref,
+  idx_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  readers_ref,
+  offsets_ref,
+  dk_ref,
+  dv_ref,
+  *,
+  cell,
+  tile,
+  scale,
+):
   """Key-major: one cell's dk_ref, dv_ref `[s, d]`, summed over the query tiles that selected it
   (readers_ref `[P]`: tile indices grouped by cell; offsets_ref `[M + 1]`: each cell's range in it)."""
   c = pl.program_id(0)
@@ -148,8 +166,7 @@ def tile_unions(cell_idx, tile):
 def _prepare(q, k, v, cell_idx, tile):
   """Pads T to the tile, head_dim and K to powers of two; returns padded arrays and the tile unions."""
   padded_seq = pl.cdiv(q.shape[1], tile) * tile
-  cell_idx = pad_axis(pad_axis(cell_idx, 3, pl.next_power_of_2(cell_idx.shape[3]), NO_CELL), 1, padded_seq,
-                      NO_CELL)
+  cell_idx = pad_axis(pad_axis(cell_idx, 3, pl.next_power_of_2(cell_idx.shape[3]), NO_CELL), 1, padded_seq, NO_CELL)
   unions, counts = tile_unions(cell_idx, tile)
   return pad_axis(pad_head_dim(q), 1, padded_seq), pad_head_dim(k), pad_head_dim(v), cell_idx, unions, counts
 
@@ -157,12 +174,12 @@ def _prepare(q, k, v, cell_idx, tile):
 def _specs(tile, seq_k, dim, top_k, union, num_tiles):
   """BlockSpecs of (q, k, v, cell_idx, unions, counts) on the grid (tile, batch, head)."""
   return [
-      pl.BlockSpec((None, tile, None, dim), lambda i, b, h: (b, i, h, 0)),
-      pl.BlockSpec((None, seq_k, None, dim), lambda i, b, h: (b, 0, h, 0)),
-      pl.BlockSpec((None, seq_k, None, dim), lambda i, b, h: (b, 0, h, 0)),
-      pl.BlockSpec((None, tile, None, top_k), lambda i, b, h: (b, i, h, 0)),
-      pl.BlockSpec((None, None, None, union), lambda i, b, h: (b, h, i, 0)),
-      pl.BlockSpec((None, None, num_tiles), lambda i, b, h: (b, h, 0)),
+    pl.BlockSpec((None, tile, None, dim), lambda i, b, h: (b, i, h, 0)),
+    pl.BlockSpec((None, seq_k, None, dim), lambda i, b, h: (b, 0, h, 0)),
+    pl.BlockSpec((None, seq_k, None, dim), lambda i, b, h: (b, 0, h, 0)),
+    pl.BlockSpec((None, tile, None, top_k), lambda i, b, h: (b, i, h, 0)),
+    pl.BlockSpec((None, None, None, union), lambda i, b, h: (b, h, i, 0)),
+    pl.BlockSpec((None, None, num_tiles), lambda i, b, h: (b, h, 0)),
   ]
 
 
@@ -172,8 +189,9 @@ def _row_spec(tile):
 
 
 def _launch_options(sizes, interpret):
-  return dict(compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
-              interpret=interpret)
+  return dict(
+    compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages), interpret=interpret
+  )
 
 
 def _forward(q, k, v, cell_idx, cell, sizes, interpret):
@@ -184,14 +202,13 @@ def _forward(q, k, v, cell_idx, cell, sizes, interpret):
   num_tiles = qp.shape[1] // tile
   kernel = functools.partial(_forward_kernel, cell=cell, scale=1.0 / math.sqrt(head_dim))
   out, lse = pl.pallas_call(
-      kernel,
-      grid=(num_tiles, batch, heads),
-      in_specs=_specs(tile, kp.shape[1], qp.shape[-1], idx.shape[-1], unions.shape[-1], num_tiles),
-      out_specs=[pl.BlockSpec((None, tile, None, qp.shape[-1]), lambda i, b, h: (b, i, h, 0)), _row_spec(tile)],
-      out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, qp.shape[1]), jnp.float32)],
-      name="freesolo_sparse_readout_fwd",
-      **_launch_options(sizes, interpret),
+    kernel,
+    grid=(num_tiles, batch, heads),
+    in_specs=_specs(tile, kp.shape[1], qp.shape[-1], idx.shape[-1], unions.shape[-1], num_tiles),
+    out_specs=[pl.BlockSpec((None, tile, None, qp.shape[-1]), lambda i, b, h: (b, i, h, 0)), _row_spec(tile)],
+    out_shape=[jax.ShapeDtypeStruct(qp.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, qp.shape[1]), jnp.float32)],
+    name="freesolo_sparse_readout_fwd",
+    **_launch_options(sizes, interpret),
   )(qp, kp, vp, idx, unions, counts)
   return out[:, :seq, :, :head_dim], (qp, kp, vp, idx, unions, counts, out, lse)
 
@@ -222,14 +239,18 @@ def _backward(q, k, cell, sizes, interpret, residuals, d_out):
   scale = 1.0 / math.sqrt(head_dim)
   q_spec = pl.BlockSpec((None, tile, None, dim), lambda i, b, h: (b, i, h, 0))
   dq = pl.pallas_call(
-      functools.partial(_backward_dq_kernel, cell=cell, scale=scale),
-      grid=(num_tiles, batch, heads),
-      in_specs=[*_specs(tile, kp.shape[1], dim, idx.shape[-1], unions.shape[-1], num_tiles), q_spec,
-                _row_spec(tile), _row_spec(tile)],
-      out_specs=q_spec,
-      out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
-      name="freesolo_sparse_readout_bwd_dq",
-      **_launch_options(sizes, interpret),
+    functools.partial(_backward_dq_kernel, cell=cell, scale=scale),
+    grid=(num_tiles, batch, heads),
+    in_specs=[
+      *_specs(tile, kp.shape[1], dim, idx.shape[-1], unions.shape[-1], num_tiles),
+      q_spec,
+      _row_spec(tile),
+      _row_spec(tile),
+    ],
+    out_specs=q_spec,
+    out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+    name="freesolo_sparse_readout_bwd_dq",
+    **_launch_options(sizes, interpret),
   )(qp, kp, vp, idx, unions, counts, d_out, lse, delta)
 
   num_cells = pl.cdiv(kp.shape[1], cell)
@@ -239,14 +260,23 @@ def _backward(q, k, cell, sizes, interpret, residuals, d_out):
   whole = lambda width: pl.BlockSpec((None, qp.shape[1], None, width), lambda c, b, h: (b, 0, h, 0))
   row = lambda length: pl.BlockSpec((None, None, length), lambda c, b, h: (b, h, 0))
   dk, dv = pl.pallas_call(
-      functools.partial(_backward_dkv_kernel, cell=cell, tile=tile, scale=scale),
-      grid=(num_cells, batch, heads),
-      in_specs=[cell_spec, cell_spec, whole(dim), whole(idx.shape[-1]), whole(dim), row(qp.shape[1]),
-                row(qp.shape[1]), row(readers.shape[-1]), row(num_cells + 1)],
-      out_specs=[cell_spec, cell_spec],
-      out_shape=[jax.ShapeDtypeStruct(kc.shape, k.dtype)] * 2,
-      name="freesolo_sparse_readout_bwd_dkv",
-      **_launch_options(sizes, interpret),
+    functools.partial(_backward_dkv_kernel, cell=cell, tile=tile, scale=scale),
+    grid=(num_cells, batch, heads),
+    in_specs=[
+      cell_spec,
+      cell_spec,
+      whole(dim),
+      whole(idx.shape[-1]),
+      whole(dim),
+      row(qp.shape[1]),
+      row(qp.shape[1]),
+      row(readers.shape[-1]),
+      row(num_cells + 1),
+    ],
+    out_specs=[cell_spec, cell_spec],
+    out_shape=[jax.ShapeDtypeStruct(kc.shape, k.dtype)] * 2,
+    name="freesolo_sparse_readout_bwd_dkv",
+    **_launch_options(sizes, interpret),
   )(kc, vc, qp, idx, d_out, lse, delta, readers, offsets)
   trim = lambda x, length: x[:, :length, :, :head_dim]
   return trim(dq, seq), trim(dk, k.shape[1]), trim(dv, k.shape[1])
@@ -286,14 +316,22 @@ def sparse_readout(q, k, v, cell_idx, *, cell, block_sizes=None, interpret=None)
     `u`: `[batch, T, heads, d]` in the dtype of `q`, zero (with zero gradients) where nothing is selected.
   """
   if q.ndim != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
-    raise ValueError(f"q must be [batch, T, heads, d] and k, v equal [batch, T_k, heads, d], got {q.shape}, "
-                     f"{k.shape}, {v.shape}")
+    raise ValueError(
+      f"q must be [batch, T, heads, d] and k, v equal [batch, T_k, heads, d], got {q.shape}, {k.shape}, {v.shape}"
+    )
   if cell_idx.shape[:3] != q.shape[:3]:
     raise ValueError(f"cell_idx must be [batch, T, heads, K] matching q {q.shape[:3]}, got {cell_idx.shape}")
   interpret = default_interpret() if interpret is None else interpret
   check_compilable(cell=cell, head_dim=q.shape[-1], interpret=interpret)
   # The tiles multiply in the keys' storage dtype: casting the (short) queries is cheap, casting a decode
   # archive's keys and values would copy all of them at every step.
-  u = _readout(q.astype(k.dtype), k, v.astype(k.dtype), cell_idx.astype(jnp.int32), cell,
-               block_sizes or BlockSizes.get_default(), interpret)
+  u = _readout(
+    q.astype(k.dtype),
+    k,
+    v.astype(k.dtype),
+    cell_idx.astype(jnp.int32),
+    cell,
+    block_sizes or BlockSizes.get_default(),
+    interpret,
+  )
   return u.astype(q.dtype)

@@ -68,8 +68,22 @@ def _score_kernel(q_ref, keys_ref, bias_ref, index_ref, position_ref, layer_ref,
   out_ref[...] = _node_scores(q_ref, keys_ref, bias_ref, layer_ref, index, valid, scale=scale)
 
 
-def _score_children_kernel(q_ref, keys_ref, bias_ref, parents_ref, position_ref, layer_ref, out_ref, index_ref,
-                           *, scale, chunk, span, parents, block):
+def _score_children_kernel(
+  q_ref,
+  keys_ref,
+  bias_ref,
+  parents_ref,
+  position_ref,
+  layer_ref,
+  out_ref,
+  index_ref,
+  *,
+  scale,
+  chunk,
+  span,
+  parents,
+  block,
+):
   """As `_score_kernel`, for the list `score_children` describes, built here from parents_ref `[W]` (the kept
   parents first, then NO_NODE): candidate j < parents·C is child j % C of parent j // C; the next C − 1 are the
   complete nodes after the last parent-level node (ZHA III-C's parentless nodes); the rest are NO_NODE. The
@@ -101,8 +115,22 @@ def _score_block(q, node_keys, count, block, interpret):
   return block
 
 
-def _scoring_call(kernel, q, node_keys, node_bias, layer, candidates, candidates_spec, position, *, programs, block,
-                  out_dtypes, interpret, name):
+def _scoring_call(
+  kernel,
+  q,
+  node_keys,
+  node_bias,
+  layer,
+  candidates,
+  candidates_spec,
+  position,
+  *,
+  programs,
+  block,
+  out_dtypes,
+  interpret,
+  name,
+):
   """Runs a scoring kernel `(q, keys, bias, candidates, position, layer, *outputs, scale)` on a grid of (batch,
   head, block of candidates) over one tree level (or a scanned stack's `layer`); one output `[batch, heads,
   programs·block]` per dtype of `out_dtypes`."""
@@ -112,25 +140,28 @@ def _scoring_call(kernel, q, node_keys, node_bias, layer, candidates, candidates
   width = pl.next_power_of_2(dim)
   out_spec = pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c))
   return pl.pallas_call(
-      functools.partial(kernel, scale=1.0 / math.sqrt(dim)),
-      grid=(batch, heads, programs),
-      in_specs=[pl.BlockSpec((None, None, width), lambda b, h, c: (b, h, 0)),
-                pl.BlockSpec((layers, None, nodes, None, refs, width), lambda b, h, c: (0, b, 0, h, 0, 0)),
-                pl.BlockSpec((layers, None, nodes, None, refs), lambda b, h, c: (0, b, 0, h, 0)),
-                candidates_spec,
-                pl.BlockSpec((1,), lambda b, h, c: (b,)),
-                pl.BlockSpec((1,), lambda b, h, c: (0,))],
-      out_specs=[out_spec] * len(out_dtypes),
-      out_shape=[jax.ShapeDtypeStruct((batch, heads, programs * block), dtype) for dtype in out_dtypes],
-      compiler_params=plgpu.CompilerParams(num_warps=4 if block * refs * width >= 4096 else 1, num_stages=1),
-      interpret=interpret,
-      name=name,
+    functools.partial(kernel, scale=1.0 / math.sqrt(dim)),
+    grid=(batch, heads, programs),
+    in_specs=[
+      pl.BlockSpec((None, None, width), lambda b, h, c: (b, h, 0)),
+      pl.BlockSpec((layers, None, nodes, None, refs, width), lambda b, h, c: (0, b, 0, h, 0, 0)),
+      pl.BlockSpec((layers, None, nodes, None, refs), lambda b, h, c: (0, b, 0, h, 0)),
+      candidates_spec,
+      pl.BlockSpec((1,), lambda b, h, c: (b,)),
+      pl.BlockSpec((1,), lambda b, h, c: (0,)),
+    ],
+    out_specs=[out_spec] * len(out_dtypes),
+    out_shape=[jax.ShapeDtypeStruct((batch, heads, programs * block), dtype) for dtype in out_dtypes],
+    compiler_params=plgpu.CompilerParams(num_warps=4 if block * refs * width >= 4096 else 1, num_stages=1),
+    interpret=interpret,
+    name=name,
   )(pad_head_dim(q), pad_head_dim(node_keys), node_bias, candidates, position.astype(jnp.int32), layer_index)
 
 
 @functools.partial(jax.jit, static_argnames=("span", "block", "interpret"))
-def score_candidates(q, node_keys, node_bias, index, *, position=None, span=None, layer=None, block=None,
-                     interpret=None):
+def score_candidates(
+  q, node_keys, node_bias, index, *, position=None, span=None, layer=None, block=None, interpret=None
+):
   """`max_r (q·k̂_r/√d + b̂_r)` of listed nodes (ZHA III-A).
 
   Args:
@@ -154,20 +185,36 @@ def score_candidates(q, node_keys, node_bias, index, *, position=None, span=None
   block = _score_block(q, node_keys, count, block, interpret)
   padded = -(-count // block) * block
   index = pad_axis(index.astype(jnp.int32), index.ndim - 1, padded, NO_NODE)
-  index_spec = (pl.BlockSpec((block,), lambda b, h, c: (c,)) if index.ndim == 1 else
-                pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c)))
+  index_spec = (
+    pl.BlockSpec((block,), lambda b, h, c: (c,))
+    if index.ndim == 1
+    else pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c))
+  )
   if (position is None) != (span is None):
     raise ValueError("position and span go together: give both or neither")
   position = jnp.zeros(q.shape[:1], jnp.int32) if position is None else position
-  (scores,) = _scoring_call(functools.partial(_score_kernel, span=span), q, node_keys, node_bias, layer, index,
-                            index_spec, position, programs=padded // block, block=block, out_dtypes=(jnp.float32,),
-                            interpret=interpret, name="zha_score_candidates")
+  (scores,) = _scoring_call(
+    functools.partial(_score_kernel, span=span),
+    q,
+    node_keys,
+    node_bias,
+    layer,
+    index,
+    index_spec,
+    position,
+    programs=padded // block,
+    block=block,
+    out_dtypes=(jnp.float32,),
+    interpret=interpret,
+    name="zha_score_candidates",
+  )
   return scores[..., :count]
 
 
 @functools.partial(jax.jit, static_argnames=("parents_kept", "chunk", "span", "block", "interpret"))
-def score_children(q, node_keys, node_bias, parents, position, *, parents_kept, chunk, span, layer=None, block=None,
-                   interpret=None):
+def score_children(
+  q, node_keys, node_bias, parents, position, *, parents_kept, chunk, span, layer=None, block=None, interpret=None
+):
   """`score_candidates` over a lower level's list, built in the kernel from the level above's kept nodes: the
   children of each kept parent, in parent order, then the C − 1 nodes after the last complete parent-level
   node's children, where complete (ZHA III-C: their parent is not complete, so no parent passed them down).
@@ -192,10 +239,21 @@ def score_children(q, node_keys, node_bias, parents, position, *, parents_kept, 
   count = list_width(parents_kept * chunk + chunk - 1)
   block = _score_block(q, node_keys, count, block, interpret)
   kernel = functools.partial(_score_children_kernel, chunk=chunk, span=span, parents=parents_kept, block=block)
-  scores, index = _scoring_call(kernel, q, node_keys, node_bias, layer, parents.astype(jnp.int32),
-                                pl.BlockSpec((None, None, row), lambda b, h, c: (b, h, 0)), position,
-                                programs=count // block, block=block, out_dtypes=(jnp.float32, jnp.int32),
-                                interpret=interpret, name="zha_score_children")
+  scores, index = _scoring_call(
+    kernel,
+    q,
+    node_keys,
+    node_bias,
+    layer,
+    parents.astype(jnp.int32),
+    pl.BlockSpec((None, None, row), lambda b, h, c: (b, h, 0)),
+    position,
+    programs=count // block,
+    block=block,
+    out_dtypes=(jnp.float32, jnp.int32),
+    interpret=interpret,
+    name="zha_score_children",
+  )
   return scores, index
 
 
@@ -241,8 +299,7 @@ def _keep_top_kernel(scores_ref, index_ref, out_ref, *, p, max_nodes):
   tied = valid & (key == threshold)
   tie_weight = jnp.max(jnp.where(tied, weights, 0.0))
   tie_rank = (jnp.cumsum(tied.astype(jnp.int32)) - tied).astype(jnp.float32)
-  kept = (valid & (key > threshold)) | (tied & (count + tie_rank < max_nodes)
-                                        & (mass + tie_rank * tie_weight < target))
+  kept = (valid & (key > threshold)) | (tied & (count + tie_rank < max_nodes) & (mass + tie_rank * tie_weight < target))
   # A permutation of the row: the kept candidates to the front in list order, the others behind them.
   slot = jnp.cumsum(kept.astype(jnp.int32))
   dest = jnp.where(kept, slot - 1, jnp.sum(kept.astype(jnp.int32)) + jnp.arange(kept.shape[0]) - slot)
@@ -280,21 +337,22 @@ def keep_top_p(scores, index, *, p, max_nodes, full_row=False, num_warps=None, i
   width = pl.next_power_of_2(count)
   row_spec = pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0))
   kept = pl.pallas_call(
-      functools.partial(_keep_top_kernel, p=p, max_nodes=max_nodes),
-      grid=(batch, heads),
-      in_specs=[row_spec, pl.BlockSpec((width,), lambda b, h: (0,)) if index.ndim == 1 else row_spec],
-      out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((batch, heads, width), jnp.int32),
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps or min(8, max(4, width // 512)), num_stages=1),
-      interpret=interpret,
-      name="zha_keep_top_p",
-  )(pad_axis(scores.astype(jnp.float32), 2, width, -jnp.inf),
-    pad_axis(index.astype(jnp.int32), index.ndim - 1, width, NO_NODE))
-  return kept if full_row else kept[..., :min(max_nodes, count)]
+    functools.partial(_keep_top_kernel, p=p, max_nodes=max_nodes),
+    grid=(batch, heads),
+    in_specs=[row_spec, pl.BlockSpec((width,), lambda b, h: (0,)) if index.ndim == 1 else row_spec],
+    out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
+    out_shape=jax.ShapeDtypeStruct((batch, heads, width), jnp.int32),
+    compiler_params=plgpu.CompilerParams(num_warps=num_warps or min(8, max(4, width // 512)), num_stages=1),
+    interpret=interpret,
+    name="zha_keep_top_p",
+  )(
+    pad_axis(scores.astype(jnp.float32), 2, width, -jnp.inf),
+    pad_axis(index.astype(jnp.int32), index.ndim - 1, width, NO_NODE),
+  )
+  return kept if full_row else kept[..., : min(max_nodes, count)]
 
 
-def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, layer_ref, out_ref, lse_ref, *, chunk,
-                      scale):
+def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, layer_ref, out_ref, lse_ref, *, chunk, scale):
   """One split of one (batch, head): softmax over its share of leaves, read as one gather `[P, C, d]` of keys
   and one of values (a loop over leaves made each program a chain of dependent loads); split 0 also reads key 0
   and the current chunk. q_ref `[d]`, k_ref / v_ref `[L, S, d]` of which layer `layer_ref[0]` is read,
@@ -315,13 +373,19 @@ def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, layer_ref, 
     probs = jnp.where(valid, jnp.exp(logits - new_max), 0.0)
     correction = jnp.exp(row_max - new_max)
     values = v_ref[layer, key, :].astype(jnp.float32)
-    return (acc * correction + jnp.sum(jnp.sum(probs[:, :, None] * values, axis=1), axis=0), new_max,
-            row_sum * correction + jnp.sum(jnp.sum(probs, axis=1), axis=0))
+    return (
+      acc * correction + jnp.sum(jnp.sum(probs[:, :, None] * values, axis=1), axis=0),
+      new_max,
+      row_sum * correction + jnp.sum(jnp.sum(probs, axis=1), axis=0),
+    )
 
   leaves = leaves_ref[...]
   carry = (jnp.zeros(q.shape, jnp.float32), floor, jnp.float32(0.0))
-  carry = absorb(carry, 1 + jnp.maximum(leaves, 0)[:, None] * chunk + rows,
-                 jnp.broadcast_to((leaves >= 0)[:, None], (leaves.shape[0], chunk)))
+  carry = absorb(
+    carry,
+    1 + jnp.maximum(leaves, 0)[:, None] * chunk + rows,
+    jnp.broadcast_to((leaves >= 0)[:, None], (leaves.shape[0], chunk)),
+  )
   # Key 0 and the current chunk `1 + C⌊i/C⌋ … i`, read as one C-row window ending inside the cache.
   carry = absorb(carry, rows, (rows == 0) & (split == 0))
   current = 1 + chunk * (position // chunk)
@@ -368,21 +432,27 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=None,
   layers, _, seq = k.shape[:3]
   cache_spec = pl.BlockSpec((layers, None, seq, None, width), lambda b, h, s: (0, b, 0, h, 0))
   out, lse = pl.pallas_call(
-      functools.partial(_attention_kernel, chunk=chunk, scale=1.0 / math.sqrt(dim)),
-      grid=(batch, heads, splits),
-      in_specs=[pl.BlockSpec((None, None, width), lambda b, h, s: (b, h, 0)),
-                cache_spec,
-                cache_spec,
-                pl.BlockSpec((None, None, per_split), lambda b, h, s: (b, h, s)),
-                pl.BlockSpec((1,), lambda b, h, s: (b,)),
-                pl.BlockSpec((1,), lambda b, h, s: (0,))],
-      out_specs=[pl.BlockSpec((None, None, None, width), lambda b, h, s: (b, h, s, 0)),
-                 pl.BlockSpec((None, None, None, 1), lambda b, h, s: (b, h, s, 0))],
-      out_shape=[jax.ShapeDtypeStruct((batch, heads, splits, width), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, heads, splits, 1), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=4 if per_split * chunk * width >= 4096 else 1, num_stages=1),
-      interpret=interpret,
-      name="zha_leaf_attention",
+    functools.partial(_attention_kernel, chunk=chunk, scale=1.0 / math.sqrt(dim)),
+    grid=(batch, heads, splits),
+    in_specs=[
+      pl.BlockSpec((None, None, width), lambda b, h, s: (b, h, 0)),
+      cache_spec,
+      cache_spec,
+      pl.BlockSpec((None, None, per_split), lambda b, h, s: (b, h, s)),
+      pl.BlockSpec((1,), lambda b, h, s: (b,)),
+      pl.BlockSpec((1,), lambda b, h, s: (0,)),
+    ],
+    out_specs=[
+      pl.BlockSpec((None, None, None, width), lambda b, h, s: (b, h, s, 0)),
+      pl.BlockSpec((None, None, None, 1), lambda b, h, s: (b, h, s, 0)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((batch, heads, splits, width), jnp.float32),
+      jax.ShapeDtypeStruct((batch, heads, splits, 1), jnp.float32),
+    ],
+    compiler_params=plgpu.CompilerParams(num_warps=4 if per_split * chunk * width >= 4096 else 1, num_stages=1),
+    interpret=interpret,
+    name="zha_leaf_attention",
   )(pad_head_dim(q), pad_head_dim(k), pad_head_dim(v), leaves, position.astype(jnp.int32), layer_index)
   weights = jax.nn.softmax(lse, axis=2)  # merge the splits' partial softmaxes
   weights = jnp.where(jnp.isfinite(lse), weights, 0.0)

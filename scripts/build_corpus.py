@@ -31,8 +31,15 @@ VALID_BOOKS = 3
 # Books that share stories with another book of the source: two Wodehouse collections (34% of their 8-word
 # shingles in common; every other pair of the 111 books shares < 5%) and the same Grimm tales in three
 # translations. Never held out, so that validation stories cannot also appear in training.
-OVERLAPPING = frozenset({"death_at_the_excelsior", "the_inimitable_jeeves", "grimm_s_fairy_stories",
-                         "grimms_fairy_tales", "household_stories_by_the_brothers_grimm"})
+OVERLAPPING = frozenset(
+  {
+    "death_at_the_excelsior",
+    "the_inimitable_jeeves",
+    "grimm_s_fairy_stories",
+    "grimms_fairy_tales",
+    "household_stories_by_the_brothers_grimm",
+  }
+)
 
 
 def load_books(path):
@@ -66,8 +73,7 @@ def select(books, seed, train_chars=TRAIN_CHARS, max_chars=MAX_CHARS):
 def write_split(path, books, ids):
   """Writes `{"id", "text"}` lines, gzipped with a fixed header (mtime 0, no name) for reproducible bytes."""
   lines = "".join(json.dumps({"id": i, "text": books[i]}, ensure_ascii=False) + "\n" for i in ids)
-  with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=9,
-                                              mtime=0) as f:
+  with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=9, mtime=0) as f:
     f.write(lines.encode("utf-8"))
 
 

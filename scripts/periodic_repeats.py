@@ -58,8 +58,9 @@ def main():
     tokens = jnp.asarray(np.concatenate([ids, ids, ids[:, :1]], axis=1), jnp.int32)
     params, opt_state, loss, accuracy = step(params, opt_state, tokens)
     if i % args.every == 0:
-      print(f"step {i} loss {float(loss):.3f} repeat-accuracy {float(accuracy):.3f} {time.time() - start:.0f}s",
-            flush=True)
+      print(
+        f"step {i} loss {float(loss):.3f} repeat-accuracy {float(accuracy):.3f} {time.time() - start:.0f}s", flush=True
+      )
 
 
 if __name__ == "__main__":

@@ -63,10 +63,15 @@ def summarize(runs):
       metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
       metrics = [m for m in metrics if "tokens_per_s" in m]
       speeds = sorted(m["tokens_per_s"] for m in metrics)
-      summary["training"].append({
-          "model": model, "eval": json.loads((workdir / "eval.json").read_text()),
-          "tokens_per_s_median": speeds[len(speeds) // 2], "final_loss": metrics[-1]["loss"],
-          "loss_curve": [[m["step"], round(m["loss"], 4)] for m in metrics]})
+      summary["training"].append(
+        {
+          "model": model,
+          "eval": json.loads((workdir / "eval.json").read_text()),
+          "tokens_per_s_median": speeds[len(speeds) // 2],
+          "final_loss": metrics[-1]["loss"],
+          "loss_curve": [[m["step"], round(m["loss"], 4)] for m in metrics],
+        }
+      )
     for prefix in ("copy", "needles", "ppl"):
       if (eval_dir / f"{prefix}_{model}.csv").exists():
         summary[prefix] += typed_rows(eval_dir / f"{prefix}_{model}.csv")
@@ -92,13 +97,17 @@ def load(path):
 
 
 def training_table(summary):
-  lines = ["| model | steps | tokens | train tokens/s (median) | final train loss | held-out loss at 1x |",
-           "|---|---|---|---|---|---|"]
+  lines = [
+    "| model | steps | tokens | train tokens/s (median) | final train loss | held-out loss at 1x |",
+    "|---|---|---|---|---|---|",
+  ]
   for entry in summary["training"]:
     run = entry["eval"]
-    lines.append(f"| {entry['model']} | {run['steps']} | {run['tokens_seen']:,} | "
-                 f"{entry['tokens_per_s_median']:,.0f} | {entry['final_loss']:.3f} | "
-                 f"{run.get('heldout_loss', float('nan')):.3f} |")
+    lines.append(
+      f"| {entry['model']} | {run['steps']} | {run['tokens_seen']:,} | "
+      f"{entry['tokens_per_s_median']:,.0f} | {entry['final_loss']:.3f} | "
+      f"{run.get('heldout_loss', float('nan')):.3f} |"
+    )
   return "\n".join(lines)
 
 
@@ -111,8 +120,9 @@ def position_table(summary):
   lines = ["| model | " + " | ".join(f"{a}-{b}" for a, b in spans) + " |", "|---|" + "---|" * len(spans)]
   for name in names:
     by_span = {(int(r["first"]), int(r["last"])): r for r in rows if r["model"] == name}
-    lines.append(f"| {name} | " + " | ".join(f"{float(by_span[s]['loss']):.2f}" if s in by_span else "–"
-                                            for s in spans) + " |")
+    lines.append(
+      f"| {name} | " + " | ".join(f"{float(by_span[s]['loss']):.2f}" if s in by_span else "–" for s in spans) + " |"
+    )
     attended = [by_span[s]["attended"] for s in spans if s in by_span and by_span[s]["attended"]]
     if attended:
       lines.append(f"| {name} keys attended | " + " | ".join(f"{float(a):.1%}" for a in attended) + " |")
@@ -130,8 +140,10 @@ def copy_table(rows):
   lines = ["| model | " + " | ".join(map(str, lengths)) + " |", "|---|" + "---|" * len(lengths)]
   for name in dict.fromkeys(r["model"] for r in rows):
     by_length = {r["length"]: r for r in rows if r["model"] == name}
-    cell = lambda r: (f"**{100 * float(r['recall']):.1f}** ({100 * float(r['copy_accuracy']):.0f}/"
-                      f"{100 * float(r['control_accuracy']):.0f})")
+    cell = lambda r: (
+      f"**{100 * float(r['recall']):.1f}** ({100 * float(r['copy_accuracy']):.0f}/"
+      f"{100 * float(r['control_accuracy']):.0f})"
+    )
     lines.append(f"| {name} | " + " | ".join(cell(by_length[n]) if n in by_length else "–" for n in lengths) + " |")
   return "\n".join(lines)
 
@@ -143,6 +155,7 @@ def ruler_rows(summary):
 def plot_losses(path, summary):
   """Held-out loss against position (bucket midpoints), a line per model, the training length marked."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -150,8 +163,13 @@ def plot_losses(path, summary):
   train_length = None
   for name in dict.fromkeys(r["model"] for r in summary["ppl"]):
     rows = [r for r in summary["ppl"] if r["model"] == name]
-    ax.plot([(int(r["first"]) + int(r["last"]) + 1) / 2 for r in rows], [float(r["loss"]) for r in rows],
-            marker="o", markersize=3, label=name)
+    ax.plot(
+      [(int(r["first"]) + int(r["last"]) + 1) / 2 for r in rows],
+      [float(r["loss"]) for r in rows],
+      marker="o",
+      markersize=3,
+      label=name,
+    )
     train_length = int(rows[0]["train_length"])
   if train_length:
     ax.axvline(train_length, color="gray", linestyle="--", linewidth=1)
@@ -231,16 +249,22 @@ def main(argv=None):
   scores = ruler_rows(summary)
   copies, needles = copy_rows(summary), copy_rows(summary, "needles")
   print("## Training\n\n" + training_table(summary))
-  print("\n## Copy recall: points of greedy accuracy owed to retrieval (copy / control accuracy)\n\n"
-        + (copy_table(copies) if copies else "(no copy-recall files)"))
-  print("\n## Needle copy recall: the copied span is random ids (copy / control accuracy)\n\n"
-        + (copy_table(needles) if needles else "(no needle files)"))
+  print(
+    "\n## Copy recall: points of greedy accuracy owed to retrieval (copy / control accuracy)\n\n"
+    + (copy_table(copies) if copies else "(no copy-recall files)")
+  )
+  print(
+    "\n## Needle copy recall: the copied span is random ids (copy / control accuracy)\n\n"
+    + (copy_table(needles) if needles else "(no needle files)")
+  )
   print("\n## RULER (score 0-100)\n\n" + (format_table(scores) if scores else "(no RULER scores)"))
   print("\n## Held-out loss by position\n\n" + position_table(summary))
   print("\n## Wall time per step\n\n" + steps_table(summary))
-  panels = scores + [dict(model=r["model"], task=task, length=r["length"], score=100 * float(r["recall"]))
-                     for task, rows in (("copy recall (points)", copies), ("needle copy recall (points)", needles))
-                     for r in rows]
+  panels = scores + [
+    dict(model=r["model"], task=task, length=r["length"], score=100 * float(r["recall"]))
+    for task, rows in (("copy recall (points)", copies), ("needle copy recall (points)", needles))
+    for r in rows
+  ]
   if panels and args.plot:
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     plot(args.plot, panels)

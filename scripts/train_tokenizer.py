@@ -23,10 +23,12 @@ def build_tokenizer():
   """An untrained byte-level BPE with LLaMA-style digit splitting."""
   tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
   # Digits first, so that the ByteLevel regex (which groups runs of digits) only ever sees single digits.
-  tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+  tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+    [
       pre_tokenizers.Digits(individual_digits=True),
       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-  ])
+    ]
+  )
   tokenizer.decoder = decoders.ByteLevel()
   return tokenizer
 
@@ -35,11 +37,11 @@ def train(corpus, vocab_size=VOCAB_SIZE):
   """Trains on every document of `corpus` (a path `read_documents` accepts) and returns the tokenizer."""
   tokenizer = build_tokenizer()
   trainer = trainers.BpeTrainer(
-      vocab_size=vocab_size,
-      special_tokens=list(SPECIAL_TOKENS),
-      # All 256 bytes are in the vocabulary from the start, so no text ever needs `<unk>`.
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-      show_progress=False,
+    vocab_size=vocab_size,
+    special_tokens=list(SPECIAL_TOKENS),
+    # All 256 bytes are in the vocabulary from the start, so no text ever needs `<unk>`.
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
   )
   tokenizer.train_from_iterator(read_documents(corpus), trainer=trainer)
   return tokenizer

@@ -41,7 +41,7 @@ def fs_available(a, i, *, variant, cell, block, retain_top, retain_recent):
   eligible = [c for c in range(len(a)) if (c + 1) * cell <= block_start]
   if variant == "fs":
     return eligible
-  recent = eligible[len(eligible) - retain_recent:] if retain_recent else []
+  recent = eligible[len(eligible) - retain_recent :] if retain_recent else []
   by_norm = sorted(eligible, key=lambda c: (-a[c], c))[:retain_top]
   return sorted(set(recent) | set(by_norm))
 
@@ -54,14 +54,17 @@ def fs_long_range(q, k, v, *, variant, lam, sigma, gain, cell, block, top_k, ret
   selected = {}
   for b in range(batch):
     for h in range(heads):
-      cells_k = [k[b, c * cell:(c + 1) * cell, h] for c in range(num_cells)]
+      cells_k = [k[b, c * cell : (c + 1) * cell, h] for c in range(num_cells)]
       mean = [ck.mean(axis=0) for ck in cells_k]
       a = [np.linalg.norm(ck, axis=-1).max() for ck in cells_k]
       for i in range(seq):
-        avail = fs_available(a, i, variant=variant, cell=cell, block=block, retain_top=retain_top,
-                             retain_recent=retain_recent)
-        score = {c: q[b, i, h] @ mean[c] / math.sqrt(d)
-                 + lam[h] * a[c] * math.erf((i - (c + 0.5) * cell) / (2 * sigma[h])) for c in avail}
+        avail = fs_available(
+          a, i, variant=variant, cell=cell, block=block, retain_top=retain_top, retain_recent=retain_recent
+        )
+        score = {
+          c: q[b, i, h] @ mean[c] / math.sqrt(d) + lam[h] * a[c] * math.erf((i - (c + 0.5) * cell) / (2 * sigma[h]))
+          for c in avail
+        }
         chosen = sorted(avail, key=lambda c: (-score[c], c))[:top_k]
         selected[(b, i, h)] = set(chosen)
         if not chosen:
@@ -82,8 +85,8 @@ def moba(q, k, v, *, moba_block, moba_top_k, theta=10000.0):
       k_rot = np.stack([rope(k[b, j, h], j, theta) for j in range(seq)])
       for i in range(seq):
         own = i // moba_block
-        gate = {n: q_rot[i] @ k_rot[n * moba_block:(n + 1) * moba_block].mean(axis=0) for n in range(own)}
-        blocks = sorted(gate, key=lambda n: (-gate[n], n))[:moba_top_k - 1] + [own]
+        gate = {n: q_rot[i] @ k_rot[n * moba_block : (n + 1) * moba_block].mean(axis=0) for n in range(own)}
+        blocks = sorted(gate, key=lambda n: (-gate[n], n))[: moba_top_k - 1] + [own]
         js = np.array(sorted(j for n in blocks for j in range(n * moba_block, (n + 1) * moba_block) if j <= i))
         out[b, i, h] = softmax_readout(k_rot[js] @ q_rot[i] / math.sqrt(d), v[b, js, h])
   return out
@@ -97,21 +100,26 @@ def zha_tree(k_rot, refs, *, chunk, levels, theta):
   rot = (lambda x, p: x) if theta is None else (lambda x, p: rope(x, p, theta))
   tree = {}
   for level in range(1, levels + 1):
-    span = chunk ** level
+    span = chunk**level
     for m in range((seq - 1) // span):
       last = (m + 1) * span
       q_hat = np.stack([rot(r, last) for r in refs])  # [R, d]
       if level == 1:
-        members = k_rot[1 + m * span: 1 + (m + 1) * span]  # [C, d]
+        members = k_rot[1 + m * span : 1 + (m + 1) * span]  # [C, d]
         logits = q_hat @ members.T / math.sqrt(d)  # [R, C]
         values = np.broadcast_to(members, (len(refs),) + members.shape)
       else:
         children = [tree[(level - 1, m * chunk + c)] for c in range(chunk)]
-        child_q = [np.stack([rot(r, (m * chunk + c + 1) * chunk ** (level - 1)) for r in refs])
-                   for c in range(chunk)]
-        logits = np.stack([
-            [(bias[r] + child_q[c][r] @ keys[r] / math.sqrt(d)) + keys[r] @ (q_hat[r] - child_q[c][r]) / math.sqrt(d)
-             for c, (keys, bias) in enumerate(children)] for r in range(len(refs))])  # [R, C]
+        child_q = [np.stack([rot(r, (m * chunk + c + 1) * chunk ** (level - 1)) for r in refs]) for c in range(chunk)]
+        logits = np.stack(
+          [
+            [
+              (bias[r] + child_q[c][r] @ keys[r] / math.sqrt(d)) + keys[r] @ (q_hat[r] - child_q[c][r]) / math.sqrt(d)
+              for c, (keys, bias) in enumerate(children)
+            ]
+            for r in range(len(refs))
+          ]
+        )  # [R, C]
         values = np.stack([[keys[r] for keys, _ in children] for r in range(len(refs))])  # [R, C, d]
       top = logits.max(axis=1, keepdims=True)
       w = np.exp(logits - top)
@@ -126,7 +134,7 @@ def zha_keys(q_rot_i, i, tree, *, chunk, levels, top_p, max_nodes=None):
   """The index set I(q) of ZHA III-C for the query at position i, by explicit candidate lists."""
   d = q_rot_i.shape[0]
   score = lambda node: max(q_rot_i @ k / math.sqrt(d) + b for k, b in zip(*tree[node]))
-  complete = lambda level, m: (level, m) in tree and (m + 1) * chunk ** level <= i
+  complete = lambda level, m: (level, m) in tree and (m + 1) * chunk**level <= i
   count = lambda level: sum(1 for (lv, _) in tree if lv == level)
   candidates = [(levels, m) for m in range(count(levels)) if complete(levels, m)]
   for level in range(levels, 0, -1):
@@ -137,13 +145,14 @@ def zha_keys(q_rot_i, i, tree, *, chunk, levels, top_p, max_nodes=None):
       scores = np.array([score(n) for n in ranked])
       mass = np.exp(scores - scores.max())
       cumulative = np.cumsum(mass) / mass.sum()
-      selected = ranked[:int(np.argmax(cumulative >= p)) + 1] if cumulative[-1] >= p else ranked
+      selected = ranked[: int(np.argmax(cumulative >= p)) + 1] if cumulative[-1] >= p else ranked
     selected = selected[:max_nodes]
     if level == 1:
       break
     candidates = [(level - 1, m * chunk + c) for (_, m) in selected for c in range(chunk)]
-    candidates += [(level - 1, m) for m in range(count(level - 1))
-                   if complete(level - 1, m) and not complete(level, m // chunk)]
+    candidates += [
+      (level - 1, m) for m in range(count(level - 1)) if complete(level - 1, m) and not complete(level, m // chunk)
+    ]
   keys = {0} | set(range(1 + chunk * (i // chunk), i + 1))
   for _, m in selected:
     keys |= set(range(1 + m * chunk, 1 + (m + 1) * chunk))
@@ -171,9 +180,15 @@ def zha(q, k, v, refs, *, chunk, levels, top_p, theta=10000.0, max_nodes=None):
 def _fsb_node(cells, means, norms, centers, children=()):
   """A forest node (FS Eq. 20) over `cells`, as a dict."""
   mu = means[cells].mean(axis=0)
-  return dict(cells=list(cells), children=list(children), mu=mu,
-              rho=max(np.linalg.norm(means[c] - mu) for c in cells), amax=max(norms[c] for c in cells),
-              pmin=min(centers[c] for c in cells), first=min(cells))
+  return dict(
+    cells=list(cells),
+    children=list(children),
+    mu=mu,
+    rho=max(np.linalg.norm(means[c] - mu) for c in cells),
+    amax=max(norms[c] for c in cells),
+    pmin=min(centers[c] for c in cells),
+    first=min(cells),
+  )
 
 
 def fsb_chunk_tree(cells, means, norms, centers):
@@ -189,8 +204,10 @@ def fsb_chunk_tree(cells, means, norms, centers):
     u = unit(sum((x[c] @ u) * x[c] for c in cells))
   ordered = sorted(cells, key=lambda c: (x[c] @ u, c))
   half = (len(cells) + 1) // 2
-  children = [fsb_chunk_tree(ordered[:half], means, norms, centers),
-              fsb_chunk_tree(ordered[half:], means, norms, centers)]
+  children = [
+    fsb_chunk_tree(ordered[:half], means, norms, centers),
+    fsb_chunk_tree(ordered[half:], means, norms, centers),
+  ]
   return _fsb_node(cells, means, norms, centers, children)
 
 
@@ -199,7 +216,7 @@ def fsb_forest(admitted, means, norms, centers):
   chunks, offset = [], 0
   for k in reversed(range(len(admitted).bit_length())):
     if len(admitted) >> k & 1:
-      chunks.append(fsb_chunk_tree(admitted[offset:offset + 2**k], means, norms, centers))
+      chunks.append(fsb_chunk_tree(admitted[offset : offset + 2**k], means, norms, centers))
       offset += 2**k
   if not chunks:
     return None
@@ -207,10 +224,15 @@ def fsb_forest(admitted, means, norms, centers):
   for root in reversed(chunks[:-1]):
     size = len(root["cells"]) + len(join["cells"])
     mu = (len(root["cells"]) * root["mu"] + len(join["cells"]) * join["mu"]) / size
-    join = dict(cells=root["cells"] + join["cells"], children=[root, join], mu=mu,
-                rho=max(u["rho"] + np.linalg.norm(u["mu"] - mu) for u in (root, join)),
-                amax=max(root["amax"], join["amax"]), pmin=min(root["pmin"], join["pmin"]),
-                first=min(root["first"], join["first"]))
+    join = dict(
+      cells=root["cells"] + join["cells"],
+      children=[root, join],
+      mu=mu,
+      rho=max(u["rho"] + np.linalg.norm(u["mu"] - mu) for u in (root, join)),
+      amax=max(root["amax"], join["amax"]),
+      pmin=min(root["pmin"], join["pmin"]),
+      first=min(root["first"], join["first"]),
+    )
   return join
 
 
@@ -219,13 +241,15 @@ def fsb_beam(root, q, i, *, beam, bound_c, lam, sigma):
   if root is None:
     return []
   d = q.shape[0]
-  bound = lambda v: ((q @ v["mu"] + bound_c * np.linalg.norm(q) * v["rho"]) / math.sqrt(d)
-                     + lam * v["amax"] * math.erf((i - v["pmin"]) / (2 * sigma)))
+  bound = lambda v: (
+    (q @ v["mu"] + bound_c * np.linalg.norm(q) * v["rho"]) / math.sqrt(d)
+    + lam * v["amax"] * math.erf((i - v["pmin"]) / (2 * sigma))
+  )
   current = [root]
   while any(v["children"] for v in current):
     leaves = [v for v in current if not v["children"]]
     children = sorted((c for v in current for c in v["children"]), key=lambda v: (-bound(v), v["first"]))
-    current = leaves + children[:beam - len(leaves)]
+    current = leaves + children[: beam - len(leaves)]
   return [v["cells"][0] for v in current]
 
 
@@ -236,13 +260,15 @@ def fsb_cells(q, k, *, tau, lam, sigma, cell, block, top_k, beam, bound_c):
   out = np.full((batch, seq, heads, top_k), -1)
   for b in range(batch):
     for h in range(heads):
-      cells_k = k[b, :num_cells * cell, h].reshape(num_cells, cell, d)
+      cells_k = k[b, : num_cells * cell, h].reshape(num_cells, cell, d)
       means, norms = cells_k.mean(axis=1), np.linalg.norm(cells_k, axis=-1).max(axis=1)
       centers = (np.arange(num_cells) + 0.5) * cell
       for n in range(-(-seq // block)):
         eligible = list(range(n * block // cell))
-        roots = [fsb_forest(admitted, means, norms, centers)
-                 for admitted in (eligible, [c for c in eligible if norms[c] >= tau[h]])]
+        roots = [
+          fsb_forest(admitted, means, norms, centers)
+          for admitted in (eligible, [c for c in eligible if norms[c] >= tau[h]])
+        ]
         for i in range(n * block, min((n + 1) * block, seq)):
           found = set()
           for root in roots:
@@ -251,8 +277,11 @@ def fsb_cells(q, k, *, tau, lam, sigma, cell, block, top_k, beam, bound_c):
           for c in found:
             logits = cells_k[c] @ q[b, i, h] / math.sqrt(d)
             top = logits.max()
-            score[c] = top + math.log(np.exp(logits - top).sum()) + lam[h] * norms[c] * math.erf(
-                (i - centers[c]) / (2 * sigma[h]))
+            score[c] = (
+              top
+              + math.log(np.exp(logits - top).sum())
+              + lam[h] * norms[c] * math.erf((i - centers[c]) / (2 * sigma[h]))
+            )
           chosen = sorted(found, key=lambda c: (-score[c], c))[:top_k]
-          out[b, i, h, :len(chosen)] = chosen
+          out[b, i, h, : len(chosen)] = chosen
   return out

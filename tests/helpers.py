@@ -9,9 +9,9 @@ import pytest
 
 # RMS-relative tolerance per dtype of the computation under test.
 TOLERANCE = {
-    jnp.dtype(jnp.float64): 1e-10,
-    jnp.dtype(jnp.float32): 2e-5,
-    jnp.dtype(jnp.bfloat16): 2e-2,
+  jnp.dtype(jnp.float64): 1e-10,
+  jnp.dtype(jnp.float32): 2e-5,
+  jnp.dtype(jnp.bfloat16): 2e-2,
 }
 
 
@@ -26,8 +26,8 @@ def assert_close(actual, expected, dtype, scale=1.0):
   assert np.all(np.isfinite(actual)), "non-finite values"
   tol = TOLERANCE[jnp.dtype(dtype)] * scale
   diff = actual - expected
-  rms_ref = max(np.sqrt(np.mean(expected ** 2)), 1e-30)
-  rms_err = np.sqrt(np.mean(diff ** 2))
+  rms_ref = max(np.sqrt(np.mean(expected**2)), 1e-30)
+  rms_err = np.sqrt(np.mean(diff**2))
   assert rms_err <= tol * rms_ref, f"RMS error {rms_err:.3g} > {tol:.1g} * RMS {rms_ref:.3g}"
   max_err = np.max(np.abs(diff)) if diff.size else 0.0
   max_ref = max(np.max(np.abs(expected)) if diff.size else 0.0, 1e-30)
@@ -46,8 +46,9 @@ def random_qkv(rng, shape, dtype=np.float64):
 
 def kernel_modes():
   """Pallas run modes for kernel tests: interpreted everywhere (CI), compiled only where a GPU exists."""
-  compiled = pytest.param(False, id="compiled",
-                          marks=pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU"))
+  compiled = pytest.param(
+    False, id="compiled", marks=pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+  )
   return [pytest.param(True, id="interpret"), compiled]
 
 

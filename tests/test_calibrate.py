@@ -18,8 +18,9 @@ def test_calibrate_then_run_the_checkpoint_as_fsb(micro_workdir, tmp_path, capsy
   assert generate.main([*prompt, *as_fsb]) == 2
   assert "an FS-B model needs τ: run `python -m fsjax.calibrate" in capsys.readouterr().err
 
-  assert calibrate.main(["--checkpoint", str(micro_workdir), "--batches", "2", "--batch-size", "2",
-                         "--length", "64"]) == 0
+  assert (
+    calibrate.main(["--checkpoint", str(micro_workdir), "--batches", "2", "--batch-size", "2", "--length", "64"]) == 0
+  )
   assert "τ for 1 layers x 2 heads" in capsys.readouterr().out
   with open(micro_workdir / "calibration.json") as f:
     saved = json.load(f)
@@ -29,8 +30,26 @@ def test_calibrate_then_run_the_checkpoint_as_fsb(micro_workdir, tmp_path, capsy
 
   assert generate.main([*prompt, *as_fsb]) == 0
   assert capsys.readouterr().out.startswith("The sea was")
-  assert ruler.main(["--checkpoint", str(micro_workdir), "--tasks", "niah_single_1", "--lengths", "384",
-                     "--num-samples", "2", "--batch-size", "2", "--out", str(tmp_path / "ruler"), *as_fsb]) == 0
+  assert (
+    ruler.main(
+      [
+        "--checkpoint",
+        str(micro_workdir),
+        "--tasks",
+        "niah_single_1",
+        "--lengths",
+        "384",
+        "--num-samples",
+        "2",
+        "--batch-size",
+        "2",
+        "--out",
+        str(tmp_path / "ruler"),
+        *as_fsb,
+      ]
+    )
+    == 0
+  )
 
 
 def test_a_calibration_of_another_step_is_refused(micro_workdir, tmp_path):

@@ -21,24 +21,25 @@ from fsjax.config import (
 )
 
 ATTENTION_RULES = [
-    (dict(block=100, cell=32), "attention.block must be a multiple of attention.cell"),
-    (dict(window=64, block=128), r"attention.window must be >= attention.block - 1"),
-    (dict(top_k=0), "attention.top_k must be >= 1"),
-    (dict(cell=0), "attention.cell must be >= 1"),
-    (dict(retain_top=0), "attention.retain_top must be >= 1"),
-    (dict(retain_recent=-1), "attention.retain_recent must be >= 0"),
-    (dict(kind="flash"), "attention.kind must be one of"),
-    (dict(impl="triton"), "attention.impl must be one of"),
-    (dict(sigma=0.0), "attention.sigma must be positive"),
-    (dict(lam=-1.0), "attention.lam must be >= 0"),
-    (dict(kind="moba", moba=dict(top_k=0)), "attention.moba.top_k must be positive"),
-    (dict(kind="moba", moba_top_k=0), "attention.moba.top_k must be positive"),  # a flat key of earlier configs
-    (dict(kind="tfpp", zha=dict(distill=True)), "attention.zha.distill needs attention.kind zha"),
+  (dict(block=100, cell=32), "attention.block must be a multiple of attention.cell"),
+  (dict(window=64, block=128), r"attention.window must be >= attention.block - 1"),
+  (dict(top_k=0), "attention.top_k must be >= 1"),
+  (dict(cell=0), "attention.cell must be >= 1"),
+  (dict(retain_top=0), "attention.retain_top must be >= 1"),
+  (dict(retain_recent=-1), "attention.retain_recent must be >= 0"),
+  (dict(kind="flash"), "attention.kind must be one of"),
+  (dict(impl="triton"), "attention.impl must be one of"),
+  (dict(sigma=0.0), "attention.sigma must be positive"),
+  (dict(lam=-1.0), "attention.lam must be >= 0"),
+  (dict(kind="moba", moba=dict(top_k=0)), "attention.moba.top_k must be positive"),
+  (dict(kind="moba", moba_top_k=0), "attention.moba.top_k must be positive"),  # a flat key of earlier configs
+  (dict(kind="tfpp", zha=dict(distill=True)), "attention.zha.distill needs attention.kind zha"),
 ]
 
 
-@pytest.mark.parametrize("fields,message", ATTENTION_RULES, ids=[m.split()[0] + str(i) for i, (_, m) in
-                                                                 enumerate(ATTENTION_RULES)])
+@pytest.mark.parametrize(
+  "fields,message", ATTENTION_RULES, ids=[m.split()[0] + str(i) for i, (_, m) in enumerate(ATTENTION_RULES)]
+)
 def test_attention_rules(fields, message):
   with pytest.raises(ConfigError, match=message):
     from_dict(AttentionConfig, fields, "model.attention")
@@ -48,13 +49,16 @@ def test_dense_kinds_skip_freesolo_geometry():
   AttentionConfig(kind="tfpp", window=64, block=128)  # window < block - 1 only matters to FreeSolo
 
 
-@pytest.mark.parametrize("fields,message", [
+@pytest.mark.parametrize(
+  "fields,message",
+  [
     (dict(head_dim=63), "model.head_dim must be even"),
     (dict(num_heads=0), "model.num_heads must be positive"),
     (dict(vocab_size=-5), "model.vocab_size must be positive"),
     (dict(ffn_hidden=0), "model.ffn_hidden must be positive"),
     (dict(dtype="float8"), "model.dtype must be one of"),
-])
+  ],
+)
 def test_model_rules(fields, message):
   with pytest.raises(ConfigError, match=message):
     ModelConfig(**fields)
@@ -70,7 +74,9 @@ def test_yaml_round_trip_and_overrides(tmp_path):
   assert loaded.model.ffn_hidden_size == 128
 
 
-@pytest.mark.parametrize("yaml_text,message", [
+@pytest.mark.parametrize(
+  "yaml_text,message",
+  [
     ("model:\n  widht: 3\n", "unknown key model.widht"),
     ("model:\n  attention:\n    topk: 3\n", "unknown key model.attention.topk"),
     ("trainer: {}\n", "unknown key trainer"),
@@ -79,7 +85,8 @@ def test_yaml_round_trip_and_overrides(tmp_path):
     ("model:\n  attention: [1]\n", "model.attention must be a mapping"),
     ("model:\n  attention:\n    block: 100\n", "attention.block must be a multiple of attention.cell"),
     ("data: {seq_len: 128}\neval: {niah_samples: 4}\n", "eval.niah_samples needs data.seq_len >= 256"),
-])
+  ],
+)
 def test_bad_yaml_raises_naming_the_field(tmp_path, yaml_text, message):
   path = tmp_path / "bad.yaml"
   path.write_text(yaml_text)
@@ -100,19 +107,25 @@ def test_flat_attention_keys_of_earlier_configs_load_into_their_sections(tmp_pat
   att = load_config(path).model.attention
   assert att.zha == ZHAConfig(refs=4, chunk=4, levels=3, top_p=(0.5, 0.6, 0.7), max_nodes=2)
   assert att.moba == MoBAConfig(block=64, top_k=2)
-  nested = dict(kind="zha", zha=dict(refs=4, chunk=4, levels=3, top_p=[0.5, 0.6, 0.7], max_nodes=2),
-                moba=dict(block=64, top_k=2))
+  nested = dict(
+    kind="zha", zha=dict(refs=4, chunk=4, levels=3, top_p=[0.5, 0.6, 0.7], max_nodes=2), moba=dict(block=64, top_k=2)
+  )
   assert from_dict(AttentionConfig, nested, "model.attention") == att
   assert load_config(path, ["model.attention.zha_distill=true"]).model.attention.zha.distill  # a flat override
   assert to_dict(att)["zha"]["levels"] == 3 and "zha_levels" not in to_dict(att)  # saved nested
 
 
-@pytest.mark.parametrize("attention,message", [
-    ("{kind: zha, zha_levels: 2, zha: {levels: 3}}",
-     "model.attention.zha_levels and model.attention.zha.levels both set: keep model.attention.zha.levels"),
+@pytest.mark.parametrize(
+  "attention,message",
+  [
+    (
+      "{kind: zha, zha_levels: 2, zha: {levels: 3}}",
+      "model.attention.zha_levels and model.attention.zha.levels both set: keep model.attention.zha.levels",
+    ),
     ("{kind: moba, moba_top_k: 2, moba: {top_k: 2}}", "model.attention.moba_top_k and model.attention.moba.top_k"),
     ("{kind: zha, zha_levels: 2, zha: 3}", "model.attention.zha must be a mapping"),
-])
+  ],
+)
 def test_a_flat_key_beside_its_section_field_is_an_error(tmp_path, attention, message):
   path = tmp_path / "both.yaml"
   path.write_text(f"model:\n  attention: {attention}\n")
@@ -121,11 +134,13 @@ def test_a_flat_key_beside_its_section_field_is_an_error(tmp_path, attention, me
 
 
 def test_nested_section_overrides():
-  config = load_config(None, ["model.attention.kind=zha", "model.attention.zha.top_p=[0.5, 0.9]",
-                              "model.attention.moba.block=64"])
+  config = load_config(
+    None, ["model.attention.kind=zha", "model.attention.zha.top_p=[0.5, 0.9]", "model.attention.moba.block=64"]
+  )
   assert config.model.attention.zha.top_p == (0.5, 0.9) and config.model.attention.moba.block == 64
-  assert override_model(config.model, ["attention.zha.levels=3", "attention.zha.top_p=0.8"]).attention.zha == \
-      ZHAConfig(levels=3, top_p=(0.8,))
+  assert override_model(config.model, ["attention.zha.levels=3", "attention.zha.top_p=0.8"]).attention.zha == ZHAConfig(
+    levels=3, top_p=(0.8,)
+  )
 
 
 def test_bad_override_is_rejected():
@@ -152,8 +167,9 @@ def test_repro_preset_is_the_repro_configs_shape():
   assert preset == config
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parent.parent / "configs").rglob("*.yaml")),
-                         ids=lambda path: path.name)
+@pytest.mark.parametrize(
+  "path", sorted((Path(__file__).resolve().parent.parent / "configs").rglob("*.yaml")), ids=lambda path: path.name
+)
 def test_every_shipped_config_loads_and_passes_the_rules(path):
   """A field renamed or a rule added in code cannot leave a shipped config that fails only when someone runs it."""
   load_config(path)  # raises ConfigError naming the field
@@ -166,6 +182,7 @@ def test_flat_overrides_land_in_their_sections_of_a_nested_config():
   flat = override_model(nested, ["attention.zha_top_p=0.8", "attention.moba_block=64"])
   assert flat.attention.zha == dataclasses.replace(nested.attention.zha, top_p=(0.8,))
   assert flat.attention.moba.block == 64
-  config = load_config(Path(__file__).resolve().parent.parent / "configs/zha_distill_tiny.yaml",
-                       ["model.attention.zha_top_p=0.7"])
+  config = load_config(
+    Path(__file__).resolve().parent.parent / "configs/zha_distill_tiny.yaml", ["model.attention.zha_top_p=0.7"]
+  )
   assert config.model.attention.zha.top_p == (0.7,)

@@ -62,16 +62,20 @@ def test_same_generator_state_same_copies_and_rate_zero_is_identity():
   b = insert_copies(ids, np.random.default_rng(7), rate=0.05, span=SPAN, distance=DISTANCE)
   np.testing.assert_array_equal(a, b)
   assert a.size > ids.size
-  np.testing.assert_array_equal(insert_copies(ids, np.random.default_rng(7), rate=0.0, span=SPAN,
-                                              distance=DISTANCE), ids)
+  np.testing.assert_array_equal(
+    insert_copies(ids, np.random.default_rng(7), rate=0.0, span=SPAN, distance=DISTANCE), ids
+  )
 
 
-@pytest.mark.parametrize("fields,message", [
+@pytest.mark.parametrize(
+  "fields,message",
+  [
     (dict(copy_rate=1.0), "data.copy_rate must be in"),
     (dict(copy_rate=0.1, copy_span=(8,)), "data.copy_span must be"),
     (dict(copy_rate=0.1, copy_span=(9, 8)), "data.copy_span must be"),
     (dict(copy_rate=0.1, copy_span=(8, 32), copy_distance=(16, 64)), "data.copy_distance min must be >="),
-])
+  ],
+)
 def test_config_rules(fields, message):
   with pytest.raises(ConfigError, match=message):
     DataConfig(**fields)

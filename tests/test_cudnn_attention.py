@@ -17,27 +17,33 @@ from fsjax.ops.cudnn import causal_rope_attention_cudnn
 
 from helpers import assert_close, random_qkv
 
-pytestmark = pytest.mark.skipif(dispatch.resolve("local_attention", "auto", dtype=jnp.bfloat16) != "cudnn",
-                                reason="cuDNN attention needs a GPU")
+pytestmark = pytest.mark.skipif(
+  dispatch.resolve("local_attention", "auto", dtype=jnp.bfloat16) != "cudnn", reason="cuDNN attention needs a GPU"
+)
 
 
 @pytest.mark.parametrize("window", [None, 64], ids=["tfpp", "swa"])
 def test_cudnn_matches_reference_in_bf16(rng, window):
   q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(rng, (2, 384, 4, 64), np.float32))
   fast = causal_rope_attention_cudnn(q, k, v, window=window)
-  reference = (ops.tfpp_attention(q, k, v) if window is None else ops.swa_attention(q, k, v, window=window))
+  reference = ops.tfpp_attention(q, k, v) if window is None else ops.swa_attention(q, k, v, window=window)
   assert fast.dtype == jnp.bfloat16
   assert_close(np.asarray(fast, np.float32), np.asarray(reference, np.float32), jnp.bfloat16)
-  dispatched = (ops.tfpp_attention(q, k, v, impl="auto") if window is None else
-                ops.swa_attention(q, k, v, window=window, impl="auto"))
+  dispatched = (
+    ops.tfpp_attention(q, k, v, impl="auto")
+    if window is None
+    else ops.swa_attention(q, k, v, window=window, impl="auto")
+  )
   np.testing.assert_array_equal(np.asarray(dispatched, np.float32), np.asarray(fast, np.float32))  # "auto": cuDNN
 
 
 @pytest.mark.parametrize("window", [None, 64], ids=["tfpp", "swa"])
 def test_cudnn_gradients_match_the_reference(rng, window):
   """Training runs through cuDNN's backward on GPU: dq, dk, dv against the float32 reference's VJP."""
-  q, k, v, cotangent = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(rng, (2, 384, 4, 64), np.float32)
-                        + (rng.standard_normal((2, 384, 4, 64)),))
+  q, k, v, cotangent = (
+    jnp.asarray(x, jnp.bfloat16)
+    for x in random_qkv(rng, (2, 384, 4, 64), np.float32) + (rng.standard_normal((2, 384, 4, 64)),)
+  )
   reference = ops.tfpp_attention if window is None else lambda *x: ops.swa_attention(*x, window=window)
   as_f32 = lambda *x: tuple(a.astype(jnp.float32) for a in x)
   _, fast_vjp = jax.vjp(lambda *x: causal_rope_attention_cudnn(*x, window=window).astype(jnp.float32), q, k, v)

@@ -65,9 +65,17 @@ def _words(tokenizer, rows):
 # Tokenizer.
 
 
-@pytest.mark.parametrize("text", ["Hello, world!", "  two  spaces\n\n\ttab",
-                                  "naïve café — “quoted” 日本語 🙂", "a literal </s> and <s> stay text",
-                                  "line\r\nbreaks\r\n", " 3.14159 "])
+@pytest.mark.parametrize(
+  "text",
+  [
+    "Hello, world!",
+    "  two  spaces\n\n\ttab",
+    "naïve café — “quoted” 日本語 🙂",
+    "a literal </s> and <s> stay text",
+    "line\r\nbreaks\r\n",
+    " 3.14159 ",
+  ],
+)
 def test_tokenizer_round_trips(tokenizer, text):
   ids = tokenizer.encode(text).ids
   assert tokenizer.decode(ids) == text
@@ -163,7 +171,7 @@ def test_pack_cuts_the_document_stream_in_order(tokenizer):
   rows = np.stack([row["tokens"] for row in pack(docs, seq_len=seq_len, keys=("tokens",))])
   stream = _stream(tokenizer, texts)
   assert rows.dtype == np.int32 and rows.shape == (len(stream) // (seq_len + 1), seq_len + 1)
-  np.testing.assert_array_equal(rows.reshape(-1), stream[:rows.size])  # the partial last row is dropped
+  np.testing.assert_array_equal(rows.reshape(-1), stream[: rows.size])  # the partial last row is dropped
   # One EOS per document, right after its last token.
   doc_ends = np.cumsum([len(tokenizer.encode(t).ids) + 1 for t in texts]) - 1
   np.testing.assert_array_equal(np.flatnonzero(stream == EOS_ID), doc_ends)
@@ -172,8 +180,10 @@ def test_pack_cuts_the_document_stream_in_order(tokenizer):
 def test_pack_keeps_features_aligned():
   lengths = [5, 13, 2, 9, 20]
   offsets = np.cumsum([0] + lengths)
-  elements = [{"tokens": np.arange(o, o + n, dtype=np.int32), "recall": np.arange(o, o + n, dtype=np.float32)}
-              for o, n in zip(offsets, lengths)]
+  elements = [
+    {"tokens": np.arange(o, o + n, dtype=np.int32), "recall": np.arange(o, o + n, dtype=np.float32)}
+    for o, n in zip(offsets, lengths)
+  ]
   rows = list(pack(grain.MapDataset.source(elements).to_iter_dataset(), seq_len=7, keys=("tokens", "recall")))
   assert len(rows) == sum(lengths) // 8
   for i, row in enumerate(rows):
@@ -220,17 +230,22 @@ def test_train_reshuffles_documents_each_epoch(tokenizer, tmp_path):
   # one whole document, so the rows show the document order of each epoch.
   texts = [f" {w} {w} {w}" for w in WORDS]
   assert {len(tokenizer.encode(t).ids) for t in texts} == {3}
-  rows = np.concatenate(_take(_train(_write_jsonl(tmp_path / "w.jsonl", texts), seq_len=3, batch_size=1,
-                                     shuffle_window_tokens=0), 4 * len(WORDS)))
+  rows = np.concatenate(
+    _take(
+      _train(_write_jsonl(tmp_path / "w.jsonl", texts), seq_len=3, batch_size=1, shuffle_window_tokens=0),
+      4 * len(WORDS),
+    )
+  )
   names = [tokenizer.decode(row.tolist()).split()[0] for row in rows]
-  orders = [tuple(names[i:i + len(WORDS)]) for i in range(0, len(names), len(WORDS))]
+  orders = [tuple(names[i : i + len(WORDS)]) for i in range(0, len(names), len(WORDS))]
   assert all(sorted(order) == sorted(WORDS) for order in orders)  # each epoch reads every document once
   assert len(set(orders)) > 1
 
 
 def test_train_shards_are_disjoint(tokenizer, word_corpus):
-  seen = [_words(tokenizer, np.concatenate(_take(_train(word_corpus, shard_index=i, shard_count=2), 10)))
-          for i in range(2)]
+  seen = [
+    _words(tokenizer, np.concatenate(_take(_train(word_corpus, shard_index=i, shard_count=2), 10))) for i in range(2)
+  ]
   assert not seen[0] & seen[1]
   assert seen[0] | seen[1] == set(WORDS)
   with pytest.raises(ValueError, match="shard_index"):
@@ -255,8 +270,9 @@ def test_train_state_restores_the_next_batches(word_corpus):
 
 def test_train_default_window_mixes_books(tokenizer):
   books = list(read_documents(default_corpus_path("valid")))
-  iterator = make_train_iterator(path=default_corpus_path("valid"), tokenizer_path=None, seq_len=128,
-                                 batch_size=8, seed=0)
+  iterator = make_train_iterator(
+    path=default_corpus_path("valid"), tokenizer_path=None, seq_len=128, batch_size=8, seed=0
+  )
   rows = np.concatenate(_take(iterator, 2))
   assert rows.shape == (16, 129)
   # The default window holds about 1M tokens, more than these books: rows come from all over them, not from
@@ -292,8 +308,9 @@ def test_encode_recall_distance_reaches_the_masks(tokenizer):
   text = "the quick brown fox jumps over the lazy dog near a red barn " * 3
   ids = np.asarray(tokenizer.encode(text).ids)
   near = Encode(None, masks=dict(min_distance=8, switch_window=4))(text)
-  np.testing.assert_array_equal(near["recall"][:-1], np.asarray(recall_masks(ids, min_distance=8,
-                                                                             switch_window=4)[0], np.float32))
+  np.testing.assert_array_equal(
+    near["recall"][:-1], np.asarray(recall_masks(ids, min_distance=8, switch_window=4)[0], np.float32)
+  )
   assert near["recall"].sum() > 0 and Encode(None, masks={})(text)["recall"].sum() == 0
 
 
@@ -321,7 +338,7 @@ def test_eval_batches_in_order_and_deterministic(tokenizer, word_corpus):
   rows = len(stream) // 9
   assert len(batches) == rows // 3  # complete batches of complete rows only
   assert all(b.dtype == np.int32 and b.shape == (3, 9) for b in batches)
-  np.testing.assert_array_equal(np.concatenate(batches).reshape(-1), stream[:len(batches) * 27])
+  np.testing.assert_array_equal(np.concatenate(batches).reshape(-1), stream[: len(batches) * 27])
   again = make_eval_batches(**kwargs, max_batches=2)
   assert len(again) == 2
   for a, b in zip(again, batches):
@@ -332,6 +349,7 @@ def test_data_config_recall_arguments():
   assert DataConfig().recall is None
   assert DataConfig(recall_masks=True).recall == dict(min_distance=512, switch_window=64)
   assert DataConfig(recall_masks=True, recall_distance=128, recall_switch_window=16).recall == dict(
-      min_distance=128, switch_window=16)
+    min_distance=128, switch_window=16
+  )
   with pytest.raises(ConfigError, match="data.recall_distance must be positive"):
     DataConfig(recall_distance=0)

@@ -22,9 +22,18 @@ SEQ, PROMPT = 150, 70  # crosses four 32-token query blocks in the prompt and mo
 def _setup(kind, scan_layers=False, cell=8):
   """The tiny model; `cell=16` gives a geometry the compiled kernels accept (Triton tiles need cell >= 16)."""
   config = model_preset("tiny", kind=kind, scan_layers=scan_layers)
-  config = dataclasses.replace(config, attention=dataclasses.replace(
-      config.attention, window=40, cell=cell, retain_top=2, retain_recent=1, moba=MoBAConfig(block=32, top_k=2),
-      zha=ZHAConfig(refs=4, chunk=4, top_p=(0.8,))))
+  config = dataclasses.replace(
+    config,
+    attention=dataclasses.replace(
+      config.attention,
+      window=40,
+      cell=cell,
+      retain_top=2,
+      retain_recent=1,
+      moba=MoBAConfig(block=32, top_k=2),
+      zha=ZHAConfig(refs=4, chunk=4, top_p=(0.8,)),
+    ),
+  )
   variables = init_variables(config, jax.random.PRNGKey(0), 64)
   if kind == "fsb":  # τ from the model's own cell norms, so both forests hold cells
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 128), 0, config.vocab_size)
@@ -45,15 +54,25 @@ def _teacher_forced(model, variables, tokens, prompt_len, chunk):
   logits, cache = prefill(model, variables, tokens[:, :prompt_len], jnp.full((batch,), prompt_len), cache, chunk)
   steps = [logits]
   for t in range(prompt_len, seq):
-    step_logits, cache, _ = extend(model, variables, tokens[:, t:t + 1], cache, jnp.full((batch, 1), t),
-                                   jnp.ones((batch, 1), bool))
+    step_logits, cache, _ = extend(
+      model, variables, tokens[:, t : t + 1], cache, jnp.full((batch, 1), t), jnp.ones((batch, 1), bool)
+    )
     steps.append(step_logits)
   return np.asarray(jnp.concatenate(steps, axis=1))
 
 
-@pytest.mark.parametrize("kind,scan_layers", [*((kind, False) for kind in KINDS if kind != "fsb"), ("fsl", True),
-                                              ("fs", True), ("fsb", True), ("tfpp", True), ("swa", True),
-                                              ("zha", True)])
+@pytest.mark.parametrize(
+  "kind,scan_layers",
+  [
+    *((kind, False) for kind in KINDS if kind != "fsb"),
+    ("fsl", True),
+    ("fs", True),
+    ("fsb", True),
+    ("tfpp", True),
+    ("swa", True),
+    ("zha", True),
+  ],
+)
 def test_prefill_and_decode_equal_the_full_forward(rng, kind, scan_layers):
   """Also through a `scan_layers` model, whose stacked cache the layer scan carries and each layer updates in
   place (`fsjax.cache.layered`). FS-B decodes through the streaming forest cache, scanned only: its compile is
@@ -70,13 +89,18 @@ def _with_impl(config, impl):
   return Transformer(dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl)))
 
 
-_GPU_ONLY = pytest.mark.skipif(jax.default_backend() != "gpu", reason="interpreted, the FS-B beam kernel per decode "
-                               "step is too slow for CI; tests/test_kernel_forest_search.py checks it against the "
-                               "reference")
+_GPU_ONLY = pytest.mark.skipif(
+  jax.default_backend() != "gpu",
+  reason="interpreted, the FS-B beam kernel per decode "
+  "step is too slow for CI; tests/test_kernel_forest_search.py checks it against the "
+  "reference",
+)
 
 
-@pytest.mark.parametrize("kind,scan_layers", [("fs", False), pytest.param("fsb", False, marks=_GPU_ONLY),
-                                              pytest.param("fsb", True, marks=_GPU_ONLY)])
+@pytest.mark.parametrize(
+  "kind,scan_layers",
+  [("fs", False), pytest.param("fsb", False, marks=_GPU_ONLY), pytest.param("fsb", True, marks=_GPU_ONLY)],
+)
 def test_prefill_and_decode_through_the_kernels_equal_the_reference_forward(rng, kind, scan_layers):
   """The FS archive path with impl="pallas" (interpreted on CPU): selection from cached summaries at each row's
   positions and the readout over the archived keys (a kernel for prefill chunks, XLA's gather for one-token
@@ -85,8 +109,9 @@ def test_prefill_and_decode_through_the_kernels_equal_the_reference_forward(rng,
   config, _, variables = _setup(kind, scan_layers, cell=16)
   tokens = _distinct_tokens(rng, config.vocab_size, 2, 110)
   full = np.asarray(jax.jit(_with_impl(config, "reference").apply)(variables, tokens))
-  assert_close(_teacher_forced(_with_impl(config, "pallas"), variables, tokens, PROMPT, chunk=32), full,
-               np.float32, scale=5)
+  assert_close(
+    _teacher_forced(_with_impl(config, "pallas"), variables, tokens, PROMPT, chunk=32), full, np.float32, scale=5
+  )
 
 
 @pytest.mark.parametrize("kind", ["fsl", "swa"])
@@ -116,7 +141,7 @@ def test_fsb_prefill_leaves_the_forests_current(rng):
   _, cache = prefill(model, variables, tokens, jnp.array([64, 45]), init_cache(config, 2, 96), chunk=32)
   for layer in cache.values():
     np.testing.assert_array_equal(layer.admitted, [8, 4])
-    np.testing.assert_array_equal(layer.forests.count[:, :config.num_heads], [[8] * 4, [4] * 4])
+    np.testing.assert_array_equal(layer.forests.count[:, : config.num_heads], [[8] * 4, [4] * 4])
 
 
 @pytest.mark.parametrize("kind", ["fs", "fsb", "tfpp", "swa", "zha"])
@@ -128,8 +153,9 @@ def test_batch_of_different_lengths_equals_each_sequence_alone(rng, kind):
     tokens[row, :n] = rng.integers(3, config.vocab_size, n)
   batched = generate(model, variables, tokens, lengths, max_new_tokens=12, eos_id=2, chunk=32, max_len=90)
   for row, n in enumerate(lengths):
-    alone = generate(model, variables, tokens[row:row + 1, :n], [n], max_new_tokens=12, eos_id=2, chunk=32,
-                     max_len=90)
+    alone = generate(
+      model, variables, tokens[row : row + 1, :n], [n], max_new_tokens=12, eos_id=2, chunk=32, max_len=90
+    )
     np.testing.assert_array_equal(np.asarray(batched[row]), np.asarray(alone[0]))
 
 
@@ -139,9 +165,19 @@ def test_the_decode_loop_updates_the_donated_cache_without_copying_it(kind, scan
   cache's memory, at 256k tokens 24.6 GB for the 341M shape."""
   config, model, variables = _setup(kind, scan_layers)
   cache = init_cache(config, 1, 96)
-  compiled = decode._decode_loop.lower(model, variables, cache, jnp.zeros((1,), jnp.int32), jnp.full((1,), 40),
-                                       jax.random.PRNGKey(0), max_new_tokens=4, eos_id=2, temperature=0.0,
-                                       top_p=1.0, return_cells=False).compile()
+  compiled = decode._decode_loop.lower(
+    model,
+    variables,
+    cache,
+    jnp.zeros((1,), jnp.int32),
+    jnp.full((1,), 40),
+    jax.random.PRNGKey(0),
+    max_new_tokens=4,
+    eos_id=2,
+    temperature=0.0,
+    top_p=1.0,
+    return_cells=False,
+  ).compile()
   cache_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
   assert compiled.memory_analysis().alias_size_in_bytes == cache_bytes
 
@@ -170,8 +206,9 @@ def test_fsl_bounded_cache_size_does_not_grow_with_context():
   config, _, _ = _setup("fsl")
   assert _cache_bytes(init_cache(config, 1, 1024)) == _cache_bytes(init_cache(config, 1, 8192))
   # The archive (FS) does grow: the comparison above is not vacuous.
-  assert _cache_bytes(init_cache(config, 1, 8192, bounded=False)) > 4 * _cache_bytes(init_cache(config, 1, 1024,
-                                                                                                   bounded=False))
+  assert _cache_bytes(init_cache(config, 1, 8192, bounded=False)) > 4 * _cache_bytes(
+    init_cache(config, 1, 1024, bounded=False)
+  )
 
 
 def test_fsl_bounded_cache_selects_the_masked_operators_cells_at_every_step(rng):
@@ -185,19 +222,31 @@ def test_fsl_bounded_cache_selects_the_masked_operators_cells_at_every_step(rng)
   logits, cache = prefill(model, variables, tokens[:, :prompt], jnp.full((2,), prompt), cache, chunk=64)
   selected = {}
   for t in range(prompt, seq):
-    _, cache, inter = extend(model, variables, tokens[:, t:t + 1], cache, jnp.full((2, 1), t),
-                             jnp.ones((2, 1), bool))
+    _, cache, inter = extend(model, variables, tokens[:, t : t + 1], cache, jnp.full((2, 1), t), jnp.ones((2, 1), bool))
     for layer in range(config.num_layers):
       selected.setdefault(layer, []).append(np.asarray(inter[f"layer_{layer}"]["attention"]["selected_cells"][0]))
   for layer in range(config.num_layers):
     module = captured["intermediates"][f"layer_{layer}"]["attention"]
     q, k = module["q_proj"]["__call__"][0], module["k_proj"]["__call__"][0]
-    expected = np.asarray(ops.select_cells(q, k, variant="fsl", lam=att.lam, sigma=att.sigma, cell=att.cell,
-                                           block=att.block, top_k=att.top_k, retain_top=att.retain_top,
-                                           retain_recent=att.retain_recent))[:, prompt:]
+    expected = np.asarray(
+      ops.select_cells(
+        q,
+        k,
+        variant="fsl",
+        lam=att.lam,
+        sigma=att.sigma,
+        cell=att.cell,
+        block=att.block,
+        top_k=att.top_k,
+        retain_top=att.retain_top,
+        retain_recent=att.retain_recent,
+      )
+    )[:, prompt:]
     actual = np.concatenate(selected[layer], axis=1)
-    as_sets = lambda a: [[[set(a[b, i, h][a[b, i, h] >= 0]) for h in range(a.shape[2])] for i in range(a.shape[1])]
-                         for b in range(a.shape[0])]
+    as_sets = lambda a: [
+      [[set(a[b, i, h][a[b, i, h] >= 0]) for h in range(a.shape[2])] for i in range(a.shape[1])]
+      for b in range(a.shape[0])
+    ]
     assert as_sets(actual) == as_sets(expected), layer
     assert np.all(expected[:, -1] >= 0)  # late queries really select (K cells available)
 
@@ -211,8 +260,16 @@ def test_generation_returns_the_cells_each_step_selected(rng):
   # Consuming generated token j (position 90 + j, block 2) may read the 8 cells before position 64.
   assert np.all((cells[:, :5] >= 0) & (cells[:, :5] < 8)) and np.all(cells[:, 5] == -1)
   _, scanned, _ = _setup("fs", scan_layers=True)
-  _, scanned_cells = generate(scanned, stack_layers(variables, config.num_layers), prompt, [90], max_new_tokens=6,
-                              eos_id=-1, chunk=32, return_cells=True)
+  _, scanned_cells = generate(
+    scanned,
+    stack_layers(variables, config.num_layers),
+    prompt,
+    [90],
+    max_new_tokens=6,
+    eos_id=-1,
+    chunk=32,
+    return_cells=True,
+  )
   np.testing.assert_array_equal(np.asarray(scanned_cells), cells)
   with pytest.raises(ValueError, match="return_cells needs a FreeSolo model"):
     generate(*_setup("tfpp")[1:], prompt, [90], max_new_tokens=2, eos_id=-1, return_cells=True)

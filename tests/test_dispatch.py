@@ -14,8 +14,9 @@ from fsjax.reference.routing import Routing
 from helpers import random_qkv
 
 ON_GPU = jax.default_backend() == "gpu"
-FACTS = dict(variant="fs", cell=32, head_dim=64, beam=16, dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, tokens=2,
-             chunk=8, refs=16)
+FACTS = dict(
+  variant="fs", cell=32, head_dim=64, beam=16, dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, tokens=2, chunk=8, refs=16
+)
 
 
 @pytest.mark.parametrize("op", sorted(dispatch.TABLE))
@@ -35,15 +36,16 @@ def test_auto_takes_the_kernels_only_on_a_gpu_and_for_geometries_they_tile():
   assert dispatch.resolve("freesolo_long_range", "auto", **{**FACTS, "cell": 24}) == "reference"
   assert dispatch.resolve("select_cells", "auto", **{**FACTS, "variant": "fsb"}) == "reference"
   assert dispatch.resolve("local_attention", "auto", dtype=jnp.float32) == "reference"
-  assert dispatch.resolve("cache_attention", "auto", **{**FACTS, "tokens": 1}) == ("cudnn" if ON_GPU else
-                                                                                   "one_token")
+  assert dispatch.resolve("cache_attention", "auto", **{**FACTS, "tokens": 1}) == ("cudnn" if ON_GPU else "one_token")
 
 
 def test_unknown_impl_is_one_clear_error_everywhere(rng):
   q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(rng, (1, 64, 2, 16)))
-  for call in (lambda: ops.freesolo_attention(q, k, v, alpha=1.0, window=63, cell=8, block=32, impl="triton"),
-               lambda: ops.tfpp_attention(q, k, v, impl="fast"),
-               lambda: dispatch.for_op("sparse_readout", "cuda")):
+  for call in (
+    lambda: ops.freesolo_attention(q, k, v, alpha=1.0, window=63, cell=8, block=32, impl="triton"),
+    lambda: ops.tfpp_attention(q, k, v, impl="fast"),
+    lambda: dispatch.for_op("sparse_readout", "cuda"),
+  ):
     with pytest.raises(dispatch.UnsupportedImpl, match="impl must be one of"):
       call()
   with pytest.raises(dispatch.UnsupportedImpl, match="zha_attention has no 'pallas'"):
@@ -53,8 +55,9 @@ def test_unknown_impl_is_one_clear_error_everywhere(rng):
 def test_interpreted_kernels_equal_the_reference_through_the_table(rng):
   """impl="pallas" runs the kernels (interpreted off a GPU) and "reference" the specification: same result."""
   q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(rng, (1, 96, 2, 16)))
-  kw = dict(variant="fsl", alpha=jnp.asarray([0.5, 2.0]), window=40, cell=16, block=32, top_k=2, retain_top=2,
-            retain_recent=1)
+  kw = dict(
+    variant="fsl", alpha=jnp.asarray([0.5, 2.0]), window=40, cell=16, block=32, top_k=2, retain_top=2, retain_recent=1
+  )
   reference = ops.freesolo_attention(q, k, v, impl="reference", **kw)
   kernels = ops.freesolo_attention(q, k, v, impl="pallas", **kw)
   assert jnp.max(jnp.abs(kernels - reference)) < 1e-4 * jnp.max(jnp.abs(reference))
@@ -84,9 +87,9 @@ def test_config_validates_through_the_registry():
 
 def test_routing_object_is_built_once_from_the_config_and_hashable():
   att = AttentionConfig(kind="fsl", window=64, cell=8, block=32, top_k=2, retain_top=4, retain_recent=2)
-  assert att.routing == Routing(variant="fsl", window=64, cell=8, block=32, top_k=2, retain_top=4,
-                                retain_recent=2)
-  assert hash(att.routing) == hash(Routing(variant="fsl", window=64, cell=8, block=32, top_k=2, retain_top=4,
-                                           retain_recent=2))
+  assert att.routing == Routing(variant="fsl", window=64, cell=8, block=32, top_k=2, retain_top=4, retain_recent=2)
+  assert hash(att.routing) == hash(
+    Routing(variant="fsl", window=64, cell=8, block=32, top_k=2, retain_top=4, retain_recent=2)
+  )
   with pytest.raises(ValueError, match="window must be >= block - 1"):
     Routing(window=8, block=32).validate()

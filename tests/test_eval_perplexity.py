@@ -19,8 +19,9 @@ def test_buckets_split_positions_evenly_and_average():
 
 def test_position_losses_average_to_the_training_loops_held_out_loss(micro_workdir):
   config, params, frozen, _ = checkpoint.load(micro_workdir)
-  batches = make_eval_batches(path=default_corpus_path("valid"), tokenizer_path=config.data.tokenizer,
-                              seq_len=96, batch_size=2, max_batches=2)
+  batches = make_eval_batches(
+    path=default_corpus_path("valid"), tokenizer_path=config.data.tokenizer, seq_len=96, batch_size=2, max_batches=2
+  )
   model = Transformer(config.model)
   losses, attended = perplexity.position_losses(model, {"params": params, **frozen}, batches)
   assert losses.shape == (96,) and np.all(np.isfinite(losses)) and attended is None
@@ -31,8 +32,12 @@ def test_position_losses_average_to_the_training_loops_held_out_loss(micro_workd
 
 def test_cli_prints_a_table_per_bucket_and_writes_csv(micro_workdir, tmp_path, capsys):
   out = tmp_path / "ppl.csv"
-  assert perplexity.main(["--checkpoint", str(micro_workdir), "--length", "128", "--buckets", "4", "--batches", "1",
-                          "--out", str(out)]) == 0
+  assert (
+    perplexity.main(
+      ["--checkpoint", str(micro_workdir), "--length", "128", "--buckets", "4", "--batches", "1", "--out", str(out)]
+    )
+    == 0
+  )
   printed = capsys.readouterr().out
   assert printed.count(f"| {micro_workdir.name}@2 |") == 4 and "| 96-127 |" in printed
   assert len(out.read_text().splitlines()) == 5
@@ -45,8 +50,9 @@ def test_zha_reports_the_fraction_of_keys_attended_by_position():
   for top_p in (1.0, 0.5):
     config = model_preset("tiny", kind="zha")
     att = config.attention
-    config = dataclasses.replace(config, attention=dataclasses.replace(att, zha=dataclasses.replace(
-        att.zha, chunk=4, levels=2, top_p=(top_p,))))
+    config = dataclasses.replace(
+      config, attention=dataclasses.replace(att, zha=dataclasses.replace(att.zha, chunk=4, levels=2, top_p=(top_p,)))
+    )
     variables = init_variables(config, jax.random.PRNGKey(0), 128)
     _, fractions[top_p] = perplexity.position_losses(Transformer(config), variables, [tokens])
   np.testing.assert_allclose(fractions[1.0], 1.0)  # p = 1 reads every visible key (ZHA III-C)

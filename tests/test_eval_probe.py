@@ -18,7 +18,7 @@ def test_needle_span_covers_exactly_the_value_tokens():
   text = "Some text. One of the special magic numbers for calm-lake is: 4815162. More text."
   first, last = probe.needle_token_span(tokenizer, text, "4815162")
   ids = tokenizer.encode(text, add_special_tokens=False).ids
-  assert tokenizer.decode(ids[first:last + 1]).strip() == "4815162"
+  assert tokenizer.decode(ids[first : last + 1]).strip() == "4815162"
 
 
 def test_probe_records_causal_selections_and_retention(micro_workdir):
@@ -27,12 +27,13 @@ def test_probe_records_causal_selections_and_retention(micro_workdir):
   att = config.model.attention
   for kind in ("fs", "fsl"):
     model_config = dataclasses.replace(config.model, attention=dataclasses.replace(att, kind=kind))
-    summary, distance = probe.probe(Transformer(model_config), variables, tokenizer, task="niah_single_1",
-                                    length=384, seed=3, chunk=64)
+    summary, distance = probe.probe(
+      Transformer(model_config), variables, tokenizer, task="niah_single_1", length=384, seed=3, chunk=64
+    )
     assert distance.shape == (summary["length"], model_config.num_layers, model_config.num_heads, att.top_k)
     read = distance[np.isfinite(distance)]
     assert read.size and read.min() >= att.cell / 2  # only complete cells before the query's block
-    assert np.all(np.isnan(distance[:att.block]))  # the first block reads nothing
+    assert np.all(np.isnan(distance[: att.block]))  # the first block reads nothing
     eta = np.asarray(summary["eta_per_layer_head"])
     if kind == "fs":
       np.testing.assert_array_equal(eta, 1.0)
@@ -44,8 +45,12 @@ def test_probe_records_causal_selections_and_retention(micro_workdir):
 
 
 def test_cli_writes_numbers_and_plots(micro_workdir, tmp_path, capsys):
-  assert probe.main(["--checkpoint", str(micro_workdir), "--length", "384", "--task", "niah_single_1",
-                     "--out", str(tmp_path)]) == 0
+  assert (
+    probe.main(
+      ["--checkpoint", str(micro_workdir), "--length", "384", "--task", "niah_single_1", "--out", str(tmp_path)]
+    )
+    == 0
+  )
   assert json.loads((tmp_path / "probe.json").read_text())["task"] == "niah_single_1"
   assert (tmp_path / "distances.png").stat().st_size > 0 and (tmp_path / "heatmap.png").stat().st_size > 0
   assert "| layer | η per head" in capsys.readouterr().out
@@ -64,8 +69,9 @@ def test_copy_target_hits_match_a_loop():
   selections = rng.integers(-1, length // cell, (n, length, layers, heads, k))
   sources = rng.integers(0, 128, n)
   for offset in (0, 13):
-    hits, eligible = probe.copy_target_hits(selections, sources, span=span, cue=cue, cell=cell, block=block,
-                                            offset=offset)
+    hits, eligible = probe.copy_target_hits(
+      selections, sources, span=span, cue=cue, cell=cell, block=block, offset=offset
+    )
     assert hits.shape == (n, span - cue, layers, heads) and eligible.shape == (n, span - cue)
     for i in range(n):
       for j, t in enumerate(range(cue - 1, span - 1)):
@@ -82,8 +88,17 @@ def test_copy_probe_rates_and_cli(micro_workdir, tmp_path, capsys):
   config, params, frozen, _ = checkpoint.load(micro_workdir)
   att = config.model.attention
   stream = np.random.default_rng(0).integers(3, 1000, 4000).astype(np.int32)
-  summary = probe.probe_copies(Transformer(config.model), {"params": params, **frozen}, stream, length=192,
-                               count=2, span=16, cue=2, seed=1, chunk=64)
+  summary = probe.probe_copies(
+    Transformer(config.model),
+    {"params": params, **frozen},
+    stream,
+    length=192,
+    count=2,
+    span=16,
+    cue=2,
+    seed=1,
+    chunk=64,
+  )
   per_head = np.asarray(summary["copy_per_layer_head"])
   assert len(summary["copy_by_offset_layer"]) == len(probe.OFFSET_CELLS)
   assert all(len(rates) == config.model.num_layers for rates in summary["copy_by_offset_layer"] if rates)
@@ -93,29 +108,66 @@ def test_copy_probe_rates_and_cli(micro_workdir, tmp_path, capsys):
   assert 0.0 < summary["chance_rate"] <= 1.0 and summary["target_retained_rate"] == 1.0  # FS keeps every cell
   assert summary["retained_chance_rate"] == 1.0
   fsl = dataclasses.replace(config.model, attention=dataclasses.replace(att, kind="fsl"))
-  pruned = probe.probe_copies(Transformer(fsl), {"params": params, **frozen}, stream, length=192, count=2, span=16,
-                              cue=2, seed=1, chunk=64)
+  pruned = probe.probe_copies(
+    Transformer(fsl), {"params": params, **frozen}, stream, length=192, count=2, span=16, cue=2, seed=1, chunk=64
+  )
   eligible = (190 // att.block) * (att.block // att.cell)  # 20 cells, of which the pool keeps P to P + W
   assert att.retain_top / eligible <= pruned["retained_chance_rate"] <= (att.retain_top + att.retain_recent) / eligible
   assert 0.0 <= pruned["target_retained_rate"] < 1.0
   assert summary["target_eligible_rate"] == 1.0  # targets end by position 142, eligible from query 160 on
   assert summary["chance_rate"] == pytest.approx(att.top_k / ((190 // att.block) * (att.block // att.cell)))
-  assert probe.main(["--checkpoint", str(micro_workdir), "--length", "176", "--copies", "1", "--span", "24",
-                     "--out", str(tmp_path)]) == 0
+  assert (
+    probe.main(
+      ["--checkpoint", str(micro_workdir), "--length", "176", "--copies", "1", "--span", "24", "--out", str(tmp_path)]
+    )
+    == 0
+  )
   assert json.loads((tmp_path / "copies.json").read_text())["samples"] == 1
   assert "target cell selected, copy / control" in capsys.readouterr().out
   assert probe.main(["--checkpoint", str(micro_workdir), "--length", "100", "--copies", "1"]) == 2
   assert "--length: 100 is below 176" in capsys.readouterr().err
-  assert probe.main(["--checkpoint", str(micro_workdir), "--length", "176", "--copies", "1", "--random-ids", "3,99",
-                     "--out", str(tmp_path / "ids")]) == 0
+  assert (
+    probe.main(
+      [
+        "--checkpoint",
+        str(micro_workdir),
+        "--length",
+        "176",
+        "--copies",
+        "1",
+        "--random-ids",
+        "3,99",
+        "--out",
+        str(tmp_path / "ids"),
+      ]
+    )
+    == 0
+  )
   assert json.loads((tmp_path / "ids" / "copies.json").read_text())["samples"] == 1
-  assert probe.main(["--checkpoint", str(micro_workdir), "--length", "176", "--copies", "1", "--needle-ids", "3,99",
-                     "--out", str(tmp_path / "needles")]) == 0
+  assert (
+    probe.main(
+      [
+        "--checkpoint",
+        str(micro_workdir),
+        "--length",
+        "176",
+        "--copies",
+        "1",
+        "--needle-ids",
+        "3,99",
+        "--out",
+        str(tmp_path / "needles"),
+      ]
+    )
+    == 0
+  )
   assert "target cell selected, copy / control" in capsys.readouterr().out
-  for bad, message in ((["--random-ids", "3,99"], "--random-ids needs --copies"),
-                       (["--needle-ids", "3,99"], "--needle-ids needs --copies"),
-                       (["--copies", "1", "--random-ids", "3,99", "--data", "x.txt"], "--random-ids and --data"),
-                       (["--copies", "1", "--random-ids", "3,100000"], "below the model's vocab_size")):
+  for bad, message in (
+    (["--random-ids", "3,99"], "--random-ids needs --copies"),
+    (["--needle-ids", "3,99"], "--needle-ids needs --copies"),
+    (["--copies", "1", "--random-ids", "3,99", "--data", "x.txt"], "--random-ids and --data"),
+    (["--copies", "1", "--random-ids", "3,100000"], "below the model's vocab_size"),
+  ):
     capsys.readouterr()
     assert probe.main(["--checkpoint", str(micro_workdir), "--length", "176", *bad]) == 2
     assert message in capsys.readouterr().err

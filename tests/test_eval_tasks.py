@@ -12,9 +12,9 @@ from fsjax.eval.haystack import NEEDLE, split_sentences
 
 _TOKENIZER = load_tokenizer()
 TOKENIZERS = {
-    "packaged-bpe": lambda text: len(_TOKENIZER.encode(text, add_special_tokens=False).ids),
-    "whitespace": lambda text: len(text.split()),
-    "bytes": lambda text: len(text.encode("utf-8")) // 3,  # a coarse third tokenizer: 3 bytes per token
+  "packaged-bpe": lambda text: len(_TOKENIZER.encode(text, add_special_tokens=False).ids),
+  "whitespace": lambda text: len(text.split()),
+  "bytes": lambda text: len(text.encode("utf-8")) // 3,  # a coarse third tokenizer: 3 bytes per token
 }
 
 
@@ -31,8 +31,9 @@ def test_generation_is_a_function_of_the_seed():
 
 
 @pytest.mark.parametrize("tokenizer", sorted(TOKENIZERS))
-@pytest.mark.parametrize("task", ["niah_single_1", "niah_single_2", "niah_multikey_2", "niah_multikey_3", "vt",
-                                  "cwe", "fwe"])
+@pytest.mark.parametrize(
+  "task", ["niah_single_1", "niah_single_2", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe"]
+)
 @pytest.mark.parametrize("length", [1024, 4096])
 def test_haystack_fills_the_token_budget_exactly(task, length, tokenizer):
   """Prompt + generation budget fits the length, and one more haystack unit would not."""
@@ -96,9 +97,10 @@ def test_scoring_matches_rulers_metrics_on_crafted_predictions():
 
 
 def test_ruler_jsonl_round_trip_keeps_order_and_index(tmp_path):
-  ruler_style = [dict(index=17, input="ctx", outputs=["1"], length=30, length_w_model_temp=30,
-                      answer_prefix=" Answer:"), dict(index=3, input="c2", outputs=["2", "3"], length=9,
-                                                      length_w_model_temp=9, answer_prefix=" The")]
+  ruler_style = [
+    dict(index=17, input="ctx", outputs=["1"], length=30, length_w_model_temp=30, answer_prefix=" Answer:"),
+    dict(index=3, input="c2", outputs=["2", "3"], length=9, length_w_model_temp=9, answer_prefix=" The"),
+  ]
   path = tmp_path / "niah_single_1" / "validation.jsonl"
   records.write_jsonl(path, ruler_style)
   assert records.read_jsonl(path) == ruler_style
@@ -143,13 +145,27 @@ def test_frequent_words_are_the_three_most_frequent_coded_words():
 
 
 def test_qa_reads_squad_and_hotpotqa_files_and_hides_the_gold_document(tmp_path):
-  squad = {"data": [{"paragraphs": [
-      {"context": f"Paragraph {a}-{p} about topic {a}.", "qas": [
-          {"question": f"What is {a}-{p}?", "answers": [{"text": f"answer {a}-{p}"}], "is_impossible": False},
-          {"question": "Unanswerable?", "answers": [], "is_impossible": True}]} for p in range(3)]}
-      for a in range(4)]}
-  hotpot = [{"question": f"Q{i}?", "answer": f"A{i}", "context": [[f"T{i}", [f"S{i}a. ", f"S{i}b."]],
-                                                                   [f"U{i}", [f"R{i}."]]]} for i in range(5)]
+  squad = {
+    "data": [
+      {
+        "paragraphs": [
+          {
+            "context": f"Paragraph {a}-{p} about topic {a}.",
+            "qas": [
+              {"question": f"What is {a}-{p}?", "answers": [{"text": f"answer {a}-{p}"}], "is_impossible": False},
+              {"question": "Unanswerable?", "answers": [], "is_impossible": True},
+            ],
+          }
+          for p in range(3)
+        ]
+      }
+      for a in range(4)
+    ]
+  }
+  hotpot = [
+    {"question": f"Q{i}?", "answer": f"A{i}", "context": [[f"T{i}", [f"S{i}a. ", f"S{i}b."]], [f"U{i}", [f"R{i}."]]]}
+    for i in range(5)
+  ]
   (tmp_path / "squad.json").write_text(json.dumps(squad))
   (tmp_path / "hotpot.json").write_text(json.dumps(hotpot))
   count = TOKENIZERS["packaged-bpe"]

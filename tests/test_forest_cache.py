@@ -34,8 +34,13 @@ def _walk(nodes, node):
   if node < 0:
     return None
   children = tuple(_walk(nodes, int(nodes[c][node])) for c in ("child0", "child1") if nodes[c][node] >= 0)
-  return (np.asarray(nodes["mu"][node]), *(float(nodes[f][node]) for f in ("rho", "amax", "pmin")),
-          int(nodes["first"][node]), int(nodes["leaf"][node]), children)
+  return (
+    np.asarray(nodes["mu"][node]),
+    *(float(nodes[f][node]) for f in ("rho", "amax", "pmin")),
+    int(nodes["first"][node]),
+    int(nodes["leaf"][node]),
+    children,
+  )
 
 
 def _assert_same_tree(a, b):
@@ -116,8 +121,11 @@ def test_advancing_a_layer_of_a_stacked_cache_writes_that_layer_as_the_plain_cac
       return write_back(stacked, advance(view, target), jnp.int32(1))
 
     expected = jax.jit(advance)(cache, target)
-    for got, want, kept in zip(jax.tree_util.tree_leaves(advance_layer_1(stacked)),
-                               jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(other)):
+    for got, want, kept in zip(
+      jax.tree_util.tree_leaves(advance_layer_1(stacked)),
+      jax.tree_util.tree_leaves(expected),
+      jax.tree_util.tree_leaves(other),
+    ):
       np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want))
       np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(kept))
 
@@ -146,14 +154,22 @@ def test_streaming_selection_equals_the_prefill_formulation_in_every_block(rng):
     routing = dict(lam=jnp.asarray(rng.uniform(0.3, 2.0, HEADS)), sigma=jnp.asarray(rng.uniform(1.0, 8.0, HEADS)))
     options = dict(cell=CELL, top_k=3, beam=2, bound_c=8.0)
     geometry = Routing(variant="fsb", window=BLOCK - 1, block=BLOCK, **options)
-    step = jax.jit(lambda c, q, pos: forest_select(forest_cache.advance(c, pos[:, 0] // BLOCK * (
-        BLOCK // CELL), tau, cell=CELL, block=BLOCK), q, pos, geometry, **routing))
+    step = jax.jit(
+      lambda c, q, pos: forest_select(
+        forest_cache.advance(c, pos[:, 0] // BLOCK * (BLOCK // CELL), tau, cell=CELL, block=BLOCK),
+        q,
+        pos,
+        geometry,
+        **routing,
+      )
+    )
     archive = cache.archive
     for n in range(1, seq // BLOCK):
       pos = jnp.asarray(n * BLOCK + rng.integers(0, BLOCK, (BATCH, 1)))
       q = jnp.asarray(rng.standard_normal((BATCH, 1, HEADS, DIM)) * 3)
-      expected = forest_ref.fsb_select_from_summaries(q, pos, archive.tokens.k, archive.mean_keys,
-                                                      archive.max_norms, tau=tau, block=BLOCK, **routing, **options)
+      expected = forest_ref.fsb_select_from_summaries(
+        q, pos, archive.tokens.k, archive.mean_keys, archive.max_norms, tau=tau, block=BLOCK, **routing, **options
+      )
       actual = step(cache, q, pos)
       np.testing.assert_array_equal(np.sort(np.asarray(actual), -1), np.sort(np.asarray(expected), -1))
       assert np.all(np.asarray(actual)[..., 0] >= 0)

@@ -10,8 +10,23 @@ def test_generates_from_a_training_workdir_and_a_step_directory(micro_workdir, c
   prompt_file = tmp_path / "prompt.txt"
   prompt_file.write_text("In 1842 the")
   step_dir = workdir / "checkpoints" / "2"
-  assert generate.main(["--checkpoint", str(step_dir), "--prompt-file", str(prompt_file), "--temperature", "0.8",
-                        "--top-p", "0.9", "--max-new-tokens", "4"]) == 0
+  assert (
+    generate.main(
+      [
+        "--checkpoint",
+        str(step_dir),
+        "--prompt-file",
+        str(prompt_file),
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--max-new-tokens",
+        "4",
+      ]
+    )
+    == 0
+  )
   assert capsys.readouterr().out.startswith("In 1842 the")
 
 

@@ -19,10 +19,10 @@ SCORE_ATOL = 1e-5  # float32 rounding of Eq. 7 computed in a different order (an
 
 # (batch, seq, heads, head_dim, cell, block, top_k, retain_top, retain_recent)
 GEOMETRIES = [
-    pytest.param(2, 256, 2, 64, 16, 32, 4, 5, 2, id="B2-T256-d64"),
-    pytest.param(1, 203, 3, 96, 16, 32, 3, 4, 1, id="T203-not-multiple-of-tile-d96"),
-    pytest.param(1, 160, 2, 16, 16, 64, 8, 3, 0, id="K-above-available-W0"),
-    pytest.param(1, 40, 1, 32, 16, 32, 2, 2, 1, id="first-block-and-one-cell"),
+  pytest.param(2, 256, 2, 64, 16, 32, 4, 5, 2, id="B2-T256-d64"),
+  pytest.param(1, 203, 3, 96, 16, 32, 3, 4, 1, id="T203-not-multiple-of-tile-d96"),
+  pytest.param(1, 160, 2, 16, 16, 64, 8, 3, 0, id="K-above-available-W0"),
+  pytest.param(1, 40, 1, 32, 16, 32, 2, 2, 1, id="first-block-and-one-cell"),
 ]
 
 
@@ -38,26 +38,56 @@ def _kernel_select(q, k, *, variant, lam, sigma, cell, block, top_k, retain_top,
   death = None
   if variant == "fsl":
     death = cells.retention_death_block(max_norms, cell=cell, block=block, retain_top=retain_top)
-  return cell_scoring.select_from_summaries(q, None, mean_keys, max_norms, death, variant=variant, lam=lam,
-                                            sigma=sigma, cell=cell, block=block, top_k=top_k, retain_top=retain_top,
-                                            retain_recent=retain_recent, block_sizes=SIZES, interpret=interpret)
+  return cell_scoring.select_from_summaries(
+    q,
+    None,
+    mean_keys,
+    max_norms,
+    death,
+    variant=variant,
+    lam=lam,
+    sigma=sigma,
+    cell=cell,
+    block=block,
+    top_k=top_k,
+    retain_top=retain_top,
+    retain_recent=retain_recent,
+    block_sizes=SIZES,
+    interpret=interpret,
+  )
 
 
 def _reference_scores(q, k, lam, sigma, cell, positions=None):
   mean_keys, max_norms, centers = cells.cell_summaries(k.astype(jnp.float32), cell)
-  return cells.cell_scores(q.astype(jnp.float32), mean_keys, max_norms, centers, lam=jnp.asarray(lam),
-                           sigma=jnp.asarray(sigma), positions=positions)
+  return cells.cell_scores(
+    q.astype(jnp.float32),
+    mean_keys,
+    max_norms,
+    centers,
+    lam=jnp.asarray(lam),
+    sigma=jnp.asarray(sigma),
+    positions=positions,
+  )
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
 @pytest.mark.parametrize("batch,seq,heads,dim,cell,block,top_k,retain_top,retain_recent", GEOMETRIES)
-def test_select_cells_matches_reference(rng, interpret, dtype, variant, batch, seq, heads, dim, cell, block,
-                                        top_k, retain_top, retain_recent):
+def test_select_cells_matches_reference(
+  rng, interpret, dtype, variant, batch, seq, heads, dim, cell, block, top_k, retain_top, retain_recent
+):
   q, k, lam, sigma = _inputs(rng, batch, seq, heads, dim, dtype)
-  routing = dict(variant=variant, lam=lam, sigma=sigma, cell=cell, block=block, top_k=top_k,
-                 retain_top=retain_top, retain_recent=retain_recent)
+  routing = dict(
+    variant=variant,
+    lam=lam,
+    sigma=sigma,
+    cell=cell,
+    block=block,
+    top_k=top_k,
+    retain_top=retain_top,
+    retain_recent=retain_recent,
+  )
   got = _kernel_select(q, k, interpret=interpret, **routing)
   want = ops.select_cells(q, k, **routing)
   assert got.dtype == jnp.int32 and got.shape == want.shape
@@ -79,12 +109,23 @@ def test_select_from_summaries_at_decode_positions(rng, interpret, variant, spli
   lam, sigma = rng.uniform(0.3, 2.0, heads).astype(np.float32), rng.uniform(1.0, 8.0, heads).astype(np.float32)
   routing = dict(variant=variant, cell=cell, block=block, retain_top=3, retain_recent=1)
   death = cells.retention_death_block(max_norms, cell=cell, block=block, retain_top=3) if variant == "fsl" else None
-  got = cell_scoring.select_from_summaries(q, positions, mean_keys, max_norms, death, lam=lam, sigma=sigma,
-                                           top_k=top_k, block_sizes=dataclasses.replace(SIZES, splits=splits),
-                                           interpret=interpret, **routing)
+  got = cell_scoring.select_from_summaries(
+    q,
+    positions,
+    mean_keys,
+    max_norms,
+    death,
+    lam=lam,
+    sigma=sigma,
+    top_k=top_k,
+    block_sizes=dataclasses.replace(SIZES, splits=splits),
+    interpret=interpret,
+    **routing,
+  )
   centers = (jnp.arange(num_cells) + 0.5) * cell
-  scores = cells.cell_scores(q, mean_keys, max_norms, centers, lam=jnp.asarray(lam), sigma=jnp.asarray(sigma),
-                             positions=positions)
+  scores = cells.cell_scores(
+    q, mean_keys, max_norms, centers, lam=jnp.asarray(lam), sigma=jnp.asarray(sigma), positions=positions
+  )
   available = cells.available_cells(max_norms, 5, positions=positions, **routing)
   assert_same_cells(got, cells.top_k_cells(scores, available, top_k), scores, SCORE_ATOL)
 
@@ -95,8 +136,19 @@ def test_equal_scores_go_to_the_lower_cell_index(rng, interpret):
   cell, dim = 16, 16
   k = jnp.tile(jnp.asarray(rng.standard_normal((1, cell, 1, dim)), jnp.float32), (1, 12, 1, 1))
   q = jnp.asarray(rng.standard_normal((1, 12 * cell, 1, dim)), jnp.float32)
-  got = _kernel_select(q, k, variant="fs", lam=0.0, sigma=4.0, cell=cell, block=32, top_k=4, retain_top=64,
-                       retain_recent=8, interpret=interpret)
+  got = _kernel_select(
+    q,
+    k,
+    variant="fs",
+    lam=0.0,
+    sigma=4.0,
+    cell=cell,
+    block=32,
+    top_k=4,
+    retain_top=64,
+    retain_recent=8,
+    interpret=interpret,
+  )
   np.testing.assert_array_equal(got, ops.select_cells(q, k, lam=0.0, cell=cell, block=32, top_k=4))
   np.testing.assert_array_equal(got[0, -1, 0], [0, 1, 2, 3])
 
@@ -110,7 +162,15 @@ def test_equal_scores_across_cell_ranges_go_to_the_lower_cell_index(rng, interpr
   q = rng.standard_normal((1, 1, 1, dim)).astype(np.float32)
   mean_keys[0, [50, 17, 33, 60, 2], 0] = 10.0 * q[0, 0, 0]
   got = cell_scoring.select_from_summaries(
-      jnp.asarray(q), jnp.array([[num_cells * cell]], jnp.int32), jnp.asarray(mean_keys),
-      jnp.ones((1, num_cells, 1), jnp.float32), lam=0.0, cell=cell, block=32, top_k=4,
-      block_sizes=dataclasses.replace(SIZES, splits=4), interpret=interpret)
+    jnp.asarray(q),
+    jnp.array([[num_cells * cell]], jnp.int32),
+    jnp.asarray(mean_keys),
+    jnp.ones((1, num_cells, 1), jnp.float32),
+    lam=0.0,
+    cell=cell,
+    block=32,
+    top_k=4,
+    block_sizes=dataclasses.replace(SIZES, splits=4),
+    interpret=interpret,
+  )
   np.testing.assert_array_equal(got[0, 0, 0], [2, 17, 33, 50])

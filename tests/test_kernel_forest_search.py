@@ -16,9 +16,11 @@ from helpers import kernel_modes
 
 def _reference_search(forest, q, positions, *, lam, sigma, beam, steps):
   """`forest_ref.beam_search` of every (batch, head) over its own node table: `[batch, T, heads, beam]`."""
+
   def one(q, pos, nodes, root, lam, sigma):
-    return forest_ref.beam_search(q, pos, nodes, jnp.full(q.shape[:1], root), beam=beam, bound_c=8.0, lam=lam,
-                                  sigma=sigma, steps=steps)
+    return forest_ref.beam_search(
+      q, pos, nodes, jnp.full(q.shape[:1], root), beam=beam, bound_c=8.0, lam=lam, sigma=sigma, steps=steps
+    )
 
   per_head = jax.vmap(one, in_axes=(1, None, 0, 0, 0, 0), out_axes=1)
   return jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None))(q, positions, forest.nodes, forest.root, lam, sigma)
@@ -33,15 +35,17 @@ def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
   reads one layer of stacked tables."""
   batch, heads, cell, block = 2, 3, 16, 64
   cache = forest_cache.empty_forest_cache(batch, seq, heads, dim, cell)
-  k = jnp.asarray(rng.standard_normal((batch, seq, heads, dim)) * rng.uniform(0.2, 3.0, (batch, seq, heads, 1)),
-                  jnp.float32)
+  k = jnp.asarray(
+    rng.standard_normal((batch, seq, heads, dim)) * rng.uniform(0.2, 3.0, (batch, seq, heads, 1)), jnp.float32
+  )
   pos = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
   archive = archive_lib.extend(cache.archive, k, k, pos, jnp.ones(pos.shape, bool), cell)
   tau = jnp.asarray(np.quantile(np.asarray(archive.max_norms).reshape(-1, heads), 0.7, axis=0), jnp.float32)
   last_block = (seq - 1) // block
   target = jnp.array([last_block, last_block - 1]) * (block // cell)
-  cache = jax.jit(lambda c: forest_cache.advance(c, target, tau, cell=cell, block=block))(cache.replace(
-      archive=archive))
+  cache = jax.jit(lambda c: forest_cache.advance(c, target, tau, cell=cell, block=block))(
+    cache.replace(archive=archive)
+  )
   q = jnp.asarray(rng.standard_normal((batch, queries, heads, dim)) * 2, jnp.float32)
   positions = jnp.asarray(target[:, None] * cell + rng.integers(0, block, (batch, queries)), jnp.int32)
   lam, sigma = jnp.asarray(rng.uniform(0.3, 2.0, heads)), jnp.asarray(rng.uniform(1.0, 8.0, heads))
@@ -51,14 +55,28 @@ def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
   for which in (0, 1):
     forest = cache.forest(which)
     expected = search(forest)
-    actual = forest_search.beam_search(q, positions, roots_of(forest), forest.nodes, lam, sigma, beam=beam,
-                                       steps=steps, bound_c=8.0, interpret=interpret)
+    actual = forest_search.beam_search(
+      q, positions, roots_of(forest), forest.nodes, lam, sigma, beam=beam, steps=steps, bound_c=8.0, interpret=interpret
+    )
     np.testing.assert_array_equal(actual, expected)  # slot order too: (U desc, first cell asc), leaves first
     assert np.any(np.asarray(expected) >= 0)
   # A scanned model's stacked tables: layer 1 holds forest 0, layer 0 the other forest, which beams differently.
-  stacked = {name: jnp.stack([cache.forest(1).nodes[name], cache.forest(0).nodes[name]])
-             for name in cache.forests.nodes}
+  stacked = {
+    name: jnp.stack([cache.forest(1).nodes[name], cache.forest(0).nodes[name]]) for name in cache.forests.nodes
+  }
   np.testing.assert_array_equal(
-      forest_search.beam_search(q, positions, roots_of(cache.forest(0)), stacked, lam, sigma, beam=beam,
-                                steps=steps, bound_c=8.0, layer=jnp.int32(1), interpret=interpret),
-      search(cache.forest(0)))
+    forest_search.beam_search(
+      q,
+      positions,
+      roots_of(cache.forest(0)),
+      stacked,
+      lam,
+      sigma,
+      beam=beam,
+      steps=steps,
+      bound_c=8.0,
+      layer=jnp.int32(1),
+      interpret=interpret,
+    ),
+    search(cache.forest(0)),
+  )

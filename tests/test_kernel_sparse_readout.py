@@ -18,9 +18,9 @@ SIZES = readout_kernel.BlockSizes(queries=32)
 
 # (batch, seq, seq_k, heads, head_dim, cell, top_k)
 GEOMETRIES = [
-    pytest.param(2, 128, 128, 2, 64, 16, 4, id="B2-T128-d64"),
-    pytest.param(1, 75, 192, 3, 96, 16, 3, id="T75-not-multiple-of-tile-Tk192-d96"),
-    pytest.param(1, 64, 64, 2, 32, 32, 2, id="K2-s32"),
+  pytest.param(2, 128, 128, 2, 64, 16, 4, id="B2-T128-d64"),
+  pytest.param(1, 75, 192, 3, 96, 16, 3, id="T75-not-multiple-of-tile-Tk192-d96"),
+  pytest.param(1, 64, 64, 2, 32, 32, 2, id="K2-s32"),
 ]
 
 
@@ -65,5 +65,5 @@ def test_tile_unions_are_the_distinct_selected_cells(rng):
   for b in range(2):
     for h in range(3):
       for t in range(4):
-        expected = sorted(set(np.asarray(cell_idx[b, 16 * t:16 * (t + 1), h]).ravel()) - {-1})
-        assert list(np.asarray(unions[b, h, t, :counts[b, h, t]])) == expected
+        expected = sorted(set(np.asarray(cell_idx[b, 16 * t : 16 * (t + 1), h]).ravel()) - {-1})
+        assert list(np.asarray(unions[b, h, t, : counts[b, h, t]])) == expected

@@ -41,13 +41,15 @@ def test_score_candidates(rng, interpret, dtype, refs, dim, count, span):
   index[1, :, 0] = 19
   cast = lambda x: jnp.asarray(x, dtype)
   complete_only = {} if span is None else dict(position=jnp.asarray(position), span=span)
-  scores = zha_routing.score_candidates(cast(q), cast(keys), cast(bias), jnp.asarray(index), interpret=interpret,
-                                        **complete_only)
+  scores = zha_routing.score_candidates(
+    cast(q), cast(keys), cast(bias), jnp.asarray(index), interpret=interpret, **complete_only
+  )
   q, keys, bias = (np.asarray(cast(x), np.float64) for x in (q, keys, bias))
   b, h = np.arange(batch)[:, None, None], np.arange(heads)[None, :, None]
   gathered = keys[b, np.maximum(index, 0), h]  # [batch, heads, count, R, d]
-  expected = np.max(np.einsum("bhd,bhkrd->bhkr", q, gathered) / math.sqrt(dim) + bias[b, np.maximum(index, 0), h],
-                    axis=-1)
+  expected = np.max(
+    np.einsum("bhd,bhkrd->bhkr", q, gathered) / math.sqrt(dim) + bias[b, np.maximum(index, 0), h], axis=-1
+  )
   valid = index >= 0
   if span is not None:
     valid &= (index + 1) * span <= position[:, None, None]
@@ -71,12 +73,15 @@ def test_zha_kernels_read_one_layer_of_a_stack(rng, interpret):
   position = jnp.asarray([seq - 1, 30], jnp.int32)
   layer = jnp.int32(1)
   np.testing.assert_array_equal(
-      zha_routing.score_candidates(q, keys, bias, index, layer=layer, interpret=interpret),
-      zha_routing.score_candidates(q, keys[1], bias[1], index, interpret=interpret))
+    zha_routing.score_candidates(q, keys, bias, index, layer=layer, interpret=interpret),
+    zha_routing.score_candidates(q, keys[1], bias[1], index, interpret=interpret),
+  )
   np.testing.assert_allclose(
-      zha_routing.leaf_attention(q, k, v, leaves, position, chunk=chunk, layer=layer, interpret=interpret),
-      zha_routing.leaf_attention(q, k[1], v[1], leaves, position, chunk=chunk, interpret=interpret),
-      rtol=1e-6, atol=1e-6)
+    zha_routing.leaf_attention(q, k, v, leaves, position, chunk=chunk, layer=layer, interpret=interpret),
+    zha_routing.leaf_attention(q, k[1], v[1], leaves, position, chunk=chunk, interpret=interpret),
+    rtol=1e-6,
+    atol=1e-6,
+  )
   with pytest.raises(ValueError, match="position and span go together"):
     zha_routing.score_candidates(q, keys[1], bias[1], index, span=4, interpret=interpret)
   with pytest.raises(ValueError, match="a stack of 6 dims"):
@@ -103,10 +108,10 @@ def _kept_by_walking(scores, index, p, max_nodes):
 
 
 KEEP_CASES = [
-    (37, 0.9, 64),  # top-p binds, the cap is wider than the list
-    (300, 1.0, 16),  # the cap alone
-    (519, 0.6, 64),  # a lower level's list at C=8
-    (4096, 0.9, 64),  # a top level at 256k tokens, C=8, L=2
+  (37, 0.9, 64),  # top-p binds, the cap is wider than the list
+  (300, 1.0, 16),  # the cap alone
+  (519, 0.6, 64),  # a lower level's list at C=8
+  (4096, 0.9, 64),  # a top level at 256k tokens, C=8, L=2
 ]
 
 
@@ -127,8 +132,9 @@ def _assert_kept_by_walking(kept, scores, index, p, max_nodes):
   kept = np.asarray(kept)
   for b in range(scores.shape[0]):
     for h in range(scores.shape[1]):
-      np.testing.assert_array_equal(kept[b, h], _kept_by_walking(scores[b, h], index[b, h], p, max_nodes),
-                                    err_msg=f"row {b}, head {h}")
+      np.testing.assert_array_equal(
+        kept[b, h], _kept_by_walking(scores[b, h], index[b, h], p, max_nodes), err_msg=f"row {b}, head {h}"
+      )
   assert np.all(kept[1, 2] == zha_routing.NO_NODE) and np.any(kept[0, 1] >= 0)
 
 
@@ -138,8 +144,7 @@ def test_keep_top_p(rng, interpret, count, p, max_nodes):
   """The kernel keeps the brute-force walk's nodes, in list order (`_selection_rows`' scores: ties, missing
   candidates, an empty row)."""
   scores, index = _selection_rows(rng, count)
-  kept = zha_routing.keep_top_p(jnp.asarray(scores), jnp.asarray(index), p=p, max_nodes=max_nodes,
-                                interpret=interpret)
+  kept = zha_routing.keep_top_p(jnp.asarray(scores), jnp.asarray(index), p=p, max_nodes=max_nodes, interpret=interpret)
   _assert_kept_by_walking(kept, scores, index, p, max_nodes)
 
 
@@ -147,8 +152,13 @@ def test_keep_top_p(rng, interpret, count, p, max_nodes):
 def test_reference_keep_top_p_walks_like_the_kernel(rng, count, p, max_nodes):
   """The kernel's specification (`fsjax.reference.zha_decode.keep_top_p`) keeps the same nodes in the same order."""
   scores, index = _selection_rows(rng, count)
-  _assert_kept_by_walking(zha_decode.keep_top_p(jnp.asarray(scores), jnp.asarray(index), p=p, max_nodes=max_nodes),
-                          scores, index, p, max_nodes)
+  _assert_kept_by_walking(
+    zha_decode.keep_top_p(jnp.asarray(scores), jnp.asarray(index), p=p, max_nodes=max_nodes),
+    scores,
+    index,
+    p,
+    max_nodes,
+  )
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
@@ -163,15 +173,17 @@ def test_a_shared_list_equals_its_broadcast(rng, interpret):
   broadcast = jnp.broadcast_to(shared, (batch, heads, count))
   complete_only = dict(position=jnp.asarray([4 * nodes - 1, 70]), span=4)
   scores = zha_routing.score_candidates(q, keys, bias, jnp.asarray(shared), interpret=interpret, **complete_only)
-  np.testing.assert_array_equal(scores, zha_routing.score_candidates(q, keys, bias, broadcast, interpret=interpret,
-                                                                     **complete_only))
+  np.testing.assert_array_equal(
+    scores, zha_routing.score_candidates(q, keys, bias, broadcast, interpret=interpret, **complete_only)
+  )
   complete = np.asarray([nodes - 1, 17])  # (node + 1)·4 <= position: nodes 0-38 at 159, 0-16 at 70
   for row, first_missing in enumerate(complete):
     assert np.isfinite(np.asarray(scores)[row, :, :first_missing]).all()
     assert np.isneginf(np.asarray(scores)[row, :, first_missing:]).all()
   kept = zha_routing.keep_top_p(scores, jnp.asarray(shared), p=0.8, max_nodes=8, interpret=interpret)
-  np.testing.assert_array_equal(kept, zha_routing.keep_top_p(scores, broadcast, p=0.8, max_nodes=8,
-                                                             interpret=interpret))
+  np.testing.assert_array_equal(
+    kept, zha_routing.keep_top_p(scores, broadcast, p=0.8, max_nodes=8, interpret=interpret)
+  )
   assert kept.shape == (batch, heads, 8) and np.any(np.asarray(kept) >= 0)
 
 
@@ -193,10 +205,18 @@ def test_score_children_builds_the_list_below_the_kept_parents(rng, interpret, c
     for h in range(heads):
       kept = np.sort(rng.choice(complete_parents[b], min(parents_kept, complete_parents[b]), replace=False))
       kept = kept[rng.random(kept.size) < 0.8]  # some heads keep fewer than the cap
-      row[b, h, :kept.size] = kept
-  scores, index = zha_routing.score_children(q, keys, bias, jnp.asarray(row), jnp.asarray(position),
-                                             parents_kept=parents_kept, chunk=chunk, span=span,
-                                             interpret=interpret)
+      row[b, h, : kept.size] = kept
+  scores, index = zha_routing.score_children(
+    q,
+    keys,
+    bias,
+    jnp.asarray(row),
+    jnp.asarray(position),
+    parents_kept=parents_kept,
+    chunk=chunk,
+    span=span,
+    interpret=interpret,
+  )
   width = zha_routing.list_width(parents_kept * chunk + chunk - 1)
   assert scores.shape == index.shape == (batch, heads, width)
   for b in range(batch):
@@ -208,10 +228,11 @@ def test_score_children_builds_the_list_below_the_kept_parents(rng, interpret, c
       expected = np.concatenate([children.ravel(), parentless])
       expected = np.pad(expected, (0, width - expected.size), constant_values=zha_routing.NO_NODE)
       np.testing.assert_array_equal(np.asarray(index)[b, h], expected, err_msg=f"row {b}, head {h}")
-  assert (np.asarray(index)[1, :, parents_kept * chunk:] == zha_routing.NO_NODE).all()  # no parentless at row 1
+  assert (np.asarray(index)[1, :, parents_kept * chunk :] == zha_routing.NO_NODE).all()  # no parentless at row 1
   np.testing.assert_array_equal(  # the specification's list, before the kernel's padding
-      np.asarray(index)[..., :parents_kept * chunk + chunk - 1],
-      zha_decode.candidates_below(jnp.asarray(row[..., :parents_kept]), jnp.asarray(position), chunk=chunk, level=2))
+    np.asarray(index)[..., : parents_kept * chunk + chunk - 1],
+    zha_decode.candidates_below(jnp.asarray(row[..., :parents_kept]), jnp.asarray(position), chunk=chunk, level=2),
+  )
   listed = zha_routing.score_candidates(q, keys, bias, index, interpret=interpret)
   np.testing.assert_array_equal(scores, listed)
   assert np.isneginf(np.asarray(scores)[np.asarray(index) < 0]).all()
@@ -219,9 +240,16 @@ def test_score_children_builds_the_list_below_the_kept_parents(rng, interpret, c
 
 def test_score_children_rejects_a_count_outside_the_parents_row():
   with pytest.raises(ValueError, match=r"parents_kept must be in \[1, 16\]"):
-    zha_routing.score_children(jnp.zeros((1, 1, 8)), jnp.zeros((1, 4, 1, 2, 8)), jnp.zeros((1, 4, 1, 2)),
-                               jnp.zeros((1, 1, 16), jnp.int32), jnp.zeros((1,), jnp.int32), parents_kept=17,
-                               chunk=2, span=2)
+    zha_routing.score_children(
+      jnp.zeros((1, 1, 8)),
+      jnp.zeros((1, 4, 1, 2, 8)),
+      jnp.zeros((1, 4, 1, 2)),
+      jnp.zeros((1, 1, 16), jnp.int32),
+      jnp.zeros((1,), jnp.int32),
+      parents_kept=17,
+      chunk=2,
+      span=2,
+    )
 
 
 def test_keep_top_p_rejects_a_threshold_outside_0_1_and_an_empty_cap():
@@ -233,8 +261,7 @@ def test_keep_top_p_rejects_a_threshold_outside_0_1_and_an_empty_cap():
 
 @pytest.mark.parametrize("interpret", kernel_modes())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("chunk,dim,leaves,splits", [(8, 64, 6, 4), (4, 96, 9, 2), (16, 32, 1, 1),
-                                                     (8, 64, 64, None)])
+@pytest.mark.parametrize("chunk,dim,leaves,splits", [(8, 64, 6, 4), (4, 96, 9, 2), (16, 32, 1, 1), (8, 64, 64, None)])
 def test_leaf_attention(rng, interpret, dtype, chunk, dim, leaves, splits):
   """Splits with padded shares, one split, and the default (a 64-slot list at C=8: four splits of 16), against a
   loop over the attended keys; unused slots hold NO_NODE."""
@@ -248,10 +275,11 @@ def test_leaf_attention(rng, interpret, dtype, chunk, dim, leaves, splits):
     for h in range(heads):
       chosen = rng.permutation(complete[b])[:leaves]
       chosen = chosen[rng.random(len(chosen)) < 0.8]  # some slots unused
-      kept[b, h, :len(chosen)] = chosen
+      kept[b, h, : len(chosen)] = chosen
   cast = lambda x: jnp.asarray(x, dtype)
-  out = zha_routing.leaf_attention(cast(q), cast(k), cast(v), jnp.asarray(kept), jnp.asarray(position),
-                                   chunk=chunk, splits=splits, interpret=interpret)
+  out = zha_routing.leaf_attention(
+    cast(q), cast(k), cast(v), jnp.asarray(kept), jnp.asarray(position), chunk=chunk, splits=splits, interpret=interpret
+  )
   q, k, v = (np.asarray(cast(x), np.float64) for x in (q, k, v))
   expected = np.zeros((batch, heads, dim))
   for b in range(batch):
@@ -275,15 +303,24 @@ def test_capped_decode_through_the_kernels_equals_the_reference(rng):
   q, k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, dim)), jnp.float32) for _ in range(3))
   ref_queries = jnp.asarray(rng.standard_normal((heads, 2, dim)), jnp.float32)
   tree = ZHATree(refs=2, chunk=4, levels=2, top_p=(0.9,), max_nodes=2)
-  expected, expected_fraction = ops.zha_attention(q, k, v, ref_queries, chunk=4, levels=2, top_p=0.9,
-                                                  rope_theta=10000.0, max_nodes=2, return_fraction=True)
+  expected, expected_fraction = ops.zha_attention(
+    q, k, v, ref_queries, chunk=4, levels=2, top_p=0.9, rope_theta=10000.0, max_nodes=2, return_fraction=True
+  )
   cache = zha_cache.empty_zha(batch, 72, heads, dim, tree)
   outputs, fractions = [], []
   for start, size in ((0, 40), *((t, 1) for t in range(40, seq))):
     pos = jnp.broadcast_to(jnp.arange(start, start + size), (batch, size))
-    rot = lambda x: apply_rope(x[:, start:start + size], pos)
-    cache = _extend(cache, rot(k), v[:, start:start + size], pos, jnp.ones_like(pos, bool), ref_queries,
-                    tree=tree, rope_theta=10000.0)
+    rot = lambda x: apply_rope(x[:, start : start + size], pos)
+    cache = _extend(
+      cache,
+      rot(k),
+      v[:, start : start + size],
+      pos,
+      jnp.ones_like(pos, bool),
+      ref_queries,
+      tree=tree,
+      rope_theta=10000.0,
+    )
     if size == 1:
       out, fraction = _attend(cache, rot(q), pos, tree=tree, impl="pallas")
       outputs.append(out)
@@ -299,9 +336,9 @@ def _random_zha_cache(rng, batch, capacity, heads, dim, tree, dtype, tie_block=1
 
   def tied(x):
     pairs = x.shape[1] // (2 * tie_block)
-    blocks = x[:, :2 * tie_block * pairs].reshape(x.shape[0], pairs, 2, tie_block, *x.shape[2:])
+    blocks = x[:, : 2 * tie_block * pairs].reshape(x.shape[0], pairs, 2, tie_block, *x.shape[2:])
     blocks[:, :, 1] = blocks[:, :, 0]
-    x[:, :2 * tie_block * pairs] = blocks.reshape(x.shape[0], -1, *x.shape[2:])
+    x[:, : 2 * tie_block * pairs] = blocks.reshape(x.shape[0], -1, *x.shape[2:])
     return jnp.asarray(x, dtype)
 
   keys = tuple(tied(rng.standard_normal(k.shape) * rng.uniform(0.5, 2.0, k.shape[:-1] + (1,))) for k in cache.keys)
@@ -310,13 +347,17 @@ def _random_zha_cache(rng, batch, capacity, heads, dim, tree, dtype, tie_block=1
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("refs,dim,chunk,levels,top_p,max_nodes", [
+@pytest.mark.parametrize(
+  "refs,dim,chunk,levels,top_p,max_nodes",
+  [
     (4, 64, 4, 2, (0.9, 0.8), 3),  # the cap binds
     (1, 96, 8, 2, (0.95, 0.95), 64),  # top-p binds
     (2, 32, 2, 3, (1.0, 0.5, 0.9), 5),  # p = 1 keeps every candidate up to the cap
-])
-def test_capped_routing_through_the_kernel_equals_the_jnp_descent(rng, dtype, refs, dim, chunk, levels, top_p,
-                                                                  max_nodes):
+  ],
+)
+def test_capped_routing_through_the_kernel_equals_the_jnp_descent(
+  rng, dtype, refs, dim, chunk, levels, top_p, max_nodes
+):
   """`zha_route` on the kernels keeps the same leaves as the reference descent
   (`fsjax.reference.zha_decode.route_gathered`), in half precision too (both score in float32), with exact ties,
   at positions with none, some and many complete top-level nodes."""
@@ -326,16 +367,18 @@ def test_capped_routing_through_the_kernel_equals_the_jnp_descent(rng, dtype, re
   for position in ([3, chunk**levels + 5, capacity - 1], [capacity - 2, 40, 150]):
     position = jnp.asarray(position, jnp.int32)
     q = jnp.asarray(rng.standard_normal((batch, heads, dim)) * 2, dtype)
-    leaves = [np.asarray(_route(q, position, cache.keys, cache.bias, tree=tree, impl=impl))
-              for impl in ("pallas", "reference")]
+    leaves = [
+      np.asarray(_route(q, position, cache.keys, cache.bias, tree=tree, impl=impl)) for impl in ("pallas", "reference")
+    ]
     np.testing.assert_array_equal(np.sort(leaves[0], -1), np.sort(leaves[1], -1))
     assert np.any(leaves[1] >= 0)
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas"], ids=["jnp", "kernels"])
 @pytest.mark.parametrize("refs,dim,chunk,levels,top_p", [(4, 16, 4, 2, (1.0, 1.0)), (2, 16, 2, 3, (1.0, 0.9, 1.0))])
-def test_capped_descent_keeps_the_references_leaves_under_ties_across_parents(rng, impl, refs, dim, chunk, levels,
-                                                                              top_p):
+def test_capped_descent_keeps_the_references_leaves_under_ties_across_parents(
+  rng, impl, refs, dim, chunk, levels, top_p
+):
   """The descent over candidate lists keeps the leaves of `fsjax.reference.zha.route` over every node's score
   when each node ties with the node one parent further on (blocks of `chunk` nodes repeat the block before
   them). Ties between children of different parents are resolved by the lists' node order, so this fails when a
@@ -349,8 +392,9 @@ def test_capped_descent_keeps_the_references_leaves_under_ties_across_parents(rn
     q = jnp.asarray(rng.standard_normal((batch, heads, dim)) * 2, jnp.float32)
     leaves = np.asarray(_route(q, position, cache.keys, cache.bias, tree=tree, impl=impl))
     scores = [zha_ref.node_scores(q[:, None], keys, bias) for keys, bias in zip(cache.keys, cache.bias)]
-    expected = np.asarray(zha_ref.route(scores, position[:, None], chunk=chunk, top_p=top_p,
-                                        max_nodes=max_nodes)[:, :, 0])  # [batch, heads, N_1]
+    expected = np.asarray(
+      zha_ref.route(scores, position[:, None], chunk=chunk, top_p=top_p, max_nodes=max_nodes)[:, :, 0]
+    )  # [batch, heads, N_1]
     reached = np.zeros_like(expected)
     b, h, slot = np.nonzero(leaves >= 0)
     reached[b, h, leaves[b, h, slot]] = True

@@ -29,54 +29,111 @@ def _lowers_for_cuda(fn, *args, kernels):
 def test_zha_scoring_and_selection_lower():
   q = shape((1, 2, 64), f32)
   index = shape((1, 2, 32), i32)
-  _lowers_for_cuda(lambda *a: zha_routing.score_candidates(*a, interpret=False),
-                   q, shape((1, 12, 2, 4, 64), bf16), shape((1, 12, 2, 4), bf16), index,
-                   kernels=["zha_score_candidates"])
-  _lowers_for_cuda(lambda q, k, b, i, layer: zha_routing.score_candidates(q, k, b, i, layer=layer, interpret=False),
-                   q, shape((3, 1, 12, 2, 4, 64), bf16), shape((3, 1, 12, 2, 4), bf16), index, shape((), i32),
-                   kernels=["zha_score_candidates"])
-  _lowers_for_cuda(lambda q, k, b, i, pos: zha_routing.score_candidates(q, k, b, i, position=pos, span=64,
-                                                                        interpret=False),
-                   q, shape((1, 12, 2, 1, 64), bf16), shape((1, 12, 2, 1), bf16), index, shape((1,), i32),
-                   kernels=["zha_score_candidates"])
-  _lowers_for_cuda(lambda q, k, b, i, pos: zha_routing.score_candidates(q, k, b, i, position=pos, span=64,
-                                                                        interpret=False),
-                   q, shape((1, 12, 2, 4, 64), bf16), shape((1, 12, 2, 4), bf16), shape((32,), i32),
-                   shape((1,), i32), kernels=["zha_score_candidates"])  # the top level's shared list
+  _lowers_for_cuda(
+    lambda *a: zha_routing.score_candidates(*a, interpret=False),
+    q,
+    shape((1, 12, 2, 4, 64), bf16),
+    shape((1, 12, 2, 4), bf16),
+    index,
+    kernels=["zha_score_candidates"],
+  )
+  _lowers_for_cuda(
+    lambda q, k, b, i, layer: zha_routing.score_candidates(q, k, b, i, layer=layer, interpret=False),
+    q,
+    shape((3, 1, 12, 2, 4, 64), bf16),
+    shape((3, 1, 12, 2, 4), bf16),
+    index,
+    shape((), i32),
+    kernels=["zha_score_candidates"],
+  )
+  _lowers_for_cuda(
+    lambda q, k, b, i, pos: zha_routing.score_candidates(q, k, b, i, position=pos, span=64, interpret=False),
+    q,
+    shape((1, 12, 2, 1, 64), bf16),
+    shape((1, 12, 2, 1), bf16),
+    index,
+    shape((1,), i32),
+    kernels=["zha_score_candidates"],
+  )
+  _lowers_for_cuda(
+    lambda q, k, b, i, pos: zha_routing.score_candidates(q, k, b, i, position=pos, span=64, interpret=False),
+    q,
+    shape((1, 12, 2, 4, 64), bf16),
+    shape((1, 12, 2, 4), bf16),
+    shape((32,), i32),
+    shape((1,), i32),
+    kernels=["zha_score_candidates"],
+  )  # the top level's shared list
   for width in (16, 4096):
-    _lowers_for_cuda(lambda s, i: zha_routing.keep_top_p(s, i, p=0.9, max_nodes=8, interpret=False),
-                     shape((1, 2, width), f32), shape((1, 2, width), i32), kernels=["zha_keep_top_p"])
-    _lowers_for_cuda(lambda s, i: zha_routing.keep_top_p(s, i, p=0.9, max_nodes=8, interpret=False),
-                     shape((1, 2, width), f32), shape((width,), i32), kernels=["zha_keep_top_p"])
-  _lowers_for_cuda(lambda s, i: zha_routing.keep_top_p(s, i, p=1.0, max_nodes=8, interpret=False),
-                   shape((1, 2, 64), f32), shape((1, 2, 64), i32), kernels=["zha_keep_top_p"])
+    _lowers_for_cuda(
+      lambda s, i: zha_routing.keep_top_p(s, i, p=0.9, max_nodes=8, interpret=False),
+      shape((1, 2, width), f32),
+      shape((1, 2, width), i32),
+      kernels=["zha_keep_top_p"],
+    )
+    _lowers_for_cuda(
+      lambda s, i: zha_routing.keep_top_p(s, i, p=0.9, max_nodes=8, interpret=False),
+      shape((1, 2, width), f32),
+      shape((width,), i32),
+      kernels=["zha_keep_top_p"],
+    )
+  _lowers_for_cuda(
+    lambda s, i: zha_routing.keep_top_p(s, i, p=1.0, max_nodes=8, interpret=False),
+    shape((1, 2, 64), f32),
+    shape((1, 2, 64), i32),
+    kernels=["zha_keep_top_p"],
+  )
   for stacked in (False, True):  # a lower level's list, built in the kernel from the kept row above
     layer = dict(layer=jnp.int32(1)) if stacked else {}
-    _lowers_for_cuda(lambda q, k, b, parents, pos: zha_routing.score_children(
-        q, k, b, parents, pos, parents_kept=8, chunk=8, span=8, interpret=False, **layer),
-        q, shape((3, 1, 64, 2, 4, 64) if stacked else (1, 64, 2, 4, 64), bf16),
-        shape((3, 1, 64, 2, 4) if stacked else (1, 64, 2, 4), bf16), shape((1, 2, 16), i32), shape((1,), i32),
-        kernels=["zha_score_children"])
+    _lowers_for_cuda(
+      lambda q, k, b, parents, pos: zha_routing.score_children(
+        q, k, b, parents, pos, parents_kept=8, chunk=8, span=8, interpret=False, **layer
+      ),
+      q,
+      shape((3, 1, 64, 2, 4, 64) if stacked else (1, 64, 2, 4, 64), bf16),
+      shape((3, 1, 64, 2, 4) if stacked else (1, 64, 2, 4), bf16),
+      shape((1, 2, 16), i32),
+      shape((1,), i32),
+      kernels=["zha_score_children"],
+    )
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["plain", "stacked"])
 def test_zha_leaf_attention_lowers(stacked):
   cache = shape((3, 1, 1024, 2, 64) if stacked else (1, 1024, 2, 64), bf16)
-  _lowers_for_cuda(lambda q, k, v, leaves, pos, layer: zha_routing.leaf_attention(
-      q, k, v, leaves, pos, chunk=8, layer=layer if stacked else None, interpret=False),
-      shape((1, 2, 64), f32), cache, cache, shape((1, 2, 64), i32), shape((1,), i32), shape((), i32),
-      kernels=["zha_leaf_attention"])
+  _lowers_for_cuda(
+    lambda q, k, v, leaves, pos, layer: zha_routing.leaf_attention(
+      q, k, v, leaves, pos, chunk=8, layer=layer if stacked else None, interpret=False
+    ),
+    shape((1, 2, 64), f32),
+    cache,
+    cache,
+    shape((1, 2, 64), i32),
+    shape((1,), i32),
+    shape((), i32),
+    kernels=["zha_leaf_attention"],
+  )
 
 
 def test_fsb_beam_search_lowers():
   batch, heads, nodes, dim = 1, 2, 31, 64
-  table = {"mu": shape((batch, heads, nodes, dim), f32),
-           **{name: shape((batch, heads, nodes), f32) for name in ("rho", "amax", "pmin")},
-           **{name: shape((batch, heads, nodes), i32) for name in ("first", "leaf", "child0", "child1")}}
-  _lowers_for_cuda(lambda q, pos, roots, nodes, lam, sigma: forest_search.beam_search(
-      q, pos, roots, nodes, lam, sigma, beam=4, steps=5, bound_c=8.0, interpret=False),
-      shape((batch, 8, heads, dim), f32), shape((batch, 8), i32), shape((batch, 8, heads), i32), table,
-      shape((heads,), f32), shape((heads,), f32), kernels=["fsb_beam_search"])
+  table = {
+    "mu": shape((batch, heads, nodes, dim), f32),
+    **{name: shape((batch, heads, nodes), f32) for name in ("rho", "amax", "pmin")},
+    **{name: shape((batch, heads, nodes), i32) for name in ("first", "leaf", "child0", "child1")},
+  }
+  _lowers_for_cuda(
+    lambda q, pos, roots, nodes, lam, sigma: forest_search.beam_search(
+      q, pos, roots, nodes, lam, sigma, beam=4, steps=5, bound_c=8.0, interpret=False
+    ),
+    shape((batch, 8, heads, dim), f32),
+    shape((batch, 8), i32),
+    shape((batch, 8, heads), i32),
+    table,
+    shape((heads,), f32),
+    shape((heads,), f32),
+    kernels=["fsb_beam_search"],
+  )
 
 
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
@@ -84,20 +141,42 @@ def test_cell_scoring_lowers(variant):
   sizes = cell_scoring.BlockSizes(queries=32, cells=16)
   cells = 128 // 16
   death = shape((1, cells, 2), i32) if variant == "fsl" else None
-  _lowers_for_cuda(lambda q, mean_keys, max_norms, death: cell_scoring.select_from_summaries(
-      q, None, mean_keys, max_norms, death, variant=variant, cell=16, block=32, top_k=4, block_sizes=sizes,
-      interpret=False), shape((1, 128, 2, 64), bf16), shape((1, cells, 2, 64), f32), shape((1, cells, 2), f32),
-      death, kernels=["freesolo_cell_topk"])
+  _lowers_for_cuda(
+    lambda q, mean_keys, max_norms, death: cell_scoring.select_from_summaries(
+      q,
+      None,
+      mean_keys,
+      max_norms,
+      death,
+      variant=variant,
+      cell=16,
+      block=32,
+      top_k=4,
+      block_sizes=sizes,
+      interpret=False,
+    ),
+    shape((1, 128, 2, 64), bf16),
+    shape((1, cells, 2, 64), f32),
+    shape((1, cells, 2), f32),
+    death,
+    kernels=["freesolo_cell_topk"],
+  )
 
 
 def test_sparse_readout_and_its_gradient_lower():
   q = shape((1, 64, 2, 64), bf16)
   cells = shape((1, 64, 2, 4), i32)
   sizes = sparse_readout.BlockSizes(queries=16)
-  readout = lambda q, k, v, idx: sparse_readout.sparse_readout(q, k, v, idx, cell=16, block_sizes=sizes,
-                                                               interpret=False)
+  readout = lambda q, k, v, idx: sparse_readout.sparse_readout(
+    q, k, v, idx, cell=16, block_sizes=sizes, interpret=False
+  )
   _lowers_for_cuda(readout, q, q, q, cells, kernels=["freesolo_sparse_readout_fwd"])
   loss = lambda q, k, v, idx: jnp.sum(readout(q, k, v, idx).astype(f32))
-  _lowers_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q, cells,
-                   kernels=["freesolo_sparse_readout_fwd", "freesolo_sparse_readout_bwd_dq",
-                            "freesolo_sparse_readout_bwd_dkv"])
+  _lowers_for_cuda(
+    jax.grad(loss, argnums=(0, 1, 2)),
+    q,
+    q,
+    q,
+    cells,
+    kernels=["freesolo_sparse_readout_fwd", "freesolo_sparse_readout_bwd_dq", "freesolo_sparse_readout_bwd_dkv"],
+  )

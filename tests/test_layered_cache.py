@@ -49,8 +49,7 @@ def test_a_layer_view_writes_its_layer_in_place_and_slices_the_rest(rng):
 
 def test_scatter_on_a_plain_array_is_at_set(rng):
   x = jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)
-  np.testing.assert_array_equal(scatter(x, (jnp.asarray([0, 9]),), jnp.ones((2, 3)), mode="drop"),
-                                x.at[0].set(1.0))
+  np.testing.assert_array_equal(scatter(x, (jnp.asarray([0, 9]),), jnp.ones((2, 3)), mode="drop"), x.at[0].set(1.0))
 
 
 def test_one_query_attention_equals_the_chunk_attention(rng):

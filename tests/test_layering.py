@@ -34,8 +34,12 @@ def _files(*folders):
 
 
 def _violations(files, forbidden):
-  return [f"{p.relative_to(ROOT)}:{line} imports {name}" for p in files for name, line, _ in _imports(p)
-          if name.startswith(forbidden)]
+  return [
+    f"{p.relative_to(ROOT)}:{line} imports {name}"
+    for p in files
+    for name, line, _ in _imports(p)
+    if name.startswith(forbidden)
+  ]
 
 
 def test_kernels_import_nothing_from_fsjax():
@@ -44,8 +48,23 @@ def test_kernels_import_nothing_from_fsjax():
 
 def test_the_reference_imports_no_kernels_no_cudnn_and_nothing_above_it():
   files = _files("fsjax/reference")
-  assert _violations(files, ("pallas_kernels", "fsjax.ops", "fsjax.attention", "fsjax.cache", "fsjax.model",
-                             "fsjax.config", "fsjax.kinds", "fsjax.train", "fsjax.eval")) == []
+  assert (
+    _violations(
+      files,
+      (
+        "pallas_kernels",
+        "fsjax.ops",
+        "fsjax.attention",
+        "fsjax.cache",
+        "fsjax.model",
+        "fsjax.config",
+        "fsjax.kinds",
+        "fsjax.train",
+        "fsjax.eval",
+      ),
+    )
+    == []
+  )
   assert [p.name for p in files if "cudnn" in p.read_text()] == []
 
 

@@ -21,8 +21,9 @@ SEQ = 96
 def _tiny(kind):
   config = model_preset("tiny", kind=kind)
   # SWA and MoBA geometry scaled to the tiny sequence, so every path (window edge, block routing) is hit.
-  return dataclasses.replace(config, attention=dataclasses.replace(config.attention, window=40,
-                                                                   moba=MoBAConfig(block=32, top_k=2)))
+  return dataclasses.replace(
+    config, attention=dataclasses.replace(config.attention, window=40, moba=MoBAConfig(block=32, top_k=2))
+  )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -47,7 +48,7 @@ def test_paper_shapes_parameter_counts():
   assert small["mlp"] == 24 * 3 * 1024 * 2816
   assert small["norm"] == (2 * 24 + 1) * 1024
   assert 340e6 < small["total"] < 342e6
-  assert large["mlp"] == 24 * 3 * 1536 * 4096 and large["attention"] == 24 * (4 * 1536 ** 2 + 16 + 96)
+  assert large["mlp"] == 24 * 3 * 1536 * 4096 and large["attention"] == 24 * (4 * 1536**2 + 16 + 96)
   untied = param_counts(dataclasses.replace(model_preset("fs_341m"), tie_embeddings=False))
   assert untied["total"] - small["total"] == untied["lm_head"] == 32000 * 1024
 
@@ -66,6 +67,7 @@ def test_tiny_model_overfits_a_repeated_batch(rng, kind):
     def loss_fn(p):
       logits = model.apply({"params": p, **frozen}, tokens[:, :-1])
       return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = optimizer.update(grads, opt_state)
     return optax.apply_updates(params, updates), opt_state, loss
@@ -85,13 +87,16 @@ def test_scanned_layers_equal_unrolled_layers(rng, kind):
   variables = init_variables(config, jax.random.PRNGKey(0), SEQ)
   stacked = stack_layers(variables, config.num_layers)
   assert jax.tree_util.tree_structure(stacked) == jax.tree_util.tree_structure(
-      init_variables(scanned, jax.random.PRNGKey(0), SEQ))
+    init_variables(scanned, jax.random.PRNGKey(0), SEQ)
+  )
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, SEQ)))
   loss = lambda model, params, others: jnp.mean(model.apply({"params": params, **others}, tokens) ** 2)
   split = lambda v: (v["params"], {k: x for k, x in v.items() if k != "params"})
   value, grads = jax.value_and_grad(functools.partial(loss, Transformer(config)))(*split(variables))
   value_scan, grads_scan = jax.value_and_grad(functools.partial(loss, Transformer(scanned)))(*split(stacked))
   assert_close(value_scan, value, np.float32)
-  for got, want in zip(jax.tree_util.tree_leaves(grads_scan),
-                       jax.tree_util.tree_leaves(stack_layers({"params": grads}, config.num_layers)["params"])):
+  for got, want in zip(
+    jax.tree_util.tree_leaves(grads_scan),
+    jax.tree_util.tree_leaves(stack_layers({"params": grads}, config.num_layers)["params"]),
+  ):
     assert_close(got, want, np.float32)

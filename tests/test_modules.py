@@ -24,8 +24,7 @@ def _qkv(params, x):
 
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
 def test_freesolo_module_variables_and_wiring(rng, variant):
-  module = FreeSoloAttention(num_heads=3, head_dim=8, routing=Routing(variant=variant, **GEOMETRY), lam=0.5,
-                             sigma=3.0)
+  module = FreeSoloAttention(num_heads=3, head_dim=8, routing=Routing(variant=variant, **GEOMETRY), lam=0.5, sigma=3.0)
   x = _x(rng)
   variables = module.init(jax.random.PRNGKey(0), x)
   params, routing = variables["params"], variables[ROUTING]
@@ -39,8 +38,9 @@ def test_freesolo_module_variables_and_wiring(rng, variant):
   params = jax.tree_util.tree_map(lambda p: p + 0.1 * jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
   out = module.apply({"params": params, ROUTING: routing}, x)
   q, k, v = _qkv(params, x)
-  o = ops.freesolo_attention(q, k, v, variant=variant, alpha=params["alpha"], lam=0.5, sigma=3.0,
-                             lr_gain=params["lr_gain"], **GEOMETRY)
+  o = ops.freesolo_attention(
+    q, k, v, variant=variant, alpha=params["alpha"], lam=0.5, sigma=3.0, lr_gain=params["lr_gain"], **GEOMETRY
+  )
   assert_close(out, jnp.einsum("bthd,hdm->btm", o, params["o_proj"]["kernel"]), np.float32)
 
 
@@ -61,11 +61,14 @@ def test_dense_module_wiring(rng, kind):
   x = _x(rng)
   params = module.init(jax.random.PRNGKey(2), x)["params"]
   q, k, v = _qkv(params, x)
-  o = {"tfpp": lambda: ops.tfpp_attention(q, k, v),
-       "swa": lambda: ops.swa_attention(q, k, v, window=16),
-       "moba": lambda: ops.moba_attention(q, k, v, moba_block=32, moba_top_k=2)}[kind]()
-  assert_close(module.apply({"params": params}, x), jnp.einsum("bthd,hdm->btm", o, params["o_proj"]["kernel"]),
-               np.float32)
+  o = {
+    "tfpp": lambda: ops.tfpp_attention(q, k, v),
+    "swa": lambda: ops.swa_attention(q, k, v, window=16),
+    "moba": lambda: ops.moba_attention(q, k, v, moba_block=32, moba_top_k=2),
+  }[kind]()
+  assert_close(
+    module.apply({"params": params}, x), jnp.einsum("bthd,hdm->btm", o, params["o_proj"]["kernel"]), np.float32
+  )
 
 
 def test_dense_module_rejects_unknown_kind(rng):

@@ -26,8 +26,11 @@ def test_swa_matches_brute_force(rng):
   assert_close(out, brute_force.local(q, k, v, window=20), np.float64)
 
 
-@pytest.mark.parametrize("seq,moba_block,moba_top_k", [(200, 32, 3), (130, 16, 2), (96, 32, 1)],
-                         ids=["T200-top3", "T130-partial-last-block", "current-block-only"])
+@pytest.mark.parametrize(
+  "seq,moba_block,moba_top_k",
+  [(200, 32, 3), (130, 16, 2), (96, 32, 1)],
+  ids=["T200-top3", "T130-partial-last-block", "current-block-only"],
+)
 def test_moba_matches_brute_force(rng, seq, moba_block, moba_top_k):
   q, k, v = random_qkv(rng, (2, seq, 2, 8))
   fn = jax.jit(functools.partial(ops.moba_attention, moba_block=moba_block, moba_top_k=moba_top_k))

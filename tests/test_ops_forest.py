@@ -15,9 +15,9 @@ from helpers import random_qkv
 
 # (batch, seq, heads, dim, cell, block, top_k, beam)
 GEOMETRIES = [
-    pytest.param(1, 200, 2, 8, 8, 16, 3, 4, id="M25-beam4"),
-    pytest.param(2, 96, 1, 6, 4, 8, 4, 2, id="M24-beam2-K-above-beam"),
-    pytest.param(1, 130, 2, 4, 2, 10, 2, 16, id="M65-not-power-of-two-block"),
+  pytest.param(1, 200, 2, 8, 8, 16, 3, 4, id="M25-beam4"),
+  pytest.param(2, 96, 1, 6, 4, 8, 4, 2, id="M24-beam2-K-above-beam"),
+  pytest.param(1, 130, 2, 4, 2, 10, 2, 16, id="M65-not-power-of-two-block"),
 ]
 
 
@@ -29,13 +29,14 @@ def _routing(rng, heads):
 def test_selection_matches_brute_force(rng, batch, seq, heads, dim, cell, block, top_k, beam):
   q, k, _ = random_qkv(rng, (batch, seq, heads, dim))
   routing = _routing(rng, heads)
-  norms = np.linalg.norm(k[:, :seq // cell * cell].reshape(batch, -1, cell, heads, dim), axis=-1).max(axis=2)
+  norms = np.linalg.norm(k[:, : seq // cell * cell].reshape(batch, -1, cell, heads, dim), axis=-1).max(axis=2)
   tau = np.median(norms.reshape(-1, heads), axis=0)
   kw = dict(tau=tau, cell=cell, block=block, top_k=top_k, beam=beam, bound_c=8.0, **routing)
   expected = brute_force.fsb_cells(q, k, **kw)
   with jax.enable_x64(True):
-    actual = np.asarray(forest.fsb_select_cells(q, k, **{n: jnp.asarray(v) if isinstance(v, np.ndarray) else v
-                                                         for n, v in kw.items()}))
+    actual = np.asarray(
+      forest.fsb_select_cells(q, k, **{n: jnp.asarray(v) if isinstance(v, np.ndarray) else v for n, v in kw.items()})
+    )
   assert actual.shape == expected.shape
   np.testing.assert_array_equal(np.sort(actual, axis=-1), np.sort(expected, axis=-1))
   assert np.any(expected[..., -1] >= 0)  # some queries fill all K slots
@@ -48,17 +49,29 @@ def test_a_beam_wider_than_the_forest_reranks_every_admitted_cell(rng):
   q, k, _ = random_qkv(rng, (batch, seq, heads, dim))
   routing = _routing(rng, heads)
   with jax.enable_x64(True):
-    actual = np.asarray(forest.fsb_select_cells(q, k, tau=jnp.full(heads, 1e9), cell=cell, block=block,
-                                                top_k=top_k, beam=64, bound_c=8.0,
-                                                **{n: jnp.asarray(v) for n, v in routing.items()}))
+    actual = np.asarray(
+      forest.fsb_select_cells(
+        q,
+        k,
+        tau=jnp.full(heads, 1e9),
+        cell=cell,
+        block=block,
+        top_k=top_k,
+        beam=64,
+        bound_c=8.0,
+        **{n: jnp.asarray(v) for n, v in routing.items()},
+      )
+    )
   for h in range(heads):
-    cells_k = k[0, :seq // cell * cell, h].reshape(-1, cell, dim)
+    cells_k = k[0, : seq // cell * cell, h].reshape(-1, cell, dim)
     norms = np.linalg.norm(cells_k, axis=-1).max(axis=1)
     for i in range(seq):
       eligible = range(i // block * block // cell)
-      score = {c: np.log(np.exp(cells_k[c] @ q[0, i, h] / math.sqrt(dim)).sum())
-               + routing["lam"][h] * norms[c] * math.erf((i - (c + 0.5) * cell) / (2 * routing["sigma"][h]))
-               for c in eligible}
+      score = {
+        c: np.log(np.exp(cells_k[c] @ q[0, i, h] / math.sqrt(dim)).sum())
+        + routing["lam"][h] * norms[c] * math.erf((i - (c + 0.5) * cell) / (2 * routing["sigma"][h]))
+        for c in eligible
+      }
       chosen = sorted(score, key=lambda c: (-score[c], c))[:top_k]
       assert sorted(actual[0, i, h][actual[0, i, h] >= 0]) == sorted(chosen), (i, h)
 
@@ -100,6 +113,6 @@ def test_every_ball_encloses_its_cells_and_forests_have_height_ceil_log2_m(rng):
       assert root == forest.NO_NODE
       continue
     cells, height = walk(root, 0)
-    admitted_cells = np.flatnonzero(np.asarray(admitted))[:before[n]]
+    admitted_cells = np.flatnonzero(np.asarray(admitted))[: before[n]]
     assert sorted(cells) == sorted(admitted_cells.tolist())
     assert height == math.ceil(math.log2(before[n]))

@@ -14,10 +14,10 @@ from helpers import assert_close, random_qkv
 
 # (batch, seq, heads, head_dim, cell, block, window, top_k, retain_top, retain_recent)
 GEOMETRIES = [
-    pytest.param(2, 256, 2, 8, 8, 32, 40, 4, 5, 2, id="T256-B2-H2"),
-    pytest.param(1, 203, 3, 6, 4, 16, 15, 3, 4, 1, id="T203-not-multiple-of-block"),
-    pytest.param(2, 1024, 2, 4, 32, 128, 130, 4, 6, 3, id="T1024-paper-cells"),
-    pytest.param(1, 120, 1, 8, 8, 32, 31, 8, 3, 0, id="K-above-available-W0"),
+  pytest.param(2, 256, 2, 8, 8, 32, 40, 4, 5, 2, id="T256-B2-H2"),
+  pytest.param(1, 203, 3, 6, 4, 16, 15, 3, 4, 1, id="T203-not-multiple-of-block"),
+  pytest.param(2, 1024, 2, 4, 32, 128, 130, 4, 6, 3, id="T1024-paper-cells"),
+  pytest.param(1, 120, 1, 8, 8, 32, 31, 8, 3, 0, id="K-above-available-W0"),
 ]
 
 
@@ -26,29 +26,36 @@ def _routing(rng, heads):
   return rng.uniform(0.3, 2.0, heads), rng.uniform(1.0, 8.0, heads)
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "cell", "block", "top_k", "retain_top",
-                                             "retain_recent", "window"))
+@functools.partial(
+  jax.jit, static_argnames=("variant", "cell", "block", "top_k", "retain_top", "retain_recent", "window")
+)
 def _long_range_and_cells(q, k, v, lam, sigma, gain, **kw):
   routing = {n: kw[n] for n in ("variant", "cell", "block", "top_k", "retain_top", "retain_recent")}
-  return (ops.freesolo_long_range(q, k, v, lam=lam, sigma=sigma, lr_gain=gain, **kw),
-          ops.select_cells(q, k, lam=lam, sigma=sigma, **routing))
+  return (
+    ops.freesolo_long_range(q, k, v, lam=lam, sigma=sigma, lr_gain=gain, **kw),
+    ops.select_cells(q, k, lam=lam, sigma=sigma, **routing),
+  )
 
 
 def _selected_sets(cell_idx):
   batch, seq, heads, _ = cell_idx.shape
-  return {(b, i, h): {int(c) for c in cell_idx[b, i, h] if c >= 0}
-          for b in range(batch) for i in range(seq) for h in range(heads)}
+  return {
+    (b, i, h): {int(c) for c in cell_idx[b, i, h] if c >= 0}
+    for b in range(batch)
+    for i in range(seq)
+    for h in range(heads)
+  }
 
 
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
 @pytest.mark.parametrize("batch,seq,heads,dim,cell,block,window,top_k,retain_top,retain_recent", GEOMETRIES)
-def test_long_range_matches_brute_force(rng, variant, batch, seq, heads, dim, cell, block, window, top_k,
-                                        retain_top, retain_recent):
+def test_long_range_matches_brute_force(
+  rng, variant, batch, seq, heads, dim, cell, block, window, top_k, retain_top, retain_recent
+):
   q, k, v = random_qkv(rng, (batch, seq, heads, dim))
   lam, sigma = _routing(rng, heads)
   gain = rng.uniform(0.5, 1.5, dim)
-  kw = dict(variant=variant, cell=cell, block=block, top_k=top_k, retain_top=retain_top,
-            retain_recent=retain_recent)
+  kw = dict(variant=variant, cell=cell, block=block, top_k=top_k, retain_top=retain_top, retain_recent=retain_recent)
   with jax.enable_x64(True):
     out, cell_idx = _long_range_and_cells(q, k, v, lam, sigma, gain, window=window, **kw)
     out, cell_idx = np.asarray(out), np.asarray(cell_idx)
@@ -63,11 +70,12 @@ def test_float32_matches_float64_brute_force(rng):
   q, k, v = random_qkv(rng, (batch, seq, heads, dim), np.float32)
   lam, sigma = _routing(rng, heads)
   kw = dict(variant="fsl", cell=8, block=32, top_k=4, retain_top=6, retain_recent=2)
-  out, cell_idx = _long_range_and_cells(q, k, v, lam.astype(np.float32), sigma.astype(np.float32),
-                                        np.float32(1.0), window=64, **kw)
-  expected, expected_sets = brute_force.fs_long_range(q.astype(np.float64), k.astype(np.float64),
-                                                      v.astype(np.float64), lam=lam, sigma=sigma, gain=1.0,
-                                                      **kw)
+  out, cell_idx = _long_range_and_cells(
+    q, k, v, lam.astype(np.float32), sigma.astype(np.float32), np.float32(1.0), window=64, **kw
+  )
+  expected, expected_sets = brute_force.fs_long_range(
+    q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), lam=lam, sigma=sigma, gain=1.0, **kw
+  )
   assert out.dtype == jnp.float32
   assert _selected_sets(np.asarray(cell_idx)) == expected_sets
   assert_close(out, expected, np.float32)
@@ -88,8 +96,7 @@ def test_freesolo_attention_mixes_branches_with_alpha(rng):
   alpha = rng.uniform(-1.0, 2.0, heads)
   kw = dict(variant="fsl", cell=8, block=32, top_k=3, retain_top=4, retain_recent=1)
   with jax.enable_x64(True):
-    out = np.asarray(ops.freesolo_attention(q, k, v, alpha=alpha, lam=lam, sigma=sigma, lr_gain=1.0,
-                                            window=40, **kw))
+    out = np.asarray(ops.freesolo_attention(q, k, v, alpha=alpha, lam=lam, sigma=sigma, lr_gain=1.0, window=40, **kw))
   long_range, _ = brute_force.fs_long_range(q, k, v, lam=lam, sigma=sigma, gain=1.0, **kw)
   assert_close(out, brute_force.local(q, k, v, 40) + alpha[:, None] * long_range, np.float64)
 
@@ -104,10 +111,10 @@ def test_first_block_has_zero_long_range_output(rng):
 def test_fsl_with_pool_covering_all_cells_equals_fs(rng):
   q, k, v = random_qkv(rng, (2, 256, 2, 8), np.float32)
   kw = dict(cell=8, block=32, top_k=4, window=40)
-  fs_out, fs_idx = _long_range_and_cells(q, k, v, 1.0, 4.0, 1.0, variant="fs", retain_top=4,
-                                         retain_recent=0, **kw)
-  fsl_out, fsl_idx = _long_range_and_cells(q, k, v, 1.0, 4.0, 1.0, variant="fsl", retain_top=256 // 8,
-                                           retain_recent=0, **kw)
+  fs_out, fs_idx = _long_range_and_cells(q, k, v, 1.0, 4.0, 1.0, variant="fs", retain_top=4, retain_recent=0, **kw)
+  fsl_out, fsl_idx = _long_range_and_cells(
+    q, k, v, 1.0, 4.0, 1.0, variant="fsl", retain_top=256 // 8, retain_recent=0, **kw
+  )
   np.testing.assert_array_equal(np.asarray(fsl_idx), np.asarray(fs_idx))
   np.testing.assert_array_equal(np.asarray(fsl_out), np.asarray(fs_out))
 
@@ -116,13 +123,17 @@ def test_retention_death_blocks_match_per_block_recomputation(rng):
   """Integer norms with many exact ties exercise the lower-index tie rule of Eq. 8."""
   cell, block, retain_top, retain_recent, seq = 4, 16, 3, 2, 160
   norms = rng.integers(0, 4, size=(2, seq // cell, 3)).astype(np.float32)
-  available = np.asarray(ops.available_cells(jnp.asarray(norms), seq, variant="fsl", cell=cell, block=block,
-                                             retain_top=retain_top, retain_recent=retain_recent))
+  available = np.asarray(
+    ops.available_cells(
+      jnp.asarray(norms), seq, variant="fsl", cell=cell, block=block, retain_top=retain_top, retain_recent=retain_recent
+    )
+  )
   for b in range(2):
     for h in range(3):
       for i in range(seq):
-        expected = brute_force.fs_available(norms[b, :, h], i, variant="fsl", cell=cell, block=block,
-                                            retain_top=retain_top, retain_recent=retain_recent)
+        expected = brute_force.fs_available(
+          norms[b, :, h], i, variant="fsl", cell=cell, block=block, retain_top=retain_top, retain_recent=retain_recent
+        )
         assert list(np.flatnonzero(available[b, i, h])) == expected, (b, i, h)
 
 
@@ -143,9 +154,15 @@ def test_long_range_runs_at_16k_tokens_without_quadratic_memory(rng):
   assert np.all(np.isfinite(out)) and np.all(out[:, :128] == 0)
   # Spot-check late queries against the brute force on the full prefix.
   for i in (128, 5000, seq - 1):
-    expected, sets = brute_force.fs_long_range(q[:, : i + 1].astype(np.float64), k[:, : i + 1].astype(np.float64),
-                                               v[:, : i + 1].astype(np.float64), lam=[1.0], sigma=[4.0],
-                                               gain=1.0, **kw)
+    expected, sets = brute_force.fs_long_range(
+      q[:, : i + 1].astype(np.float64),
+      k[:, : i + 1].astype(np.float64),
+      v[:, : i + 1].astype(np.float64),
+      lam=[1.0],
+      sigma=[4.0],
+      gain=1.0,
+      **kw,
+    )
     assert {int(c) for c in cell_idx[0, i, 0] if c >= 0} == sets[(0, i, 0)]
     assert_close(out[:, i], expected[:, i], np.float32)
 

@@ -17,11 +17,11 @@ from helpers import assert_close, random_qkv
 
 # (batch, seq, heads, dim, refs, chunk, levels, top_p, max_nodes)
 GEOMETRIES = [
-    pytest.param(2, 61, 2, 8, 2, 3, 2, (0.7,), None, id="C3-L2-p0.7"),
-    pytest.param(1, 90, 2, 6, 3, 4, 3, (0.6, 0.8, 0.9), None, id="C4-L3-p-per-level"),
-    pytest.param(1, 48, 1, 4, 1, 2, 4, (0.5,), None, id="C2-L4-R1"),
-    pytest.param(1, 40, 2, 8, 2, 8, 2, (0.9,), None, id="top-level-empty"),
-    pytest.param(1, 80, 2, 8, 2, 3, 2, (0.95,), 2, id="capped-at-2-nodes"),
+  pytest.param(2, 61, 2, 8, 2, 3, 2, (0.7,), None, id="C3-L2-p0.7"),
+  pytest.param(1, 90, 2, 6, 3, 4, 3, (0.6, 0.8, 0.9), None, id="C4-L3-p-per-level"),
+  pytest.param(1, 48, 1, 4, 1, 2, 4, (0.5,), None, id="C2-L4-R1"),
+  pytest.param(1, 40, 2, 8, 2, 8, 2, (0.9,), None, id="top-level-empty"),
+  pytest.param(1, 80, 2, 8, 2, 3, 2, (0.95,), 2, id="capped-at-2-nodes"),
 ]
 
 
@@ -34,12 +34,30 @@ def _refs(rng, heads, refs, dim):
 def test_attention_matches_brute_force(rng, theta, batch, seq, heads, dim, refs, chunk, levels, top_p, max_nodes):
   q, k, v = random_qkv(rng, (batch, seq, heads, dim))
   ref_queries = _refs(rng, heads, refs, dim)
-  expected, expected_fraction = brute_force.zha(q, k, v, ref_queries, chunk=chunk, levels=levels,
-                                                top_p=zha.level_top_p(top_p, levels), theta=theta,
-                                                max_nodes=max_nodes)
+  expected, expected_fraction = brute_force.zha(
+    q,
+    k,
+    v,
+    ref_queries,
+    chunk=chunk,
+    levels=levels,
+    top_p=zha.level_top_p(top_p, levels),
+    theta=theta,
+    max_nodes=max_nodes,
+  )
   with jax.enable_x64(True):
-    out, fraction = ops.zha_attention(q, k, v, ref_queries, chunk=chunk, levels=levels, top_p=top_p,
-                                      rope_theta=theta, max_nodes=max_nodes, return_fraction=True)
+    out, fraction = ops.zha_attention(
+      q,
+      k,
+      v,
+      ref_queries,
+      chunk=chunk,
+      levels=levels,
+      top_p=top_p,
+      rope_theta=theta,
+      max_nodes=max_nodes,
+      return_fraction=True,
+    )
   assert_close(out, expected, jnp.float64)
   np.testing.assert_allclose(np.asarray(fraction), expected_fraction, rtol=1e-12)  # same key counts
   assert np.min(expected_fraction) < 1.0  # the routing really prunes in these geometries
@@ -63,7 +81,7 @@ def test_merged_summary_equals_direct_summary_without_rope(rng):
     for level in (2, 3):
       span = chunk**level
       count = zha.node_count(seq, chunk, level)
-      raw = jnp.asarray(k[:, 1:1 + count * span].reshape(1, count, span, 2, 8))
+      raw = jnp.asarray(k[:, 1 : 1 + count * span].reshape(1, count, span, 2, 8))
       refs = jnp.broadcast_to(jnp.asarray(ref_queries), (1, count, 2, 3, 8))
       direct_keys, direct_bias = zha.summarize(refs, raw)
       assert_close(tree[level - 1][0], direct_keys, jnp.float64)
@@ -73,8 +91,7 @@ def test_merged_summary_equals_direct_summary_without_rope(rng):
 def test_causal(rng):
   q, k, v = random_qkv(rng, (1, 64, 2, 8), np.float32)
   ref_queries = _refs(rng, 2, 2, 8).astype(np.float32)
-  run = lambda q, k, v: ops.zha_attention(q, k, v, ref_queries, chunk=4, levels=2, top_p=0.7,
-                                          rope_theta=10000.0)
+  run = lambda q, k, v: ops.zha_attention(q, k, v, ref_queries, chunk=4, levels=2, top_p=0.7, rope_theta=10000.0)
   cut = 37
   changed = [x.copy() for x in (q, k, v)]
   for x in changed:
@@ -138,13 +155,16 @@ def test_top_p_select_keeps_smallest_prefix_and_ties_to_lower_index():
   np.testing.assert_array_equal(zha.top_p_select(scores, jnp.zeros_like(candidates), 0.5), jnp.zeros_like(candidates))
 
 
-@pytest.mark.parametrize("kwargs,message", [
+@pytest.mark.parametrize(
+  "kwargs,message",
+  [
     (dict(chunk=1), "chunk must be >= 2"),
     (dict(levels=0), "levels must be >= 1"),
     (dict(top_p=(0.5, 0.9, 0.9)), "one value or one per level"),
     (dict(top_p=0.0), "must be > 0"),
     (dict(max_nodes=0), "max_nodes must be >= 1"),
-])
+  ],
+)
 def test_bad_geometry_is_rejected(kwargs, message):
   q = jnp.ones((1, 8, 1, 4))
   args = dict(chunk=2, levels=2, top_p=0.9) | kwargs
@@ -174,8 +194,9 @@ def _decode_inputs(rng, tree, layers=None):
   stacked = []
   for _ in range(layers or 1):
     k = jnp.asarray(rng.standard_normal((2, seq, heads, dim)), jnp.float32)
-    nodes = _build_tree(k, jnp.asarray(_refs(rng, heads, tree.refs, dim), jnp.float32), chunk=tree.chunk,
-                        levels=tree.levels)
+    nodes = _build_tree(
+      k, jnp.asarray(_refs(rng, heads, tree.refs, dim), jnp.float32), chunk=tree.chunk, levels=tree.levels
+    )
     v = jnp.asarray(rng.standard_normal(k.shape), jnp.float32)
     stacked.append((tuple(n[0] for n in nodes), tuple(n[1] for n in nodes), k, v))
   keys, bias, k, v = stacked[0] if layers is None else jax.tree_util.tree_map(lambda *x: jnp.stack(x), *stacked)

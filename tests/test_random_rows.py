@@ -22,7 +22,7 @@ def test_a_row_is_random_ids_with_the_curriculums_copies():
   np.testing.assert_array_equal(row, insert_copies(ids, rng, **COPIES)[:300])
   assert row.shape == (300,) and row.dtype == np.int32 and row.min() >= 3 and row.max() < 5000
   # The copies are there: some 8-gram occurs twice (random ids over 5000 would almost never repeat one).
-  grams = [tuple(row[i:i + 8]) for i in range(len(row) - 7)]
+  grams = [tuple(row[i : i + 8]) for i in range(len(row) - 7)]
   assert len(set(grams)) < len(grams)
   assert not np.array_equal(row, random_row(8, seed=3, length=300, vocab=(3, 5000), copies=COPIES))
 
@@ -42,9 +42,17 @@ def test_a_tiled_row_repeats_one_random_sequence_of_a_per_row_length():
 
 def test_a_tiled_config_trains_from_random_rows():
   """`--set data.random_period=[..]` parses and reaches the iterator the training loop builds."""
-  config = load_config(pathlib.Path(__file__).parents[1] / "configs" / "tiny_tfpp.yaml",
-                       ["data.seq_len=64", "data.source=random", "data.random_ids=[3,512]", "data.random_period=[4,12]",
-                        "train.batch_size=2", "eval.niah_samples=0"])
+  config = load_config(
+    pathlib.Path(__file__).parents[1] / "configs" / "tiny_tfpp.yaml",
+    [
+      "data.seq_len=64",
+      "data.source=random",
+      "data.random_ids=[3,512]",
+      "data.random_period=[4,12]",
+      "train.batch_size=2",
+      "eval.niah_samples=0",
+    ],
+  )
   tokens = next(_train_iterator(config))["tokens"]
   assert tokens.shape == (2, 65)
   assert all(any(np.array_equal(r[n:], r[:-n]) for n in range(4, 13)) for r in tokens)
@@ -100,7 +108,9 @@ def test_iterator_resumes_from_its_json_state_and_shards_rows():
   np.testing.assert_array_equal(shards[1][0], first[1])  # shard 1 reads rows 1, 3, 5
 
 
-@pytest.mark.parametrize("fields,message", [
+@pytest.mark.parametrize(
+  "fields,message",
+  [
     (dict(source="noise"), "data.source must be one of"),
     (dict(source="random", copy_rate=0.01, random_ids=(5, 5)), "data.random_ids must be"),
     (dict(source="random"), "data.source random needs exactly one of data.copy_rate > 0 and data.random_period"),
@@ -109,13 +119,16 @@ def test_iterator_resumes_from_its_json_state_and_shards_rows():
     (dict(source="random", seq_len=64, random_period=(9, 8)), "data.random_period must be"),
     (dict(random_period=(8, 16)), "data.random_period needs data.source random or data.tiled_rows > 0"),
     (dict(tiled_rows=2), "data.tiled_rows needs data.random_period"),
-    (dict(tiled_rows=2, source="random", random_period=(8, 16)), "data.tiled_rows with data.source random needs "
-     "data.copy_rate > 0"),
+    (
+      dict(tiled_rows=2, source="random", random_period=(8, 16)),
+      "data.tiled_rows with data.source random needs data.copy_rate > 0",
+    ),
     (dict(tiled_rows=2, random_period=(8, 16), recall_masks=True), "data.recall_masks must be false"),
     (dict(tiled_rows=-1), "data.tiled_rows must be >= 0"),
     (dict(source="random", copy_rate=0.01, recall_masks=True), "data.recall_masks must be false"),
     (dict(source="random", copy_rate=0.01, seq_len=128), "data.copy_distance min must be < data.seq_len=128"),
-])
+  ],
+)
 def test_random_source_rules(fields, message):
   with pytest.raises(ConfigError, match=message):
     DataConfig(**fields)
@@ -126,8 +139,9 @@ def test_tiled_rows_leave_text_in_every_batch_and_fit_the_vocabulary():
   with pytest.raises(ConfigError, match=r"data.tiled_rows \(4\) must be below train.batch_size \(4\)"):
     Config(model=model_preset("tiny"), data=DataConfig(**data), train=TrainConfig(batch_size=4))
   with pytest.raises(ConfigError, match="data.random_ids must lie below model.vocab_size=512"):
-    Config(model=model_preset("tiny"), data=DataConfig(**dict(data, random_ids=(3, 600))),
-           train=TrainConfig(batch_size=8))
+    Config(
+      model=model_preset("tiny"), data=DataConfig(**dict(data, random_ids=(3, 600))), train=TrainConfig(batch_size=8)
+    )
   Config(model=model_preset("tiny"), data=DataConfig(**data), train=TrainConfig(batch_size=8))
 
 

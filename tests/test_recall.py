@@ -32,7 +32,7 @@ def brute_force_masks(tokens, ngram, min_distance, switch_window):
   length = len(tokens)
 
   def unique_far_source(p):
-    earlier = [s for s in range(p) if tokens[s:s + ngram] == tokens[p:p + ngram]]
+    earlier = [s for s in range(p) if tokens[s : s + ngram] == tokens[p : p + ngram]]
     if len(earlier) == 1 and p - earlier[0] > min_distance:
       return earlier[0]
     return None
@@ -235,10 +235,15 @@ def test_paper_defaults_on_long_document():
   start_e = source_d + 523
   recall, switch = recall_masks(np.array(tokens))
   expected = (
-      [copy] + list(range(copy + 4, copy + 20))
-      + [start_b] + list(range(start_b + 4, start_b + 20))
-      + [start_c] + list(range(start_c + 4, start_c + 40))
-      + [start_e] + list(range(start_e + 4, start_e + 10)))
+    [copy]
+    + list(range(copy + 4, copy + 20))
+    + [start_b]
+    + list(range(start_b + 4, start_b + 20))
+    + [start_c]
+    + list(range(start_c + 4, start_c + 40))
+    + [start_e]
+    + list(range(start_e + 4, start_e + 10))
+  )
   assert flagged(recall) == expected
   assert flagged(switch) == [start_b]
 
@@ -253,8 +258,10 @@ def test_paper_defaults_match_brute_force(rng):
   np.testing.assert_array_equal(switch, expected_switch)
 
 
-@pytest.mark.parametrize("ngram,min_distance,switch_window,alphabet,length", [
-    (1, 3, 2, 6, 60), (2, 5, 3, 4, 80), (3, 8, 4, 3, 120), (4, 20, 5, 3, 200), (4, 0, 1, 2, 60)])
+@pytest.mark.parametrize(
+  "ngram,min_distance,switch_window,alphabet,length",
+  [(1, 3, 2, 6, 60), (2, 5, 3, 4, 80), (3, 8, 4, 3, 120), (4, 20, 5, 3, 200), (4, 0, 1, 2, 60)],
+)
 def test_matches_brute_force_on_random_documents(rng, ngram, min_distance, switch_window, alphabet, length):
   recalls = switches = 0
   for trial in range(60):

@@ -13,8 +13,14 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results"
 RUN2 = RESULTS / "h200_run2.json"
 NAMES = {"tfpp": "TF++", "swa": "SWA", "fs": "FS", "fsl": "FS-L", "fsb": "FS-B", "zha": "ZHA"}
-WORKDIR_NAMES = {"repro_tfpp@1000": "TF++", "repro_swa@1000": "SWA", "repro_fs@1000": "FS", "repro_fsl@200": "FS-L",
-                 "repro_fs@1000[kind=fsb]": "FS-B", "repro_zha@150": "ZHA"}
+WORKDIR_NAMES = {
+  "repro_tfpp@1000": "TF++",
+  "repro_swa@1000": "SWA",
+  "repro_fs@1000": "FS",
+  "repro_fsl@200": "FS-L",
+  "repro_fs@1000[kind=fsb]": "FS-B",
+  "repro_zha@150": "ZHA",
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +57,23 @@ def test_results_page_tables_are_the_summaries(collector, page):
     assert row.replace(f"| {name} |", f"| {WORKDIR_NAMES[name]} |", 1) in page
 
 
-RUN12_NAMES = {"repro_tfpp@3500": "TF++", "repro_fs@3500": "FS", "repro_fsl@200": "FS-L",
-               "repro_fs@3500[kind=fsb]": "FS-B (FS weights, calibrated τ)",
-               "repro_zha@150": "ZHA (R16-C8-L2, p = 0.9)"}
-RUN13_NAMES = {"repro_tfpp@3500": "TF++ (run 12, 3,500 steps)", "fs7k@7000": "FS (7,000 steps)",
-               "fs7k@7000[top_k=16]": "FS read with K = 16 (`--set attention.top_k=16`)",
-               "fs7k@7000[kind=fsb]": "FS-B (FS weights, τ median 16.5)",
-               "fsl7k@200": "FS-L (200 CPT steps, P = 32 cells)", "fsl7k800@800": "FS-L, 800 CPT steps",
-               "fsl7k@200[retain_top=64]": "FS-L (200 steps) read with P = 64",
-               "fsl7k@200[retain_top=128]": "FS-L (200 steps) read with P = 128"}
+RUN12_NAMES = {
+  "repro_tfpp@3500": "TF++",
+  "repro_fs@3500": "FS",
+  "repro_fsl@200": "FS-L",
+  "repro_fs@3500[kind=fsb]": "FS-B (FS weights, calibrated τ)",
+  "repro_zha@150": "ZHA (R16-C8-L2, p = 0.9)",
+}
+RUN13_NAMES = {
+  "repro_tfpp@3500": "TF++ (run 12, 3,500 steps)",
+  "fs7k@7000": "FS (7,000 steps)",
+  "fs7k@7000[top_k=16]": "FS read with K = 16 (`--set attention.top_k=16`)",
+  "fs7k@7000[kind=fsb]": "FS-B (FS weights, τ median 16.5)",
+  "fsl7k@200": "FS-L (200 CPT steps, P = 32 cells)",
+  "fsl7k800@800": "FS-L, 800 CPT steps",
+  "fsl7k@200[retain_top=64]": "FS-L (200 steps) read with P = 64",
+  "fsl7k@200[retain_top=128]": "FS-L (200 steps) read with P = 128",
+}
 
 
 @pytest.mark.parametrize("run, names", [("h200_run12", RUN12_NAMES), ("h200_run13", RUN13_NAMES)])
@@ -74,8 +88,12 @@ def test_copy_tables_are_the_summaries(collector, page, run, names):
     assert row.replace(f"| {name} |", f"| {names[name]} |", 1) in page
 
 
-RUN14_NAMES = {"repro_fs@7000": "FS", "repro_fsl@200": "FS-L", "repro_fs@7000[kind=fsb]": "FS-B",
-               "repro_swa@3500": "SWA"}
+RUN14_NAMES = {
+  "repro_fs@7000": "FS",
+  "repro_fsl@200": "FS-L",
+  "repro_fs@7000[kind=fsb]": "FS-B",
+  "repro_swa@3500": "SWA",
+}
 
 
 def test_run14_ruler_and_needle_tables_are_the_summary(collector, page):
@@ -86,10 +104,11 @@ def test_run14_ruler_and_needle_tables_are_the_summary(collector, page):
   assert {model for model, _, _ in scores} == set(RUN14_NAMES)
   for model, name in RUN14_NAMES.items():
     cells = []
-    for length in (1024 * 2 ** i for i in range(7)):
+    for length in (1024 * 2**i for i in range(7)):
       got = [scores.get((model, length, f"niah_single_{i}")) for i in (1, 2, 3)]
-      cells.append("–" if got == [None] * 3 else
-                   "/".join("–" if g is None else "0" if g == 0 else f"{g:.1f}" for g in got))
+      cells.append(
+        "–" if got == [None] * 3 else "/".join("–" if g is None else "0" if g == 0 else f"{g:.1f}" for g in got)
+      )
     assert f"| {name} | S-NIAH-1/2/3 | " + " | ".join(cells) + " |" in page
   for model, name in (("repro_fs@7000", "FS"), ("repro_fsl@200", "FS-L")):
     rows = [r for r in collector.copy_rows(summary, "needles") if r["model"] == model]
@@ -113,8 +132,18 @@ def test_a_runs_directory_gives_its_summary_and_the_needle_table(collector, tmp_
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-  collector.main(["--runs", str(tmp_path), "--plot", str(tmp_path / "r.png"), "--loss-plot", str(tmp_path / "l.png"),
-                  "--summary", str(tmp_path / "summary.json")])
+  collector.main(
+    [
+      "--runs",
+      str(tmp_path),
+      "--plot",
+      str(tmp_path / "r.png"),
+      "--loss-plot",
+      str(tmp_path / "l.png"),
+      "--summary",
+      str(tmp_path / "summary.json"),
+    ]
+  )
   printed = capsys.readouterr().out
   assert "(no copy-recall files)" in printed
   needles = printed.split("## Needle copy recall")[1].split("##")[0]

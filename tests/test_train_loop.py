@@ -45,14 +45,17 @@ def _losses(workdir):
     return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
-@pytest.mark.parametrize("args,message", [
+@pytest.mark.parametrize(
+  "args,message",
+  [
     (["--config", "configs/nope.yaml"], "config file not found: configs/nope.yaml"),
     (["--config", MICRO, "--set", "model.widht=3"], "unknown key model.widht"),
     (["--config", MICRO, "--set", "train.steps=abc"], "train.steps must be of type int"),
     (["--config", MICRO, "--set", "data.train_path=/no/such/corpus.jsonl"], "data.train_path: path does not exist"),
     (["--config", MICRO, "--set", "train.init_from=/no/such/run"], "train.init_from: path does not exist"),
     (["--config", MICRO, "--set", "model.vocab_size=512"], "model.vocab_size (512) must hold every id"),
-])
+  ],
+)
 def test_cli_errors_are_one_clear_line(capsys, tmp_path, args, message):
   assert train_cli.main(args + ["--workdir", str(tmp_path / "w")]) == 2
   err = capsys.readouterr().err
@@ -133,8 +136,13 @@ def test_train_cli_exits_143_on_sigterm_with_the_reported_step_saved(tmp_path):
 
 def test_eight_simulated_devices_give_the_same_losses_as_one(tmp_path):
   _run(tmp_path / "one", "train.steps=3")
-  _run(tmp_path / "eight", "train.steps=3", "mesh.data=4", "mesh.fsdp=2",
-       env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  _run(
+    tmp_path / "eight",
+    "train.steps=3",
+    "mesh.data=4",
+    "mesh.fsdp=2",
+    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+  )
   one, eight = _losses(tmp_path / "one"), _losses(tmp_path / "eight")
   np.testing.assert_allclose([eight[s] for s in (1, 2, 3)], [one[s] for s in (1, 2, 3)], rtol=2e-5)
 
@@ -143,8 +151,9 @@ def test_continued_pretraining_switches_variant_with_fresh_optimizer(tmp_path):
   parent = tmp_path / "parent"
   _run(parent, "train.steps=2")
   _, parent_params, _, _ = ckpt_lib.load(str(parent))
-  config = load_config(MICRO, ["model.attention.kind=fsl", f"train.init_from={parent}", "train.steps=1",
-                               "checkpoint.async_save=false"])
+  config = load_config(
+    MICRO, ["model.attention.kind=fsl", f"train.init_from={parent}", "train.steps=1", "checkpoint.async_save=false"]
+  )
   loop.train(config, str(tmp_path / "child"))
   child_config, child_params, frozen, step = ckpt_lib.load(str(tmp_path / "child" / "checkpoints" / "1"))
   assert child_config.model.attention.kind == "fsl" and step == 1
@@ -166,9 +175,11 @@ def test_consecutive_non_finite_steps_stop_without_touching_the_last_good_checkp
 
   def poisoned_after_two(*args, **kwargs):
     step_fn = real(*args, **kwargs)
+
     def poisoned(state, batch):
       nan_if_late = jnp.where(state.step >= 2, jnp.nan, 1.0)
       return step_fn(state.replace(params=jax.tree_util.tree_map(lambda p: p * nan_if_late, state.params)), batch)
+
     return poisoned
 
   monkeypatch.setattr(loop, "make_train_step", poisoned_after_two)

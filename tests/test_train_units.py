@@ -23,10 +23,12 @@ def test_cosine_schedule_warms_up_decays_and_floors():
 
 
 def test_wsd_schedule_is_flat_then_decays_linearly_over_the_last_fifth():
-  f = learning_rate_schedule(TrainConfig(steps=100, warmup_steps=20, learning_rate=1.0, lr_floor=0.01,
-                                         schedule="wsd", decay_fraction=0.2))
-  np.testing.assert_allclose([f(10), f(20), f(79), f(80), f(90), f(100), f(200)],
-                             [0.5, 1.0, 1.0, 1.0, 0.505, 0.01, 0.01], atol=1e-6)
+  f = learning_rate_schedule(
+    TrainConfig(steps=100, warmup_steps=20, learning_rate=1.0, lr_floor=0.01, schedule="wsd", decay_fraction=0.2)
+  )
+  np.testing.assert_allclose(
+    [f(10), f(20), f(79), f(80), f(90), f(100), f(200)], [0.5, 1.0, 1.0, 1.0, 0.505, 0.01, 0.01], atol=1e-6
+  )
 
 
 @pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
@@ -64,8 +66,9 @@ def test_non_finite_step_is_skipped_and_counted(rng):
   train = TrainConfig(steps=10, warmup_steps=0, learning_rate=1e-2, lr_floor=0.0, recall_beta=1.0)
   optimizer = make_optimizer(train)
   state = create_state(init_variables(config, jax.random.PRNGKey(0), 64), optimizer)
-  step = jax.jit(make_train_step(objectives.get(train.objective).loss(model, train), optimizer,
-                                 learning_rate_schedule(train)))
+  step = jax.jit(
+    make_train_step(objectives.get(train.objective).loss(model, train), optimizer, learning_rate_schedule(train))
+  )
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 65)))
   good = dict(tokens=tokens, recall=jnp.zeros((2, 65)))
   poisoned = dict(tokens=tokens, recall=jnp.full((2, 65), jnp.nan))
@@ -110,18 +113,20 @@ def test_zha_objective_distills_trains_only_the_reference_queries_and_converts_o
 
 def test_partition_rules_shard_over_fsdp_and_replicate_what_does_not_divide():
   assert sharding.param_spec("layer_0/attention/q_proj/kernel", (64, 4, 16), 2) == jax.sharding.PartitionSpec(
-      "fsdp", None, None)
+    "fsdp", None, None
+  )
   assert sharding.param_spec("layer_0/mlp/down/kernel", (256, 64), 2) == jax.sharding.PartitionSpec(None, "fsdp")
   assert sharding.param_spec("embed/embedding", (33, 64), 2) == jax.sharding.PartitionSpec(None, None)
   assert sharding.param_spec("layer_0/attention/alpha", (4,), 2) == jax.sharding.PartitionSpec()
   # Optimizer moments carry the parameter path as a suffix, so they follow the same rule.
-  assert sharding.param_spec("opt_state/1/0/mu/embed/embedding", (32, 8), 2) == jax.sharding.PartitionSpec(
-      "fsdp", None)
+  assert sharding.param_spec("opt_state/1/0/mu/embed/embedding", (32, 8), 2) == jax.sharding.PartitionSpec("fsdp", None)
   # scan_layers stacks parameters [layers, ...]: the layer axis stays whole, the rest follows the rule.
-  assert sharding.param_spec("layers/layer/attention/q_proj/kernel", (3, 64, 4, 16), 2) == \
-      jax.sharding.PartitionSpec(None, "fsdp", None, None)
-  assert sharding.param_spec("0/mu/layers/layer/mlp/down/kernel", (3, 256, 64), 2) == \
-      jax.sharding.PartitionSpec(None, None, "fsdp")
+  assert sharding.param_spec("layers/layer/attention/q_proj/kernel", (3, 64, 4, 16), 2) == jax.sharding.PartitionSpec(
+    None, "fsdp", None, None
+  )
+  assert sharding.param_spec("0/mu/layers/layer/mlp/down/kernel", (3, 256, 64), 2) == jax.sharding.PartitionSpec(
+    None, None, "fsdp"
+  )
 
 
 def test_mesh_sizes_must_cover_the_devices():

@@ -23,11 +23,25 @@ from fsjax.reference.zha import ZHATree
 from fsjax.train import checkpoint as ckpt_lib
 from fsjax.train import loop
 
-ZHA_MICRO = ["model.attention.kind=zha", "model.attention.zha.refs=4", "model.attention.zha.chunk=4",
-             "model.attention.zha.levels=2", "model.attention.zha.top_p=0.8"]
-DISTILL = ["train.objective=zha_kl", "train.steps=12", "train.learning_rate=3.2e-2", "train.lr_floor=3.2e-4",
-           "train.warmup_steps=2", "train.schedule=wsd", "train.decay_steps=12", "train.weight_decay=0.0",
-           "checkpoint.every=12", "checkpoint.async_save=false"]
+ZHA_MICRO = [
+  "model.attention.kind=zha",
+  "model.attention.zha.refs=4",
+  "model.attention.zha.chunk=4",
+  "model.attention.zha.levels=2",
+  "model.attention.zha.top_p=0.8",
+]
+DISTILL = [
+  "train.objective=zha_kl",
+  "train.steps=12",
+  "train.learning_rate=3.2e-2",
+  "train.lr_floor=3.2e-4",
+  "train.warmup_steps=2",
+  "train.schedule=wsd",
+  "train.decay_steps=12",
+  "train.weight_decay=0.0",
+  "checkpoint.every=12",
+  "checkpoint.async_save=false",
+]
 
 
 _extend = jax.jit(zha_cache.extend, static_argnames=("tree", "rope_theta"))
@@ -37,8 +51,9 @@ _attend = jax.jit(zha_step.attend, static_argnames=("tree", "impl"))
 def _zha(config, **changes):
   """`config` (a ModelConfig) with its attention's ZHA section changed."""
   attention = config.attention
-  return dataclasses.replace(config, attention=dataclasses.replace(
-      attention, zha=dataclasses.replace(attention.zha, **changes)))
+  return dataclasses.replace(
+    config, attention=dataclasses.replace(attention, zha=dataclasses.replace(attention.zha, **changes))
+  )
 
 
 def test_decode_reports_the_fraction_of_keys_each_query_read(rng):
@@ -56,16 +71,18 @@ def test_decode_reports_the_fraction_of_keys_each_query_read(rng):
 @pytest.fixture(scope="module")
 def tfpp_workdir(tmp_path_factory):
   path = tmp_path_factory.mktemp("micro_tfpp")
-  loop.train(load_config(MICRO_CONFIG, ["model.attention.kind=tfpp", "train.steps=2",
-                                        "checkpoint.async_save=false"]), str(path))
+  loop.train(
+    load_config(MICRO_CONFIG, ["model.attention.kind=tfpp", "train.steps=2", "checkpoint.async_save=false"]), str(path)
+  )
   return path
 
 
 @pytest.fixture(scope="module")
 def zha_workdir(tfpp_workdir, tmp_path_factory):
   path = tmp_path_factory.mktemp("micro_zha")
-  loop.train(load_config(MICRO_CONFIG, [*ZHA_MICRO, *DISTILL, f"train.init_from={tfpp_workdir}",
-                                        "log.every=1"]), str(path))
+  loop.train(
+    load_config(MICRO_CONFIG, [*ZHA_MICRO, *DISTILL, f"train.init_from={tfpp_workdir}", "log.every=1"]), str(path)
+  )
   return path
 
 
@@ -91,9 +108,27 @@ def test_the_converted_checkpoint_generates_and_is_evaluated_at_several_threshol
   assert capsys.readouterr().out.startswith("The sea was")
   out = tmp_path / "ruler"
   for p in ("0.8", "1.0"):
-    assert ruler.main(["--checkpoint", str(zha_workdir), "--tasks", "niah_single_1", "--lengths", "384",
-                       "--num-samples", "2", "--batch-size", "2", "--out", str(out),
-                       "--set", f"attention.zha.top_p={p}"]) == 0
+    assert (
+      ruler.main(
+        [
+          "--checkpoint",
+          str(zha_workdir),
+          "--tasks",
+          "niah_single_1",
+          "--lengths",
+          "384",
+          "--num-samples",
+          "2",
+          "--batch-size",
+          "2",
+          "--out",
+          str(out),
+          "--set",
+          f"attention.zha.top_p={p}",
+        ]
+      )
+      == 0
+    )
   assert f"{zha_workdir.name}@12[top_p=1.0]" in capsys.readouterr().out
 
 
@@ -119,15 +154,24 @@ def test_cache_routing_equals_the_reference(rng, max_nodes):
   q, k, v = (jnp.asarray(rng.standard_normal((2, 70, 2, 8)), jnp.float32) for _ in range(3))
   ref_queries = jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)
   tree = ZHATree(refs=3, chunk=3, levels=2, top_p=(0.9,), max_nodes=max_nodes)
-  expected, expected_fraction = ops.zha_attention(q, k, v, ref_queries, chunk=3, levels=2, top_p=0.9,
-                                                  rope_theta=10000.0, max_nodes=max_nodes, return_fraction=True)
+  expected, expected_fraction = ops.zha_attention(
+    q, k, v, ref_queries, chunk=3, levels=2, top_p=0.9, rope_theta=10000.0, max_nodes=max_nodes, return_fraction=True
+  )
   cache = zha_cache.empty_zha(2, 72, 2, 8, tree)
   outputs, fractions = [], []
   for start, size in ((0, 40), *((t, 1) for t in range(40, 70))):
     pos = jnp.broadcast_to(jnp.arange(start, start + size), (2, size))
-    rot = lambda x: apply_rope(x[:, start:start + size], pos)
-    cache = _extend(cache, rot(k), v[:, start:start + size], pos, jnp.ones_like(pos, bool), ref_queries,
-                    tree=tree, rope_theta=10000.0)
+    rot = lambda x: apply_rope(x[:, start : start + size], pos)
+    cache = _extend(
+      cache,
+      rot(k),
+      v[:, start : start + size],
+      pos,
+      jnp.ones_like(pos, bool),
+      ref_queries,
+      tree=tree,
+      rope_theta=10000.0,
+    )
     out, fraction = _attend(cache, rot(q), pos, tree=tree, impl="reference")  # capped single tokens: gathered
     outputs.append(out)
     fractions.append(fraction)
@@ -135,8 +179,9 @@ def test_cache_routing_equals_the_reference(rng, max_nodes):
   np.testing.assert_allclose(np.concatenate(outputs, axis=1), expected, rtol=1e-4, atol=1e-5)
   assert np.min(expected_fraction[:, 40:]) < 0.5  # routing prunes where the decode steps run
   if max_nodes:
-    _, uncapped = ops.zha_attention(q, k, v, ref_queries, chunk=3, levels=2, top_p=0.9, rope_theta=10000.0,
-                                    return_fraction=True)
+    _, uncapped = ops.zha_attention(
+      q, k, v, ref_queries, chunk=3, levels=2, top_p=0.9, rope_theta=10000.0, return_fraction=True
+    )
     assert np.any(np.asarray(expected_fraction) < np.asarray(uncapped))  # the cap binds
 
 
@@ -144,8 +189,7 @@ def test_cache_routing_equals_the_reference(rng, max_nodes):
 def test_capped_model_decodes_like_its_full_forward(rng, impl, scan_layers):
   """Decode steps take the gathered path (through the kernels with impl="pallas", which read a scanned model's
   stacked cache in place); the full forward is the reference operator with the same cap."""
-  config = _zha(model_preset("tiny", kind="zha", scan_layers=scan_layers), refs=2, chunk=4, top_p=(0.95,),
-                max_nodes=2)
+  config = _zha(model_preset("tiny", kind="zha", scan_layers=scan_layers), refs=2, chunk=4, top_p=(0.95,), max_nodes=2)
   config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl))
   model = Transformer(config)
   variables = init_variables(config, jax.random.PRNGKey(0), 32)
@@ -154,6 +198,6 @@ def test_capped_model_decodes_like_its_full_forward(rng, impl, scan_layers):
   logits, cache = prefill(model, variables, tokens[:, :64], jnp.array([64, 64]), init_cache(config, 2, 100), 32)
   steps = [logits]
   for t in range(64, 100):
-    step, cache, _ = extend(model, variables, tokens[:, t:t + 1], cache, jnp.full((2, 1), t), jnp.ones((2, 1), bool))
+    step, cache, _ = extend(model, variables, tokens[:, t : t + 1], cache, jnp.full((2, 1), t), jnp.ones((2, 1), bool))
     steps.append(step)
   np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-4)

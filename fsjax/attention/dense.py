@@ -21,8 +21,7 @@ def causal_attention(q, k, v, *, window, rope_theta, impl):
   unless `impl="reference"`). q, k, v `[batch, T, heads, d]` unrotated → `[batch, T, heads, d]`."""
   if window is None:
     return ops.tfpp_attention(q, k, v, rope_theta=rope_theta, impl=dispatch.for_op("tfpp_attention", impl))
-  return ops.swa_attention(q, k, v, window=window, rope_theta=rope_theta,
-                           impl=dispatch.for_op("swa_attention", impl))
+  return ops.swa_attention(q, k, v, window=window, rope_theta=rope_theta, impl=dispatch.for_op("swa_attention", impl))
 
 
 def moba_block_mask(q_rot, q_pos, keys, *, moba_block, moba_top_k):
@@ -64,6 +63,7 @@ class DenseAttention(nn.Module):
   `impl="reference"`, TF++ attends a chunk over a half-precision cache on a GPU through cuDNN, and a one-token
   step through `fsjax.attention.cached.attend_one`, which reads the cache in place.
   """
+
   num_heads: int
   head_dim: int
   kind: str = "tfpp"
@@ -79,24 +79,39 @@ class DenseAttention(nn.Module):
   def __call__(self, x, cache=None, positions=None, valid=None):
     if self.kind not in KINDS:
       raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-    q, k, v = (project_heads(x, self.num_heads, self.head_dim, name, self.dtype, self.param_dtype)
-               for name in ("q_proj", "k_proj", "v_proj"))
+    q, k, v = (
+      project_heads(x, self.num_heads, self.head_dim, name, self.dtype, self.param_dtype)
+      for name in ("q_proj", "k_proj", "v_proj")
+    )
     if cache is not None:
       o, cache = self._extend(q, k, v, cache, positions, valid)
       return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
     if self.kind in ("tfpp", "swa"):
-      o = causal_attention(q, k, v, window=self.window if self.kind == "swa" else None,
-                           rope_theta=self.rope_theta, impl=self.impl)
+      o = causal_attention(
+        q, k, v, window=self.window if self.kind == "swa" else None, rope_theta=self.rope_theta, impl=self.impl
+      )
     else:
-      o = ops.moba_attention(q, k, v, moba_block=self.moba_block, moba_top_k=self.moba_top_k,
-                             rope_theta=self.rope_theta, impl=dispatch.for_op("moba_attention", self.impl))
+      o = ops.moba_attention(
+        q,
+        k,
+        v,
+        moba_block=self.moba_block,
+        moba_top_k=self.moba_top_k,
+        rope_theta=self.rope_theta,
+        impl=dispatch.for_op("moba_attention", self.impl),
+      )
     return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
 
   def _extend(self, q, k, v, cache, positions, valid):
     path = "reference"
     if self.kind == "tfpp":
-      path = dispatch.resolve("cache_attention", dispatch.for_op("cache_attention", self.impl), dtype=q.dtype,
-                              cache_dtype=cache.k.dtype, tokens=q.shape[1])
+      path = dispatch.resolve(
+        "cache_attention",
+        dispatch.for_op("cache_attention", self.impl),
+        dtype=q.dtype,
+        cache_dtype=cache.k.dtype,
+        tokens=q.shape[1],
+      )
     if path == "cudnn":
       return self._extend_cudnn(q, k, v, cache, positions, valid)
     dtype = compute_dtype(q.dtype)

@@ -33,6 +33,7 @@ class FreeSoloAttention(nn.Module):
   `(y, new_cache)` and sows the selected cells `[batch, C, heads, K]` as intermediates/selected_cells for routing
   probes. A chunk for the bounded cache is one token or whole query blocks starting at a block boundary.
   """
+
   num_heads: int
   head_dim: int
   routing: Routing = Routing()
@@ -46,8 +47,9 @@ class FreeSoloAttention(nn.Module):
   @nn.compact
   def __call__(self, x, cache=None, positions=None, valid=None):
     heads, dim, routing = self.num_heads, self.head_dim, self.routing
-    q, k, v = (project_heads(x, heads, dim, name, self.dtype, self.param_dtype)
-               for name in ("q_proj", "k_proj", "v_proj"))
+    q, k, v = (
+      project_heads(x, heads, dim, name, self.dtype, self.param_dtype) for name in ("q_proj", "k_proj", "v_proj")
+    )
     alpha = self.param("alpha", nn.initializers.ones, (heads,), self.param_dtype)
     lr_gain = self.param("lr_gain", nn.initializers.ones, (dim,), self.param_dtype)
     lam = self.variable(ROUTING, "lam", lambda: jnp.full((heads,), self.lam, jnp.float32)).value
@@ -57,19 +59,32 @@ class FreeSoloAttention(nn.Module):
       tau = self.variable(ROUTING, "tau", lambda: jnp.full((heads,), jnp.inf, jnp.float32)).value
     if cache is None:
       self.sow("intermediates", "cell_norms", cell_summaries(k, routing.cell)[1])  # for τ calibration (FS-B)
-      o = freesolo_ops.attention_routed(q, k, v, routing, alpha=alpha, lam=lam, sigma=sigma, lr_gain=lr_gain,
-                                        tau=tau, rope_theta=self.rope_theta, impl=self.impl)
+      o = freesolo_ops.attention_routed(
+        q,
+        k,
+        v,
+        routing,
+        alpha=alpha,
+        lam=lam,
+        sigma=sigma,
+        lr_gain=lr_gain,
+        tau=tau,
+        rope_theta=self.rope_theta,
+        impl=self.impl,
+      )
       return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
 
     dtype = compute_dtype(q.dtype)
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
     step = dict(rope_theta=self.rope_theta, lam=lam, sigma=sigma, lr_gain=lr_gain.astype(dtype))
     if isinstance(cache, BoundedCache):
-      local, long_range, cell_idx, cache = freesolo_step.bounded_chunk(cache, q, k, v, positions, valid, routing,
-                                                                       **step)
+      local, long_range, cell_idx, cache = freesolo_step.bounded_chunk(
+        cache, q, k, v, positions, valid, routing, **step
+      )
     else:
-      local, long_range, cell_idx, cache = freesolo_step.archive_chunk(cache, q, k, v, positions, valid, routing,
-                                                                       tau=tau, impl=self.impl, **step)
+      local, long_range, cell_idx, cache = freesolo_step.archive_chunk(
+        cache, q, k, v, positions, valid, routing, tau=tau, impl=self.impl, **step
+      )
     self.sow("intermediates", "selected_cells", cell_idx)
     o = mix_branches(local, long_range, alpha.astype(dtype))
     return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache

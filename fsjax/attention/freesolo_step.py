@@ -54,15 +54,27 @@ def archive_select(archive: Archive, q, pos, routing: Routing, *, lam, sigma, ta
   `[batch, C, heads, K]`, -1 for none. No gradient."""
   mean_keys, max_norms = read(archive.mean_keys), read(archive.max_norms)
   if routing.variant == "fsb":
-    return forest_ref.fsb_select_from_summaries(q, pos, read(archive.tokens.k).astype(q.dtype),
-                                                mean_keys.astype(q.dtype), max_norms.astype(q.dtype), tau=tau,
-                                                lam=lam, sigma=sigma, cell=routing.cell, block=routing.block,
-                                                top_k=routing.top_k, beam=routing.beam, bound_c=routing.bound_c)
+    return forest_ref.fsb_select_from_summaries(
+      q,
+      pos,
+      read(archive.tokens.k).astype(q.dtype),
+      mean_keys.astype(q.dtype),
+      max_norms.astype(q.dtype),
+      tau=tau,
+      lam=lam,
+      sigma=sigma,
+      cell=routing.cell,
+      block=routing.block,
+      top_k=routing.top_k,
+      beam=routing.beam,
+      bound_c=routing.bound_c,
+    )
   return ops.select_from_summaries(q, pos, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma, impl=impl)
 
 
-def archive_long_range(archive: Archive, q, pos, routing: Routing, *, lr_gain, lam, sigma, tau=None,
-                       impl="reference", selected=None):
+def archive_long_range(
+  archive: Archive, q, pos, routing: Routing, *, lr_gain, lam, sigma, tau=None, impl="reference", selected=None
+):
   """Eq. 9 for queries at `pos`: `(o_lr [batch, C, heads, d], selected cells [batch, C, heads, K])`.
 
   `selected`: cells already chosen `[batch, C, heads, K]` (by FS-B's forest cache), else chosen here.
@@ -82,9 +94,20 @@ def forest_search(forests: forest.Forest, q, pos, routing: Routing, *, lam, sigm
     nodes, layer = {name: x.stack for name, x in forests.nodes.items()}, forests.root.layer
   else:
     nodes, layer = forests.nodes, None
-  return ops.forest_beam_search(q, pos, jnp.broadcast_to(root[:, None, :], q.shape[:3]), nodes, lam, sigma,
-                                beam=routing.beam, steps=forest.num_levels_of(forests), bound_c=routing.bound_c,
-                                cell=routing.cell, layer=layer, impl=impl)
+  return ops.forest_beam_search(
+    q,
+    pos,
+    jnp.broadcast_to(root[:, None, :], q.shape[:3]),
+    nodes,
+    lam,
+    sigma,
+    beam=routing.beam,
+    steps=forest.num_levels_of(forests),
+    bound_c=routing.bound_c,
+    cell=routing.cell,
+    layer=layer,
+    impl=impl,
+  )
 
 
 def forest_select(cache: ForestCache, q, pos, routing: Routing, *, lam, sigma, impl="reference"):
@@ -95,18 +118,28 @@ def forest_select(cache: ForestCache, q, pos, routing: Routing, *, lam, sigma, i
   batch, count, heads, _ = q.shape
   beam = routing.beam
   both = lambda x: jnp.concatenate([x, x], axis=-1)
-  candidates = forest_search(cache.forests, jnp.concatenate([q, q], axis=2), pos, routing, lam=both(lam),
-                             sigma=both(sigma), impl=impl)  # [batch, C, 2·heads, beam]
+  candidates = forest_search(
+    cache.forests, jnp.concatenate([q, q], axis=2), pos, routing, lam=both(lam), sigma=both(sigma), impl=impl
+  )  # [batch, C, 2·heads, beam]
   candidates = jnp.moveaxis(candidates.reshape(batch, count, 2, heads, beam), 2, 3).reshape(
-      batch, count, heads, 2 * beam)
+    batch, count, heads, 2 * beam
+  )
   archive = cache.archive
   # The keys stay in the archive's dtype: the rerank converts only the ≤ 2·beam cells it gathers.
-  return forest_ref.rerank_candidates(q, pos, read(archive.tokens.k), read(archive.max_norms).astype(q.dtype),
-                                      candidates, lam=lam, sigma=sigma, cell=routing.cell, top_k=routing.top_k)
+  return forest_ref.rerank_candidates(
+    q,
+    pos,
+    read(archive.tokens.k),
+    read(archive.max_norms).astype(q.dtype),
+    candidates,
+    lam=lam,
+    sigma=sigma,
+    cell=routing.cell,
+    top_k=routing.top_k,
+  )
 
 
-def streaming_select(cache: ForestCache, q, positions, valid, routing: Routing, *, lam, sigma, tau,
-                     impl="reference"):
+def streaming_select(cache: ForestCache, q, positions, valid, routing: Routing, *, lam, sigma, tau, impl="reference"):
   """FS-B through the forest cache: `(cache, selected cells or None)`. A longer chunk (queries in several blocks)
   leaves selection to the archive's prefill formulation (None) and advances the forests past its last token; a
   single-token step advances them to its own block and beam-searches them."""
@@ -119,8 +152,9 @@ def streaming_select(cache: ForestCache, q, positions, valid, routing: Routing, 
   return cache, forest_select(cache, q, positions, routing, lam=lam, sigma=sigma, impl=impl)
 
 
-def archive_chunk(cache, q, k, v, positions, valid, routing: Routing, *, rope_theta, lam, sigma, lr_gain, tau=None,
-                  impl="reference"):
+def archive_chunk(
+  cache, q, k, v, positions, valid, routing: Routing, *, rope_theta, lam, sigma, lr_gain, tau=None, impl="reference"
+):
   """One chunk through an FS `Archive` or FS-B `ForestCache`: `(o_sr, o_lr, cells, new cache)`, the outputs
   `[batch, C, heads, d]` and the cells `[batch, C, heads, K]`."""
   streaming = isinstance(cache, ForestCache)
@@ -129,12 +163,14 @@ def archive_chunk(cache, q, k, v, positions, valid, routing: Routing, *, rope_th
   local = archive_local(archive, q, positions, window=routing.window, rope_theta=rope_theta)
   selected = None
   if streaming:
-    cache, selected = streaming_select(cache.replace(archive=archive), q, positions, valid, routing, lam=lam,
-                                       sigma=sigma, tau=tau, impl=impl)
+    cache, selected = streaming_select(
+      cache.replace(archive=archive), q, positions, valid, routing, lam=lam, sigma=sigma, tau=tau, impl=impl
+    )
   else:
     cache = archive
-  long_range, cell_idx = archive_long_range(archive, q, positions, routing, lr_gain=lr_gain, lam=lam, sigma=sigma,
-                                            tau=tau, impl=impl, selected=selected)
+  long_range, cell_idx = archive_long_range(
+    archive, q, positions, routing, lr_gain=lr_gain, lam=lam, sigma=sigma, tau=tau, impl=impl, selected=selected
+  )
   return local, long_range, cell_idx, cache
 
 
@@ -149,10 +185,14 @@ def bounded_long_range(cache: bounded.BoundedCache, q, pos, routing: Routing, *,
   scores = content + lam[:, None] * norm[:, None] * prior  # Eq. 7
   available = jnp.broadcast_to((ids >= 0)[:, None], scores.shape)
   slots = cells_ref.top_k_cells(scores, available, routing.top_k)  # slots sorted by cell id: ties → lower id
-  selected = jnp.where(slots >= 0, jnp.take_along_axis(jnp.broadcast_to(ids[:, None], scores.shape),
-                                                       jnp.maximum(slots, 0), axis=-1), NO_CELL)
+  selected = jnp.where(
+    slots >= 0,
+    jnp.take_along_axis(jnp.broadcast_to(ids[:, None], scores.shape), jnp.maximum(slots, 0), axis=-1),
+    NO_CELL,
+  )
   gather = lambda x: jax.vmap(jax.vmap(lambda xh, ih: xh[ih], in_axes=(0, 1), out_axes=1))(
-      x, jnp.maximum(slots, 0))  # [batch, C, heads, K, s, d]
+    x, jnp.maximum(slots, 0)
+  )  # [batch, C, heads, K, s, d]
   k_sel, v_sel = gather(k_cells), gather(v_cells)
   logits = jnp.einsum("bthd,bthksd->bthks", q, k_sel, precision=PRECISION) / math.sqrt(head_dim)
   probs = masked_softmax(logits, (slots >= 0)[..., None], axis=(-2, -1))
@@ -160,8 +200,9 @@ def bounded_long_range(cache: bounded.BoundedCache, q, pos, routing: Routing, *,
   return rms_norm(u, lr_gain), selected
 
 
-def bounded_segment(cache: bounded.BoundedCache, q, k, v, pos, valid, routing: Routing, *, rope_theta, lam, sigma,
-                    lr_gain):
+def bounded_segment(
+  cache: bounded.BoundedCache, q, k, v, pos, valid, routing: Routing, *, rope_theta, lam, sigma, lr_gain
+):
   """Queries/keys at `pos` `[batch, L]`, every row's valid tokens inside one query block, in order:
   `(o_sr, o_lr, cells, new cache)` (the cache merged at the end of a completed block)."""
   q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
@@ -170,20 +211,32 @@ def bounded_segment(cache: bounded.BoundedCache, q, k, v, pos, valid, routing: R
   return local, long_range, selected, bounded.write_segment(cache, k_rot, k, v, pos, valid)
 
 
-def bounded_chunk(cache: bounded.BoundedCache, q, k, v, positions, valid, routing: Routing, *, rope_theta, lam,
-                  sigma, lr_gain):
+def bounded_chunk(
+  cache: bounded.BoundedCache, q, k, v, positions, valid, routing: Routing, *, rope_theta, lam, sigma, lr_gain
+):
   """A chunk of one token or whole query blocks through FS-L's bounded cache, block by block (availability
   changes at block boundaries): `(o_sr, o_lr, cells, new cache)`."""
   chunk, block = q.shape[1], routing.block
   if chunk > 1 and chunk % block:
-    raise ValueError(f"a chunk for the FS-L bounded cache must be 1 token or whole blocks, got {chunk} tokens "
-                     f"with block={block}")
+    raise ValueError(
+      f"a chunk for the FS-L bounded cache must be 1 token or whole blocks, got {chunk} tokens with block={block}"
+    )
   outputs = []
   for start in range(0, chunk, block):
     segment = slice(start, start + block)
-    *branches, cache = bounded_segment(cache, q[:, segment], k[:, segment], v[:, segment], positions[:, segment],
-                                       valid[:, segment], routing, rope_theta=rope_theta, lam=lam, sigma=sigma,
-                                       lr_gain=lr_gain)
+    *branches, cache = bounded_segment(
+      cache,
+      q[:, segment],
+      k[:, segment],
+      v[:, segment],
+      positions[:, segment],
+      valid[:, segment],
+      routing,
+      rope_theta=rope_theta,
+      lam=lam,
+      sigma=sigma,
+      lr_gain=lr_gain,
+    )
     outputs.append(branches)
   local, long_range, cell_idx = (jnp.concatenate(parts, axis=1) for parts in zip(*outputs))
   return local, long_range, cell_idx, cache

@@ -5,11 +5,11 @@ import flax.linen as nn
 
 def project_heads(x, num_heads, head_dim, name, dtype, param_dtype):
   """`[batch, seq, d_model]` → `[batch, seq, heads, head_dim]`; call inside a compact module."""
-  return nn.DenseGeneral((num_heads, head_dim), use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                         name=name)(x)
+  return nn.DenseGeneral((num_heads, head_dim), use_bias=False, dtype=dtype, param_dtype=param_dtype, name=name)(x)
 
 
 def project_out(o, features, dtype, param_dtype):
   """`[batch, seq, heads, head_dim]` → `[batch, seq, features]` through W_o; call inside a compact module."""
-  return nn.DenseGeneral(features, axis=(-2, -1), use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                         name="o_proj")(o)
+  return nn.DenseGeneral(features, axis=(-2, -1), use_bias=False, dtype=dtype, param_dtype=param_dtype, name="o_proj")(
+    o
+  )

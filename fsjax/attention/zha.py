@@ -33,6 +33,7 @@ class ZHAAttention(nn.Module):
   step has Pallas kernels, the training form and the distillation loss are references, and the distillation's
   dense attention runs on cuDNN where `auto` allows.
   """
+
   num_heads: int
   head_dim: int
   tree: ZHATree = ZHATree()
@@ -45,23 +46,48 @@ class ZHAAttention(nn.Module):
   @nn.compact
   def __call__(self, x, cache=None, positions=None, valid=None):
     tree = self.tree
-    q, k, v = (project_heads(x, self.num_heads, self.head_dim, name, self.dtype, self.param_dtype)
-               for name in ("q_proj", "k_proj", "v_proj"))
-    ref_queries = self.param("ref_queries", nn.initializers.normal(REF_INIT_STD),
-                             (self.num_heads, tree.refs, self.head_dim), self.param_dtype)
+    q, k, v = (
+      project_heads(x, self.num_heads, self.head_dim, name, self.dtype, self.param_dtype)
+      for name in ("q_proj", "k_proj", "v_proj")
+    )
+    ref_queries = self.param(
+      "ref_queries", nn.initializers.normal(REF_INIT_STD), (self.num_heads, tree.refs, self.head_dim), self.param_dtype
+    )
     if cache is not None:
-      o, fraction, cache = zha_step.step(cache, q, k, v, positions, valid, ref_queries, tree=tree,
-                                         rope_theta=self.rope_theta, impl=dispatch.for_op("zha_route", self.impl))
+      o, fraction, cache = zha_step.step(
+        cache,
+        q,
+        k,
+        v,
+        positions,
+        valid,
+        ref_queries,
+        tree=tree,
+        rope_theta=self.rope_theta,
+        impl=dispatch.for_op("zha_route", self.impl),
+      )
       self.sow("intermediates", "attended_fraction", fraction)
       return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
     if self.distill:
-      self.sow("intermediates", "zha_kl", zha_ops.zha_kl_per_level(q, k, ref_queries, chunk=tree.chunk,
-                                                                   levels=tree.levels, rope_theta=self.rope_theta))
+      self.sow(
+        "intermediates",
+        "zha_kl",
+        zha_ops.zha_kl_per_level(q, k, ref_queries, chunk=tree.chunk, levels=tree.levels, rope_theta=self.rope_theta),
+      )
       o = causal_attention(q, k, v, window=None, rope_theta=self.rope_theta, impl=self.impl)
     else:
-      o, fraction = zha_ops.zha_attention(q, k, v, ref_queries.astype(compute_dtype(q.dtype)), chunk=tree.chunk,
-                                          levels=tree.levels, top_p=tree.top_p, rope_theta=self.rope_theta,
-                                          max_nodes=tree.max_nodes, return_fraction=True,
-                                          impl=dispatch.for_op("zha_attention", self.impl))
+      o, fraction = zha_ops.zha_attention(
+        q,
+        k,
+        v,
+        ref_queries.astype(compute_dtype(q.dtype)),
+        chunk=tree.chunk,
+        levels=tree.levels,
+        top_p=tree.top_p,
+        rope_theta=self.rope_theta,
+        max_nodes=tree.max_nodes,
+        return_fraction=True,
+        impl=dispatch.for_op("zha_attention", self.impl),
+      )
       self.sow("intermediates", "attended_fraction", fraction)
     return project_out(o, x.shape[-1], self.dtype, self.param_dtype)

@@ -40,14 +40,23 @@ def attend(cache: ZHACache, q_rot, positions, *, tree: ZHATree, impl="reference"
     keys, layer = _in_place(cache.keys)
     bias, _ = _in_place(cache.bias)
     (k, v), _ = _in_place((cache.store.k, cache.store.v))
-    out, fraction = zha_ops.zha_decode(q_rot[:, 0], positions[:, 0], keys, bias, k, v, tree=tree, layer=layer,
-                                       impl=impl)
+    out, fraction = zha_ops.zha_decode(
+      q_rot[:, 0], positions[:, 0], keys, bias, k, v, tree=tree, layer=layer, impl=impl
+    )
     return out[:, None].astype(q_rot.dtype), fraction[:, None]
   dtype = q_rot.dtype
   nodes = [(read(keys).astype(dtype), read(bias).astype(dtype)) for keys, bias in zip(cache.keys, cache.bias)]
   out, fraction = zha_ref.routed_attention(
-      q_rot, positions, nodes, read(cache.store.k).astype(dtype), read(cache.store.v).astype(dtype),
-      read(cache.store.pos), chunk=tree.chunk, top_p=tree.level_top_p, max_nodes=tree.max_nodes)
+    q_rot,
+    positions,
+    nodes,
+    read(cache.store.k).astype(dtype),
+    read(cache.store.v).astype(dtype),
+    read(cache.store.pos),
+    chunk=tree.chunk,
+    top_p=tree.level_top_p,
+    max_nodes=tree.max_nodes,
+  )
   return out.astype(dtype), fraction
 
 
@@ -67,7 +76,8 @@ def step(cache: ZHACache, q, k, v, positions, valid, ref_queries, *, tree: ZHATr
   dtype = compute_dtype(q.dtype)
   q_rot = zha_ref.rotate(q.astype(dtype), positions, rope_theta)
   k_rot = zha_ref.rotate(k.astype(dtype), positions, rope_theta)
-  cache = zha_cache.extend(cache, k_rot, v.astype(dtype), positions, valid, ref_queries.astype(dtype), tree=tree,
-                           rope_theta=rope_theta)
+  cache = zha_cache.extend(
+    cache, k_rot, v.astype(dtype), positions, valid, ref_queries.astype(dtype), tree=tree, rope_theta=rope_theta
+  )
   out, fraction = attend(cache, q_rot, positions, tree=tree, impl=impl)
   return out, fraction, cache

@@ -50,5 +50,14 @@ def init_cache(config, batch, max_len, dtype=jnp.float32, bounded=True):
   return {f"layer_{i}": make() for i in range(config.num_layers)}
 
 
-__all__ = ["Archive", "BoundedCache", "ForestCache", "KVStore", "ZHACache", "cache_capacity", "init_cache",
-           "layer_of", "write_back"]
+__all__ = [
+  "Archive",
+  "BoundedCache",
+  "ForestCache",
+  "KVStore",
+  "ZHACache",
+  "cache_capacity",
+  "init_cache",
+  "layer_of",
+  "write_back",
+]

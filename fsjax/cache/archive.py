@@ -20,6 +20,7 @@ class Archive:
   """tokens: a KVStore of unrotated keys with capacity = max length (slot = position);
   mean_keys `[batch, M, heads, d]` and max_norms `[batch, M, heads]` of cells (Eq. 5), M = capacity / s. In a
   scanned model's decode step each array is a `layered.LayerSlice`: read them with `layered.read`."""
+
   tokens: kv.KVStore
   mean_keys: jax.Array
   max_norms: jax.Array
@@ -29,9 +30,11 @@ def empty_archive(batch, capacity, heads, head_dim, cell, dtype=jnp.float32):
   if capacity % cell:
     raise ValueError(f"archive capacity ({capacity}) must be a multiple of cell ({cell})")
   num_cells = capacity // cell
-  return Archive(tokens=kv.empty_store(batch, capacity, heads, head_dim, dtype),
-                 mean_keys=jnp.zeros((batch, num_cells, heads, head_dim), dtype),
-                 max_norms=jnp.zeros((batch, num_cells, heads), dtype))
+  return Archive(
+    tokens=kv.empty_store(batch, capacity, heads, head_dim, dtype),
+    mean_keys=jnp.zeros((batch, num_cells, heads, head_dim), dtype),
+    max_norms=jnp.zeros((batch, num_cells, heads), dtype),
+  )
 
 
 def extend(archive: Archive, k, v, pos, valid, cell):
@@ -49,7 +52,8 @@ def extend(archive: Archive, k, v, pos, valid, cell):
   keys = jnp.take_along_axis(read(tokens.k), slots.reshape(batch, -1)[:, :, None, None], axis=1)
   keys = keys.reshape(batch, touched.shape[1], cell, *keys.shape[2:])  # [batch, n, s, heads, d]
   rows = jnp.arange(batch)[:, None]
-  return Archive(tokens=tokens,
-                 mean_keys=scatter(archive.mean_keys, (rows, touched), jnp.mean(keys, axis=2)),
-                 max_norms=scatter(archive.max_norms, (rows, touched),
-                                   jnp.max(jnp.linalg.norm(keys, axis=-1), axis=2)))
+  return Archive(
+    tokens=tokens,
+    mean_keys=scatter(archive.mean_keys, (rows, touched), jnp.mean(keys, axis=2)),
+    max_norms=scatter(archive.max_norms, (rows, touched), jnp.max(jnp.linalg.norm(keys, axis=-1), axis=2)),
+  )

@@ -28,6 +28,7 @@ class BoundedCache:
   recent_ids `[batch, W]`, recent_k/v `[batch, heads, W, s, d]`, recent_mean `[batch, heads, W, d]`,
   recent_norm `[batch, heads, W]`; pool_ids `[batch, heads, P]`, pool_k/v `[batch, heads, P, s, d]`,
   pool_mean `[batch, heads, P, d]`, pool_norm `[batch, heads, P]`. Ids are cell indices, -1 = empty."""
+
   ring: kv.KVStore
   block_k: jax.Array
   block_v: jax.Array
@@ -46,33 +47,48 @@ class BoundedCache:
 def empty_bounded(batch, heads, head_dim, routing: Routing, dtype=jnp.float32):
   """An empty bounded cache for `routing`'s window w, cell s, block B, pool P and recent cells W."""
   window, cell, block = routing.window, routing.cell, routing.block
-  cells = lambda n: dict(ids=jnp.full((batch, heads, n), NO_CELL, jnp.int32),
-                         k=jnp.zeros((batch, heads, n, cell, head_dim), dtype),
-                         v=jnp.zeros((batch, heads, n, cell, head_dim), dtype),
-                         mean=jnp.zeros((batch, heads, n, head_dim), dtype), norm=jnp.zeros((batch, heads, n), dtype))
+  cells = lambda n: dict(
+    ids=jnp.full((batch, heads, n), NO_CELL, jnp.int32),
+    k=jnp.zeros((batch, heads, n, cell, head_dim), dtype),
+    v=jnp.zeros((batch, heads, n, cell, head_dim), dtype),
+    mean=jnp.zeros((batch, heads, n, head_dim), dtype),
+    norm=jnp.zeros((batch, heads, n), dtype),
+  )
   recent, pool = cells(routing.retain_recent), cells(routing.retain_top)
   return BoundedCache(
-      ring=kv.empty_store(batch, window + 1, heads, head_dim, dtype),
-      block_k=jnp.zeros((batch, block, heads, head_dim), dtype),
-      block_v=jnp.zeros((batch, block, heads, head_dim), dtype),
-      recent_ids=recent["ids"][:, 0], recent_k=recent["k"], recent_v=recent["v"], recent_mean=recent["mean"],
-      recent_norm=recent["norm"], pool_ids=pool["ids"], pool_k=pool["k"], pool_v=pool["v"], pool_mean=pool["mean"],
-      pool_norm=pool["norm"])
+    ring=kv.empty_store(batch, window + 1, heads, head_dim, dtype),
+    block_k=jnp.zeros((batch, block, heads, head_dim), dtype),
+    block_v=jnp.zeros((batch, block, heads, head_dim), dtype),
+    recent_ids=recent["ids"][:, 0],
+    recent_k=recent["k"],
+    recent_v=recent["v"],
+    recent_mean=recent["mean"],
+    recent_norm=recent["norm"],
+    pool_ids=pool["ids"],
+    pool_k=pool["k"],
+    pool_v=pool["v"],
+    pool_mean=pool["mean"],
+    pool_norm=pool["norm"],
+  )
 
 
 def candidates(cache: BoundedCache):
   """`pool ∪ recent` per head, sorted by cell id (empties last), duplicates removed: (ids, mean, norm, k, v)."""
   heads = cache.pool_ids.shape[1]
-  recent_ids = jnp.broadcast_to(cache.recent_ids[:, None], (cache.recent_ids.shape[0], heads,
-                                                           cache.recent_ids.shape[1]))
+  recent_ids = jnp.broadcast_to(
+    cache.recent_ids[:, None], (cache.recent_ids.shape[0], heads, cache.recent_ids.shape[1])
+  )
   in_pool = jnp.any(recent_ids[..., None] == cache.pool_ids[:, :, None, :], axis=-1) & (recent_ids >= 0)
   ids = jnp.concatenate([cache.pool_ids, jnp.where(in_pool, NO_CELL, recent_ids)], axis=-1)  # [batch, heads, N]
   order = jnp.argsort(jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max), axis=-1, stable=True)
   take = lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 3)), axis=2)
-  return (take(ids), take(jnp.concatenate([cache.pool_mean, cache.recent_mean], 2)),
-          take(jnp.concatenate([cache.pool_norm, cache.recent_norm], 2)),
-          take(jnp.concatenate([cache.pool_k, cache.recent_k], 2)),
-          take(jnp.concatenate([cache.pool_v, cache.recent_v], 2)))
+  return (
+    take(ids),
+    take(jnp.concatenate([cache.pool_mean, cache.recent_mean], 2)),
+    take(jnp.concatenate([cache.pool_norm, cache.recent_norm], 2)),
+    take(jnp.concatenate([cache.pool_k, cache.recent_k], 2)),
+    take(jnp.concatenate([cache.pool_v, cache.recent_v], 2)),
+  )
 
 
 def _cells_of_block(cache: BoundedCache, cell):
@@ -102,21 +118,30 @@ def _merge(cache: BoundedCache, block_index, complete):
 
   width = cache.recent_ids.shape[1]
   last = lambda old, new, axis: _keep_last(old, new, axis, width)
-  recent = dict(recent_ids=last(cache.recent_ids, new_ids, 1), recent_k=last(cache.recent_k, k, 2),
-                recent_v=last(cache.recent_v, v, 2), recent_mean=last(cache.recent_mean, mean, 2),
-                recent_norm=last(cache.recent_norm, norm, 2))
+  recent = dict(
+    recent_ids=last(cache.recent_ids, new_ids, 1),
+    recent_k=last(cache.recent_k, k, 2),
+    recent_v=last(cache.recent_v, v, 2),
+    recent_mean=last(cache.recent_mean, mean, 2),
+    recent_norm=last(cache.recent_norm, norm, 2),
+  )
 
   ids = jnp.concatenate([cache.pool_ids, heads_ids], axis=2)
   norms = jnp.concatenate([cache.pool_norm, norm], axis=2)
   # Rank by (max norm desc, cell id asc); empty slots last.
   primary = jnp.where(ids >= 0, -norms, jnp.inf)
   secondary = jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max)
-  order = jax.lax.sort((primary, secondary, jnp.broadcast_to(jnp.arange(ids.shape[2]), ids.shape)),
-                       dimension=2, num_keys=2)[2][:, :, :retain_top]
+  order = jax.lax.sort(
+    (primary, secondary, jnp.broadcast_to(jnp.arange(ids.shape[2]), ids.shape)), dimension=2, num_keys=2
+  )[2][:, :, :retain_top]
   take = lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 3)), axis=2)
-  pool = dict(pool_ids=take(ids), pool_norm=take(norms),
-              pool_k=take(jnp.concatenate([cache.pool_k, k], 2)), pool_v=take(jnp.concatenate([cache.pool_v, v], 2)),
-              pool_mean=take(jnp.concatenate([cache.pool_mean, mean], 2)))
+  pool = dict(
+    pool_ids=take(ids),
+    pool_norm=take(norms),
+    pool_k=take(jnp.concatenate([cache.pool_k, k], 2)),
+    pool_v=take(jnp.concatenate([cache.pool_v, v], 2)),
+    pool_mean=take(jnp.concatenate([cache.pool_mean, mean], 2)),
+  )
   return cache.replace(**{name: keep(value, getattr(cache, name)) for name, value in {**recent, **pool}.items()})
 
 
@@ -135,9 +160,11 @@ def write_segment(cache: BoundedCache, k_rot, k, v, pos, valid):
   block = cache.block_k.shape[1]
   rows = jnp.arange(pos.shape[0])[:, None]
   slot = jnp.where(valid, pos % block, block)
-  cache = cache.replace(ring=kv.write(cache.ring, k_rot, v, pos, valid),
-                        block_k=cache.block_k.at[rows, slot].set(k, mode="drop"),
-                        block_v=cache.block_v.at[rows, slot].set(v, mode="drop"))
+  cache = cache.replace(
+    ring=kv.write(cache.ring, k_rot, v, pos, valid),
+    block_k=cache.block_k.at[rows, slot].set(k, mode="drop"),
+    block_v=cache.block_v.at[rows, slot].set(v, mode="drop"),
+  )
   complete = jnp.any(valid & (pos % block == block - 1), axis=1)
   last_pos = jnp.max(jnp.where(valid, pos, 0), axis=1)
   return _merge(cache, last_pos // block, complete)

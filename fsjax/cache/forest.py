@@ -67,6 +67,7 @@ class Forest:
     cell index below), leaf (cell index, NO_NODE at inner nodes), child0, child1 (node ids, NO_NODE at leaves).
     N = level_offset(levels) + levels: every level's tree, then one join slot per level.
   """
+
   arrivals: jax.Array
   count: jax.Array
   root: jax.Array
@@ -79,6 +80,7 @@ class ForestCache:
   one `Forest` of `2·heads` "heads" — entry h < heads is head h's forest 0 (every eligible cell), entry
   heads + h its forest τ (eligible cells with a_c ≥ τ, Eq. 10) — so one update and one search serve both;
   admitted: `[batch]` int32 cells considered so far (the forests reflect exactly the cells below it)."""
+
   archive: archive_lib.Archive
   forests: Forest
   admitted: jax.Array
@@ -86,7 +88,7 @@ class ForestCache:
   def forest(self, which):
     """Forest 0 (`which=0`) or forest τ (`which=1`) of every head, as a `Forest` of `heads` entries."""
     heads = self.archive.max_norms.shape[2]
-    return jax.tree_util.tree_map(lambda x: x[:, which * heads:(which + 1) * heads], self.forests)
+    return jax.tree_util.tree_map(lambda x: x[:, which * heads : (which + 1) * heads], self.forests)
 
 
 def _static_children(levels):
@@ -104,14 +106,22 @@ def empty_forest(batch, heads, head_dim, max_cells, dtype):
   size = level_offset(levels) + levels
   child0, child1 = _static_children(levels)
   shape = (batch, heads, size)
-  nodes = dict(mu=jnp.zeros((*shape, head_dim), dtype), rho=jnp.zeros(shape, dtype), amax=jnp.zeros(shape, dtype),
-               pmin=jnp.zeros(shape, dtype), first=jnp.zeros(shape, jnp.int32),
-               leaf=jnp.full(shape, NO_NODE, jnp.int32),
-               child0=jnp.broadcast_to(jnp.asarray(child0, jnp.int32), shape),
-               child1=jnp.broadcast_to(jnp.asarray(child1, jnp.int32), shape))
-  return Forest(arrivals=jnp.full((batch, heads, max_cells), NO_NODE, jnp.int32),
-                count=jnp.zeros((batch, heads), jnp.int32), root=jnp.full((batch, heads), NO_NODE, jnp.int32),
-                nodes=nodes)
+  nodes = dict(
+    mu=jnp.zeros((*shape, head_dim), dtype),
+    rho=jnp.zeros(shape, dtype),
+    amax=jnp.zeros(shape, dtype),
+    pmin=jnp.zeros(shape, dtype),
+    first=jnp.zeros(shape, jnp.int32),
+    leaf=jnp.full(shape, NO_NODE, jnp.int32),
+    child0=jnp.broadcast_to(jnp.asarray(child0, jnp.int32), shape),
+    child1=jnp.broadcast_to(jnp.asarray(child1, jnp.int32), shape),
+  )
+  return Forest(
+    arrivals=jnp.full((batch, heads, max_cells), NO_NODE, jnp.int32),
+    count=jnp.zeros((batch, heads), jnp.int32),
+    root=jnp.full((batch, heads), NO_NODE, jnp.int32),
+    nodes=nodes,
+  )
 
 
 def empty_forest_cache(batch, capacity, heads, head_dim, cell, dtype=jnp.float32):
@@ -151,8 +161,9 @@ def looped_leaf_order(means, cell_ids):
     x_all, ids = means[order], cell_ids[order]
     x = x_all - (per_node(jax.ops.segment_sum, x_all) / width.astype(means.dtype))[node]
     norms = jnp.linalg.norm(x, axis=-1)
-    farthest = per_node(jax.ops.segment_min, jnp.where(norms == per_node(jax.ops.segment_max, norms)[node], ids,
-                                                       largest))
+    farthest = per_node(
+      jax.ops.segment_min, jnp.where(norms == per_node(jax.ops.segment_max, norms)[node], ids, largest)
+    )
     u = forest_ref.normalize(per_node(jax.ops.segment_sum, jnp.where((ids == farthest[node])[:, None], x, 0.0)))
     for _ in range(2):
       u = forest_ref.normalize(per_node(jax.ops.segment_sum, x * jnp.sum(x * u[node], axis=-1, keepdims=True)))
@@ -180,8 +191,10 @@ def level_trees(forest: Forest, archive, k, rows=None, heads=None, *, cell, loop
   P = [batch, heads]). `looped`: leaf order by `looped_leaf_order`."""
   size = 2**k
   if rows is None:
-    rows, heads = (x.astype(jnp.int32) for x in jnp.meshgrid(
-        jnp.arange(forest.count.shape[0]), jnp.arange(forest.count.shape[1]), indexing="ij"))
+    rows, heads = (
+      x.astype(jnp.int32)
+      for x in jnp.meshgrid(jnp.arange(forest.count.shape[0]), jnp.arange(forest.count.shape[1]), indexing="ij")
+    )
   start = (read(forest.count)[rows, heads] >> (k + 1)) << (k + 1)
   ids = read(forest.arrivals)[rows[..., None], heads[..., None], start[..., None] + jnp.arange(size)]
   safe = jnp.maximum(ids, 0)  # [*P, size]
@@ -195,10 +208,11 @@ def level_trees(forest: Forest, archive, k, rows=None, heads=None, *, cell, loop
     order = looped_leaf_order(m, i)[None] if looped else None
     return {name: x[0] for name, x in forest_ref.chunk_trees(m, n, c, i, size, order=order).items()}
 
-  flat = lambda x: x.reshape(-1, *x.shape[rows.ndim:])
+  flat = lambda x: x.reshape(-1, *x.shape[rows.ndim :])
   trees = jax.vmap(build)(flat(means), flat(norms), flat(centers), flat(safe))
-  return {name: tree.reshape(*rows.shape, *tree.shape[1:]).astype(forest.nodes[name].dtype)
-          for name, tree in trees.items()}
+  return {
+    name: tree.reshape(*rows.shape, *tree.shape[1:]).astype(forest.nodes[name].dtype) for name, tree in trees.items()
+  }
 
 
 def _changed_trees(old, forest: Forest, archive, changed, k, *, cell):
@@ -232,9 +246,12 @@ def _rejoin(forest: Forest):
     return {name: value[0] for name, value in joins.items()}, root[0]
 
   joins, root = jax.vmap(jax.vmap(one))({name: read(x) for name, x in nodes.items()}, read(forest.count))
-  nodes = {name: scatter(value, (slice(None), slice(None), slice(first_join, None)),
-                         joins[name].astype(value.dtype)) if name in joins else value
-           for name, value in nodes.items()}
+  nodes = {
+    name: scatter(value, (slice(None), slice(None), slice(first_join, None)), joins[name].astype(value.dtype))
+    if name in joins
+    else value
+    for name, value in nodes.items()
+  }
   return forest.replace(nodes=nodes, root=scatter(forest.root, (Ellipsis,), root.astype(forest.root.dtype)))
 
 
@@ -255,8 +272,9 @@ def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FR
   levels = num_levels_of(forest)
   accept = jnp.moveaxis(accept, 1, 2)  # [batch, heads, n]
   count = read(forest.count)
-  slot = jnp.where(accept, count[..., None] + jnp.cumsum(accept, axis=-1, dtype=jnp.int32) - 1,
-                   forest.arrivals.shape[-1])
+  slot = jnp.where(
+    accept, count[..., None] + jnp.cumsum(accept, axis=-1, dtype=jnp.int32) - 1, forest.arrivals.shape[-1]
+  )
   rows = jnp.arange(cells.shape[0])[:, None, None]
   heads = jnp.arange(accept.shape[1])[None, :, None]
   arrivals = scatter(forest.arrivals, (rows, heads, slot), jnp.broadcast_to(cells[:, None], slot.shape), mode="drop")
@@ -278,8 +296,9 @@ def admit(forest: Forest, archive, cells, accept, *, cell, looped_from=LOOPED_FR
         return _changed_trees(old, forest, archive, changed, k, cell=cell)
       mask = changed[..., k]  # small levels change in most heads at most blocks: all heads at once, masked
       trees = level_trees(forest, archive, k, cell=cell, looped=False)
-      return {name: jnp.where(mask.reshape(*mask.shape, *([1] * (v.ndim - 2))), trees[name], v)
-              for name, v in old.items()}
+      return {
+        name: jnp.where(mask.reshape(*mask.shape, *([1] * (v.ndim - 2))), trees[name], v) for name, v in old.items()
+      }
 
     new = jax.lax.cond(jnp.any(changed[..., k]), rebuilt, lambda old: old, old)
     nodes.update({name: scatter(nodes[name], where, value) for name, value in new.items()})
@@ -299,15 +318,17 @@ def advance(cache: ForestCache, target, tau, *, cell, block, looped_from=LOOPED_
     cells = lo[:, None] + jnp.arange(per_block, dtype=jnp.int32)  # [batch, n]
     fresh = cells < target[:, None]
     last_cell = archive.max_norms.shape[1] - 1
-    norms = jnp.take_along_axis(read(archive.max_norms), jnp.minimum(cells, last_cell)[:, :, None],
-                                axis=1)  # [batch, n, heads]
+    norms = jnp.take_along_axis(
+      read(archive.max_norms), jnp.minimum(cells, last_cell)[:, :, None], axis=1
+    )  # [batch, n, heads]
     every = jnp.broadcast_to(fresh[:, :, None], norms.shape)
     accept = jnp.concatenate([every, every & (norms >= tau)], axis=2)  # [batch, n, 2·heads]
     forests = admit(forests, archive, cells, accept, cell=cell, looped_from=looped_from)
     return forests, jnp.maximum(lo, jnp.minimum(lo + per_block, target))
 
-  forests, admitted = jax.lax.while_loop(lambda state: jnp.any(state[1] < target), one_block,
-                                         (cache.forests, cache.admitted))
+  forests, admitted = jax.lax.while_loop(
+    lambda state: jnp.any(state[1] < target), one_block, (cache.forests, cache.admitted)
+  )
   return cache.replace(forests=forests, admitted=admitted)
 
 

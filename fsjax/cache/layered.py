@@ -23,6 +23,7 @@ import jax
 @flax.struct.dataclass
 class LayerSlice:
   """Layer `layer` (int32 scalar) of `stack` `[layers, ...]`; `shape` and `dtype` are the layer's."""
+
   stack: jax.Array
   layer: jax.Array
 
@@ -50,16 +51,20 @@ def scatter(x, index, values, mode=None):
 def layer_view(stacked, layer, viewed):
   """Layer `layer` of a stacked cache: the arrays of nodes of the types in `viewed` as `LayerSlice`s, every
   other array sliced out."""
+
   def one(node):
     if isinstance(node, viewed):
       return jax.tree_util.tree_map(lambda x: LayerSlice(x, layer), node)
     return node[layer]
+
   return jax.tree_util.tree_map(one, stacked, is_leaf=lambda node: isinstance(node, viewed))
 
 
 def write_back(stacked, view, layer):
   """The stacked cache after a layer updated `view` (from `layer_view`): slices written back whole, stacks as
   the layer left them."""
+
   def one(new, old):
     return new.stack if isinstance(new, LayerSlice) else old.at[layer].set(new)
+
   return jax.tree_util.tree_map(one, view, stacked, is_leaf=lambda node: isinstance(node, LayerSlice))

@@ -17,6 +17,7 @@ from fsjax.cache.layered import read, scatter
 class KVStore:
   """k, v: `[batch, capacity, heads, head_dim]`; pos: `[batch, capacity]` int32, -1 where empty. In a scanned
   model's decode step each field is a `layered.LayerSlice`: read them with `layered.read`."""
+
   k: jax.Array
   v: jax.Array
   pos: jax.Array
@@ -45,14 +46,18 @@ def write(store: KVStore, k, v, pos, valid):
   keep = valid & (pos > last - store.capacity)
   slot = jnp.where(keep, pos % store.capacity, store.capacity)  # out of range: dropped
   rows = jnp.arange(pos.shape[0])[:, None]
-  return KVStore(k=scatter(store.k, (rows, slot), k.astype(store.k.dtype), mode="drop"),
-                 v=scatter(store.v, (rows, slot), v.astype(store.v.dtype), mode="drop"),
-                 pos=scatter(store.pos, (rows, slot), pos.astype(store.pos.dtype), mode="drop"))
+  return KVStore(
+    k=scatter(store.k, (rows, slot), k.astype(store.k.dtype), mode="drop"),
+    v=scatter(store.v, (rows, slot), v.astype(store.v.dtype), mode="drop"),
+    pos=scatter(store.pos, (rows, slot), pos.astype(store.pos.dtype), mode="drop"),
+  )
 
 
 def concat(store: KVStore, k, v, pos, valid):
   """The store's tokens followed by a chunk's, as (k, v, pos) for `fsjax.attention.cached.attend`; invalid chunk
   tokens get pos -1."""
-  return (jnp.concatenate([read(store.k), k.astype(store.k.dtype)], axis=1),
-          jnp.concatenate([read(store.v), v.astype(store.v.dtype)], axis=1),
-          jnp.concatenate([read(store.pos), jnp.where(valid, pos, -1)], axis=1))
+  return (
+    jnp.concatenate([read(store.k), k.astype(store.k.dtype)], axis=1),
+    jnp.concatenate([read(store.v), v.astype(store.v.dtype)], axis=1),
+    jnp.concatenate([read(store.pos), jnp.where(valid, pos, -1)], axis=1),
+  )

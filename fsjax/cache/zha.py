@@ -20,6 +20,7 @@ from fsjax.reference.zha import ZHATree
 class ZHACache:
   """store: the dense KV store; keys[ℓ-1] `[batch, N_ℓ, heads, R, d]`, bias[ℓ-1] `[batch, N_ℓ, heads, R]`:
   the tangents of level ℓ's nodes, `N_ℓ = node_count(capacity, C, ℓ)` (a node is written once complete)."""
+
   store: KVStore
   keys: tuple
   bias: tuple
@@ -28,9 +29,11 @@ class ZHACache:
 def empty_zha(batch, capacity, heads, head_dim, tree: ZHATree, dtype=jnp.float32):
   """An empty cache of `capacity` token slots for the tree's geometry (`tree.refs`, `.chunk`, `.levels`)."""
   counts = [zha.node_count(capacity, tree.chunk, level) for level in range(1, tree.levels + 1)]
-  return ZHACache(store=empty_store(batch, capacity, heads, head_dim, dtype),
-                  keys=tuple(jnp.zeros((batch, n, heads, tree.refs, head_dim), dtype) for n in counts),
-                  bias=tuple(jnp.zeros((batch, n, heads, tree.refs), dtype) for n in counts))
+  return ZHACache(
+    store=empty_store(batch, capacity, heads, head_dim, dtype),
+    keys=tuple(jnp.zeros((batch, n, heads, tree.refs, head_dim), dtype) for n in counts),
+    bias=tuple(jnp.zeros((batch, n, heads, tree.refs), dtype) for n in counts),
+  )
 
 
 def _completed_nodes(positions, valid, chunk, level, count):
@@ -52,8 +55,10 @@ def _completed_nodes(positions, valid, chunk, level, count):
 def _write_level(keys, bias, index, done, new_keys, new_bias):
   rows = jnp.arange(index.shape[0])[:, None]
   target = jnp.where(done, index, keys.shape[1])  # out of range: dropped
-  return (scatter(keys, (rows, target), new_keys.astype(keys.dtype), mode="drop"),
-          scatter(bias, (rows, target), new_bias.astype(bias.dtype), mode="drop"))
+  return (
+    scatter(keys, (rows, target), new_keys.astype(keys.dtype), mode="drop"),
+    scatter(bias, (rows, target), new_bias.astype(bias.dtype), mode="drop"),
+  )
 
 
 def extend(cache: ZHACache, k_rot, v, positions, valid, ref_queries, *, tree: ZHATree, rope_theta):
@@ -85,6 +90,7 @@ def extend(cache: ZHACache, k_rot, v, positions, valid, ref_queries, *, tree: ZH
       children = read(keys[level - 2])[rows, child].astype(k_rot.dtype)
       child_bias = read(bias[level - 2])[rows, child].astype(k_rot.dtype)
     refs = zha.rotated_refs(ref_queries, zha.node_last_key(index, chunk, level), rope_theta, k_rot.dtype)
-    keys[level - 1], bias[level - 1] = _write_level(keys[level - 1], bias[level - 1], index, done,
-                                                    *zha.summarize(refs, children, child_bias))
+    keys[level - 1], bias[level - 1] = _write_level(
+      keys[level - 1], bias[level - 1], index, done, *zha.summarize(refs, children, child_bias)
+    )
   return ZHACache(store=store, keys=tuple(keys), bias=tuple(bias))

@@ -31,8 +31,10 @@ def validate_copies(*, rate, span, distance, prefix=""):
     if len(pair) != 2 or not 1 <= pair[0] <= pair[1]:
       raise ValueError(f"{prefix}{name} must be [min, max] with 1 <= min <= max, got {list(pair)}")
   if distance[0] < span[1]:
-    raise ValueError(f"{prefix}copy_distance min must be >= {prefix}copy_span max (a copy starts after its source "
-                     f"ends), got {distance[0]} < {span[1]}")
+    raise ValueError(
+      f"{prefix}copy_distance min must be >= {prefix}copy_span max (a copy starts after its source "
+      f"ends), got {distance[0]} < {span[1]}"
+    )
 
 
 def insert_copies(ids, rng, *, rate, span, distance):
@@ -58,7 +60,7 @@ def insert_copies(ids, rng, *, rate, span, distance):
   order = np.argsort(destinations, kind="stable")
   pieces, previous = [], 0
   for source, length, destination in zip(sources[order], lengths[order], destinations[order]):
-    pieces += [ids[previous:destination], ids[source:source + length]]
+    pieces += [ids[previous:destination], ids[source : source + length]]
     previous = destination
   pieces.append(ids[previous:])
   return np.concatenate(pieces).astype(ids.dtype, copy=False)

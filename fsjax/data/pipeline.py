@@ -166,12 +166,25 @@ def _slices_as_tuples(state):
   """
   if not isinstance(state, dict):
     return state
-  return {k: ({f: tuple(sl) for f, sl in v.items()} if k == "remainder_slices" else _slices_as_tuples(v))
-          for k, v in state.items()}
+  return {
+    k: ({f: tuple(sl) for f, sl in v.items()} if k == "remainder_slices" else _slices_as_tuples(v))
+    for k, v in state.items()
+  }
 
 
-def make_train_iterator(*, path, tokenizer_path, seq_len, batch_size, seed, shard_index=0, shard_count=1,
-                        recall_masks=None, copies=None, shuffle_window_tokens=SHUFFLE_WINDOW_TOKENS):
+def make_train_iterator(
+  *,
+  path,
+  tokenizer_path,
+  seq_len,
+  batch_size,
+  seed,
+  shard_index=0,
+  shard_count=1,
+  recall_masks=None,
+  copies=None,
+  shuffle_window_tokens=SHUFFLE_WINDOW_TOKENS,
+):
   """Infinite, deterministic, shardable iterator of packed training batches (see `TrainIterator`).
 
   Process `shard_index` of `shard_count` reads every `shard_count`-th document of `path` (disjoint slices of
@@ -194,7 +207,8 @@ def make_train_iterator(*, path, tokenizer_path, seq_len, batch_size, seed, shar
   dataset = (dataset.random_map(encode) if copies else dataset.map(encode)).to_iter_dataset(READ_OPTIONS)
   dataset = pack(dataset, seq_len=seq_len, keys=feature_keys(recall_masks))
   dataset = grain.experimental.WindowShuffleIterDataset(
-      dataset, window_size=max(batch_size, shuffle_window_tokens // (seq_len + 1)), seed=seed)
+    dataset, window_size=max(batch_size, shuffle_window_tokens // (seq_len + 1)), seed=seed
+  )
   return TrainIterator(iter(dataset.batch(batch_size)))
 
 

@@ -45,8 +45,7 @@ def random_row(index, *, seed, length, vocab, copies=None, period=None):
   return ids if copies is None else insert_copies(ids, rng, **copies)[:length]
 
 
-def make_random_iterator(*, seq_len, batch_size, seed, vocab, copies=None, period=None, shard_index=0,
-                         shard_count=1):
+def make_random_iterator(*, seq_len, batch_size, seed, vocab, copies=None, period=None, shard_index=0, shard_count=1):
   """Infinite `TrainIterator` of `{"tokens": int32 [batch_size, seq_len + 1]}` random-id batches (`random_row`).
 
   Process `shard_index` of `shard_count` reads rows `shard_index, shard_index + shard_count, ...`.
@@ -54,6 +53,6 @@ def make_random_iterator(*, seq_len, batch_size, seed, vocab, copies=None, perio
   if not 0 <= shard_index < shard_count:
     raise ValueError(f"shard_index must be in [0, {shard_count}), got {shard_index}")
   rows = grain.MapDataset.range(_ROWS)[shard_index::shard_count].map(
-      lambda i: {"tokens": random_row(i, seed=seed, length=seq_len + 1, vocab=vocab, copies=copies,
-                                      period=period)})
+    lambda i: {"tokens": random_row(i, seed=seed, length=seq_len + 1, vocab=vocab, copies=copies, period=period)}
+  )
   return TrainIterator(iter(rows.to_iter_dataset().batch(batch_size)))

@@ -110,8 +110,8 @@ def recall_masks(tokens, *, ngram=4, min_distance=512, switch_window=64):
   start = (match >= 0) & prev_differs
 
   # Continuations: target j = p + n follows the matched n-gram at p and equals the source's next token.
-  cont_pos = positions[:length - ngram] + ngram
-  cont_src = match[:length - ngram]
+  cont_pos = positions[: length - ngram] + ngram
+  cont_src = match[: length - ngram]
   cont = (cont_src >= 0) & (tokens[np.maximum(cont_src, 0) + ngram] == tokens[cont_pos])
 
   recall[:num_windows] = start

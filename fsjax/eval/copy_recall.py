@@ -79,18 +79,18 @@ def make_samples(stream, length, count, span, seed, needle_ids=None):
   starts = rng.integers(0, stream.size - length + 1, count)
   sources = rng.integers(0, SOURCE_RANGE, count)
   fillers = rng.integers(0, stream.size - span + 1, count)
-  copies = np.stack([stream[a:a + length] for a in starts])
+  copies = np.stack([stream[a : a + length] for a in starts])
   if needle_ids is None:
-    replacements = np.stack([stream[f:f + span] for f in fillers])
+    replacements = np.stack([stream[f : f + span] for f in fillers])
   else:
     needles, replacements = rng.integers(*needle_ids, (2, count, span), dtype=np.int32)
     for row, s in enumerate(sources):
-      copies[row, s:s + span] = needles[row]
+      copies[row, s : s + span] = needles[row]
   for row, s in enumerate(sources):
-    copies[row, length - span:] = copies[row, s:s + span]
+    copies[row, length - span :] = copies[row, s : s + span]
   controls = copies.copy()
   for row, s in enumerate(sources):
-    controls[row, s:s + span] = replacements[row]
+    controls[row, s : s + span] = replacements[row]
   return copies, controls, sources
 
 
@@ -108,17 +108,17 @@ def score_copies(model, variables, tokens, span, cue, batch_size):
 
   @jax.jit
   def score(batch):
-    logits = model.apply(variables, batch)[:, first - 1:length - 1].astype(jnp.float32)
+    logits = model.apply(variables, batch)[:, first - 1 : length - 1].astype(jnp.float32)
     targets = batch[:, first:]
     return jnp.argmax(logits, -1) == targets, optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
   hits, losses = [], []
   for start in range(0, tokens.shape[0], batch_size):
-    batch = tokens[start:start + batch_size]
+    batch = tokens[start : start + batch_size]
     padded = np.concatenate([batch, np.repeat(batch[:1], batch_size - batch.shape[0], 0)])  # one compile
     hit, loss = score(jnp.asarray(padded))
-    hits.append(np.asarray(hit)[:batch.shape[0]])
-    losses.append(np.asarray(loss, np.float64)[:batch.shape[0]])
+    hits.append(np.asarray(hit)[: batch.shape[0]])
+    losses.append(np.asarray(loss, np.float64)[: batch.shape[0]])
   return np.concatenate(hits), np.concatenate(losses)
 
 
@@ -132,13 +132,26 @@ def parse_args(argv):
   parser.add_argument("--batch-size", type=int, default=2)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--data", default=None, help="held-out jsonl/txt file or directory (default: packaged)")
-  parser.add_argument("--random-ids", default=None, type=id_range,
-                      help="MIN,MAX: samples of random ids in [MIN, MAX) instead of held-out text")
-  parser.add_argument("--needle-ids", default=None, type=id_range,
-                      help="MIN,MAX: held-out text whose copied span is random ids in [MIN, MAX) (a needle)")
+  parser.add_argument(
+    "--random-ids",
+    default=None,
+    type=id_range,
+    help="MIN,MAX: samples of random ids in [MIN, MAX) instead of held-out text",
+  )
+  parser.add_argument(
+    "--needle-ids",
+    default=None,
+    type=id_range,
+    help="MIN,MAX: held-out text whose copied span is random ids in [MIN, MAX) (a needle)",
+  )
   parser.add_argument("--out", default=None, help="CSV path, rewritten after every length (default: none)")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a model config field of every checkpoint, e.g. --set attention.kind=fsb")
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="override a model config field of every checkpoint, e.g. --set attention.kind=fsb",
+  )
   return parser.parse_args(argv)
 
 
@@ -163,8 +176,10 @@ def check_sample_source(random_ids, needle_ids, data, vocab_size=None):
   if random_ids is not None and data is not None:
     raise ConfigError("--random-ids and --data both name the samples' source: give one")
   if random_ids is not None and needle_ids is not None:
-    raise ConfigError("--needle-ids plants random ids in held-out text; with --random-ids the whole sample is "
-                      "random and no needle stands out: give one")
+    raise ConfigError(
+      "--needle-ids plants random ids in held-out text; with --random-ids the whole sample is "
+      "random and no needle stands out: give one"
+    )
 
 
 def check_args(args):
@@ -202,18 +217,27 @@ def main(argv=None):
       if args.random_ids is None and key not in streams:
         streams[key] = heldout_stream(args.data or default_corpus_path("valid"), key)
       for length in args.lengths:
-        stream = (streams[key] if args.random_ids is None else
-                  random_stream(args.random_ids, length, args.seed))
-        copies, controls, sources = make_samples(stream, length, args.samples, args.span, args.seed,
-                                                 args.needle_ids)
+        stream = streams[key] if args.random_ids is None else random_stream(args.random_ids, length, args.seed)
+        copies, controls, sources = make_samples(stream, length, args.samples, args.span, args.seed, args.needle_ids)
         # Copies and controls in one call: `score_copies` compiles once per call and length.
-        hits, losses = score_copies(loaded.model, loaded.variables, np.concatenate([copies, controls]), args.span,
-                                    args.cue, args.batch_size)
-        (copy_hits, control_hits), copy_losses = np.split(hits, 2), losses[:args.samples]
-        rows.append(dict(model=loaded.name, source=source, train_length=loaded.config.data.seq_len,
-                         length=length, samples=args.samples, distance=int(np.mean(length - args.span - sources)),
-                         recall=float(copy_hits.mean() - control_hits.mean()), copy_accuracy=float(copy_hits.mean()),
-                         control_accuracy=float(control_hits.mean()), copy_loss=float(copy_losses.mean())))
+        hits, losses = score_copies(
+          loaded.model, loaded.variables, np.concatenate([copies, controls]), args.span, args.cue, args.batch_size
+        )
+        (copy_hits, control_hits), copy_losses = np.split(hits, 2), losses[: args.samples]
+        rows.append(
+          dict(
+            model=loaded.name,
+            source=source,
+            train_length=loaded.config.data.seq_len,
+            length=length,
+            samples=args.samples,
+            distance=int(np.mean(length - args.span - sources)),
+            recall=float(copy_hits.mean() - control_hits.mean()),
+            copy_accuracy=float(copy_hits.mean()),
+            control_accuracy=float(control_hits.mean()),
+            copy_loss=float(copy_losses.mean()),
+          )
+        )
         print(rows[-1], file=sys.stderr, flush=True)
         if args.out:
           write_csv(Path(args.out), rows)
@@ -223,8 +247,10 @@ def main(argv=None):
   print("| model | length | mean distance | recall | copy accuracy | control accuracy | copy loss |")
   print("|---|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['model']} | {r['length']} | {r['distance']} | {r['recall']:.3f} | {r['copy_accuracy']:.3f} | "
-          f"{r['control_accuracy']:.3f} | {r['copy_loss']:.3f} |")
+    print(
+      f"| {r['model']} | {r['length']} | {r['distance']} | {r['recall']:.3f} | {r['copy_accuracy']:.3f} | "
+      f"{r['control_accuracy']:.3f} | {r['copy_loss']:.3f} |"
+    )
   return 0
 
 

@@ -17,8 +17,11 @@ from fsjax.eval import records, tasks
 
 def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--tasks", default=",".join(t for t in tasks.TASKS if not t.startswith("qa")),
-                      type=lambda s: [t for t in s.split(",") if t])
+  parser.add_argument(
+    "--tasks",
+    default=",".join(t for t in tasks.TASKS if not t.startswith("qa")),
+    type=lambda s: [t for t in s.split(",") if t],
+  )
   parser.add_argument("--lengths", default="4096", type=lambda s: [int(n) for n in s.split(",") if n])
   parser.add_argument("--num-samples", type=int, default=100)
   parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the packaged one)")
@@ -37,12 +40,22 @@ def main(argv=None):
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
     for length in args.lengths:
       for task in args.tasks:
-        data = tasks.generate(task, length, args.num_samples, count, seed=args.seed, corpus=args.corpus,
-                              squad=args.squad, hotpotqa=args.hotpotqa)
+        data = tasks.generate(
+          task,
+          length,
+          args.num_samples,
+          count,
+          seed=args.seed,
+          corpus=args.corpus,
+          squad=args.squad,
+          hotpotqa=args.hotpotqa,
+        )
         path = Path(args.out) / str(length) / task / "validation.jsonl"
         records.write_jsonl(path, data)
-        print(f"{path}: {len(data)} samples, {min(r['length'] for r in data)}-{max(r['length'] for r in data)} "
-              "tokens with the generation budget")
+        print(
+          f"{path}: {len(data)} samples, {min(r['length'] for r in data)}-{max(r['length'] for r in data)} "
+          "tokens with the generation budget"
+        )
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

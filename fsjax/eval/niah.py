@@ -12,9 +12,11 @@ import numpy as np
 
 from fsjax.eval.haystack import NEEDLE, NOISE, essay_words, random_value, split_sentences
 
-TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
-            "I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
-            "{type_needle_v} for {query} mentioned in the provided text?")
+TEMPLATE = (
+  "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
+  "I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
+  "{type_needle_v} for {query} mentioned in the provided text?"
+)
 ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
 DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]  # needle depths, percent
 
@@ -22,6 +24,7 @@ DEPTHS = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))] 
 @dataclasses.dataclass(frozen=True)
 class NiahTask:
   """RULER's niah arguments: haystack ("noise" | "essay" | "needle"), key/value types, needle counts."""
+
   haystack: str
   key_type: str
   value_type: str
@@ -31,14 +34,14 @@ class NiahTask:
 
 
 TASKS = {
-    "niah_single_1": NiahTask("noise", "words", "numbers"),
-    "niah_single_2": NiahTask("essay", "words", "numbers"),
-    "niah_single_3": NiahTask("essay", "words", "uuids"),
-    "niah_multikey_1": NiahTask("essay", "words", "numbers", num_keys=4),
-    "niah_multikey_2": NiahTask("needle", "words", "numbers"),
-    "niah_multikey_3": NiahTask("needle", "uuids", "uuids"),
-    "niah_multivalue": NiahTask("essay", "words", "numbers", num_values=4),
-    "niah_multiquery": NiahTask("essay", "words", "numbers", num_queries=4),
+  "niah_single_1": NiahTask("noise", "words", "numbers"),
+  "niah_single_2": NiahTask("essay", "words", "numbers"),
+  "niah_single_3": NiahTask("essay", "words", "uuids"),
+  "niah_multikey_1": NiahTask("essay", "words", "numbers", num_keys=4),
+  "niah_multikey_2": NiahTask("needle", "words", "numbers"),
+  "niah_multikey_3": NiahTask("needle", "uuids", "uuids"),
+  "niah_multivalue": NiahTask("essay", "words", "numbers", num_values=4),
+  "niah_multiquery": NiahTask("essay", "words", "numbers", num_queries=4),
 }
 
 
@@ -67,8 +70,12 @@ def _context(task, needles, size, rng, corpus):
   if task.haystack == "noise":
     sentences = [NOISE] * size
   else:  # distractor needles, drawn first so a larger haystack extends a smaller one
-    sentences = [NEEDLE.format(type_needle_v=task.value_type, key=random_value(task.key_type, rng),
-                               value=random_value(task.value_type, rng)) for _ in range(size)]
+    sentences = [
+      NEEDLE.format(
+        type_needle_v=task.value_type, key=random_value(task.key_type, rng), value=random_value(task.value_type, rng)
+      )
+      for _ in range(size)
+    ]
   slots = sorted(rng.sample(range(size), len(needles)), reverse=True) if size >= len(needles) else [0] * len(needles)
   for slot, needle in zip(slots, needles):
     sentences.insert(slot, needle)
@@ -95,7 +102,6 @@ def make_sample(task_name, size, seed, corpus=None):
   answers = [v for i in asked for v in values[i]]
   query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
   template, type_needle_v = _template(task)
-  text = template.format(type_needle_v=type_needle_v, context=_context(task, needles, size, rng, corpus),
-                         query=query)
+  text = template.format(type_needle_v=type_needle_v, context=_context(task, needles, size, rng, corpus), query=query)
   cut = text.rfind(ANSWER_PREFIX[:10])  # RULER locates the prefix by its first ten characters
   return text[:cut], text[cut:], answers

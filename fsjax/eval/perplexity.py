@@ -32,14 +32,24 @@ def position_losses(model, variables, batches):
     (`[T]` float64 losses, `[T]` float64 attended fractions or None): the second is the mean over rows, layers
     and heads of the fraction of visible keys a query attended, for models that sow `attended_fraction` (ZHA).
   """
+
   @jax.jit
   def nll(tokens):
     logits, state = model.apply(variables, tokens[:, :-1], mutable=["intermediates"])
-    fractions = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state)
-                 if "attended_fraction" in jax.tree_util.keystr(path)]
+    fractions = [
+      leaf
+      for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+      if "attended_fraction" in jax.tree_util.keystr(path)
+    ]
     # Each is [batch, seq, heads], with a leading layer axis under scanned layers: keep only the positions.
-    fraction = (sum(f.astype(np.float32).mean(axis=tuple(a for a in range(f.ndim) if a != f.ndim - 2))
-                    for f in fractions) / len(fractions)) if fractions else None
+    fraction = (
+      (
+        sum(f.astype(np.float32).mean(axis=tuple(a for a in range(f.ndim) if a != f.ndim - 2)) for f in fractions)
+        / len(fractions)
+      )
+      if fractions
+      else None
+    )
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).sum(axis=0), fraction
 
   total, attended = 0.0, 0.0
@@ -66,8 +76,13 @@ def parse_args(argv):
   parser.add_argument("--batch-size", type=int, default=2)
   parser.add_argument("--data", default=None, help="held-out jsonl/txt file or directory (default: packaged)")
   parser.add_argument("--out", default=None, help="CSV path (default: none)")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a model config field of every checkpoint, e.g. --set attention.kind=fsb")
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="override a model config field of every checkpoint, e.g. --set attention.kind=fsb",
+  )
   return parser.parse_args(argv)
 
 
@@ -81,24 +96,39 @@ def main(argv=None):
     rows = []
     for path in args.checkpoint:
       loaded = load_model(path, args.set)
-      batches = make_eval_batches(path=args.data or default_corpus_path("valid"),
-                                  tokenizer_path=loaded.tokenizer_path, seq_len=args.length,
-                                  batch_size=args.batch_size, max_batches=args.batches)
+      batches = make_eval_batches(
+        path=args.data or default_corpus_path("valid"),
+        tokenizer_path=loaded.tokenizer_path,
+        seq_len=args.length,
+        batch_size=args.batch_size,
+        max_batches=args.batches,
+      )
       if not batches:
         raise ConfigError(f"--data holds fewer than {args.batch_size} sequences of {args.length} tokens")
       losses, attended = position_losses(loaded.model, loaded.variables, batches)
       attended = [None] * args.buckets if attended is None else [f for _, _, f in buckets(attended, args.buckets)]
-      rows += [dict(model=loaded.name, train_length=loaded.config.data.seq_len, first=a, last=b, loss=loss,
-                    perplexity=math.exp(min(loss, 50.0)), attended=fraction)
-               for (a, b, loss), fraction in zip(buckets(losses, args.buckets), attended)]
+      rows += [
+        dict(
+          model=loaded.name,
+          train_length=loaded.config.data.seq_len,
+          first=a,
+          last=b,
+          loss=loss,
+          perplexity=math.exp(min(loss, 50.0)),
+          attended=fraction,
+        )
+        for (a, b, loss), fraction in zip(buckets(losses, args.buckets), attended)
+      ]
   except (ConfigError, CheckpointError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print("| model | trained at | positions | loss | perplexity | keys attended |\n|---|---|---|---|---|---|")
   for r in rows:
     attended = "–" if r["attended"] is None else f"{r['attended']:.1%}"
-    print(f"| {r['model']} | {r['train_length']} | {r['first']}-{r['last']} | {r['loss']:.3f} | "
-          f"{r['perplexity']:.1f} | {attended} |")
+    print(
+      f"| {r['model']} | {r['train_length']} | {r['first']}-{r['last']} | {r['loss']:.3f} | "
+      f"{r['perplexity']:.1f} | {attended} |"
+    )
   if args.out:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:

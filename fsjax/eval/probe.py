@@ -62,8 +62,9 @@ def record_selections(model, variables, tokens, chunk):
   parts = []
   for start in range(0, padded, chunk):
     positions = start + jnp.arange(chunk, dtype=jnp.int32)[None]
-    _, cache, intermediates = extend(model, variables, ids[:, start:start + chunk], cache, positions,
-                                     positions < length)
+    _, cache, intermediates = extend(
+      model, variables, ids[:, start : start + chunk], cache, positions, positions < length
+    )
     parts.append(np.asarray(selected_cells(intermediates, config))[0])
   return np.concatenate(parts)[:length], cache
 
@@ -75,9 +76,23 @@ def availability_at(cache, config, position):
     archives = [jax.tree_util.tree_map(lambda x, i=i: x[i], cache["layers"]) for i in range(config.num_layers)]
   else:
     archives = [cache[f"layer_{i}"] for i in range(config.num_layers)]
-  return np.stack([np.asarray(cells.available_cells(
-      archive.max_norms, 1, variant=att.kind, cell=att.cell, block=att.block, retain_top=att.retain_top,
-      retain_recent=att.retain_recent, positions=jnp.array([[position]]))[0, 0]) for archive in archives])
+  return np.stack(
+    [
+      np.asarray(
+        cells.available_cells(
+          archive.max_norms,
+          1,
+          variant=att.kind,
+          cell=att.cell,
+          block=att.block,
+          retain_top=att.retain_top,
+          retain_recent=att.retain_recent,
+          positions=jnp.array([[position]]),
+        )[0, 0]
+      )
+      for archive in archives
+    ]
+  )
 
 
 def eligible_cell_count(position, att):
@@ -112,11 +127,17 @@ def probe(model, variables, tokenizer, *, task, length, seed, chunk=2048):
   valid = selections >= 0
   distance = np.where(valid, positions - (selections + 0.5) * att.cell, np.nan)
   selected_needle = np.isin(selections[question_start:], sorted(needle_cells)).any(-1)  # [queries, layers, heads]
-  summary = dict(task=task, length=int(len(tokens)), needle_tokens=[int(first), int(last)],
-                 needle_cells=sorted(int(c) for c in needle_cells), question_start=int(question_start),
-                 needle_retained_rate=float(retained.mean()), needle_selected_rate=float(selected_needle.mean()),
-                 eta_per_layer_head=eta.round(4).tolist(),
-                 median_distance=float(np.nanmedian(distance)) if valid.any() else None)
+  summary = dict(
+    task=task,
+    length=int(len(tokens)),
+    needle_tokens=[int(first), int(last)],
+    needle_cells=sorted(int(c) for c in needle_cells),
+    question_start=int(question_start),
+    needle_retained_rate=float(retained.mean()),
+    needle_selected_rate=float(selected_needle.mean()),
+    eta_per_layer_head=eta.round(4).tolist(),
+    median_distance=float(np.nanmedian(distance)) if valid.any() else None,
+  )
   return summary, distance
 
 
@@ -186,8 +207,9 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
         chance.append(np.minimum(att.top_k, counts) / np.maximum(counts, 1))
         retained_chance.append(counts / max(eligible_cells, 1))  # a uniform pool of the same size
         target_cells = np.arange(source + cue, source + span) // att.cell
-        target_cells = target_cells[cells.first_eligible_block(target_cells, cell=att.cell, block=att.block)
-                                    <= last_block]
+        target_cells = target_cells[
+          cells.first_eligible_block(target_cells, cell=att.cell, block=att.block) <= last_block
+        ]
         if target_cells.size:
           retained.append(available[:, :, target_cells].mean())
     selections[name] = np.stack(recorded)
@@ -197,31 +219,41 @@ def probe_copies(model, variables, stream, *, length, count, span=24, cue=4, see
   rates, eligible = {}, None
   for name in selections:
     for offset in OFFSET_CELLS:
-      hits, ok = copy_target_hits(selections[name], sources, span=span, cue=cue, cell=att.cell, block=att.block,
-                                  offset=offset * att.cell)
+      hits, ok = copy_target_hits(
+        selections[name], sources, span=span, cue=cue, cell=att.cell, block=att.block, offset=offset * att.cell
+      )
       rates[name, offset] = hits[ok].mean(axis=0) if ok.any() else None
       if offset == 0:
         eligible = ok
-  head_rate = lambda name: (rates[name, 0] if rates[name, 0] is not None
-                            else np.full(selections[name].shape[2:4], np.nan))
-  layer_rate = lambda name, offset: (None if rates[name, offset] is None
-                                    else rates[name, offset].mean(-1).round(4).tolist())
-  return dict(length=int(length), samples=int(count), span=int(span), cue=int(cue),
-              mean_distance=float(np.mean(length - span - sources)), target_eligible_rate=float(eligible.mean()),
-              chance_rate=float(np.mean(chance)),
-              target_retained_rate=float(np.mean(retained)) if retained else None,
-              retained_chance_rate=float(np.mean(retained_chance)),
-              copy_selected_rate=float(np.mean(head_rate("copy"))),
-              control_selected_rate=float(np.mean(head_rate("control"))),
-              copy_per_layer_head=head_rate("copy").round(4).tolist(),
-              control_per_layer_head=head_rate("control").round(4).tolist(),
-              offset_cells=list(OFFSET_CELLS),
-              copy_by_offset_layer=[layer_rate("copy", offset) for offset in OFFSET_CELLS],
-              control_by_offset_layer=[layer_rate("control", offset) for offset in OFFSET_CELLS])
+  head_rate = lambda name: (
+    rates[name, 0] if rates[name, 0] is not None else np.full(selections[name].shape[2:4], np.nan)
+  )
+  layer_rate = lambda name, offset: (
+    None if rates[name, offset] is None else rates[name, offset].mean(-1).round(4).tolist()
+  )
+  return dict(
+    length=int(length),
+    samples=int(count),
+    span=int(span),
+    cue=int(cue),
+    mean_distance=float(np.mean(length - span - sources)),
+    target_eligible_rate=float(eligible.mean()),
+    chance_rate=float(np.mean(chance)),
+    target_retained_rate=float(np.mean(retained)) if retained else None,
+    retained_chance_rate=float(np.mean(retained_chance)),
+    copy_selected_rate=float(np.mean(head_rate("copy"))),
+    control_selected_rate=float(np.mean(head_rate("control"))),
+    copy_per_layer_head=head_rate("copy").round(4).tolist(),
+    control_per_layer_head=head_rate("control").round(4).tolist(),
+    offset_cells=list(OFFSET_CELLS),
+    copy_by_offset_layer=[layer_rate("copy", offset) for offset in OFFSET_CELLS],
+    control_by_offset_layer=[layer_rate("control", offset) for offset in OFFSET_CELLS],
+  )
 
 
 def plot(out, distance, cell):
   import matplotlib  # here, not at module top: the Agg backend is chosen only when a plot is drawn, before pyplot
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -257,15 +289,27 @@ def parse_args(argv):
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--chunk", type=int, default=2048)
   parser.add_argument("--out", default="runs/probe")
-  parser.add_argument("--copies", type=int, default=0,
-                      help="probe this many copy-recall samples instead of a NIAH prompt (0: the NIAH probe)")
+  parser.add_argument(
+    "--copies",
+    type=int,
+    default=0,
+    help="probe this many copy-recall samples instead of a NIAH prompt (0: the NIAH probe)",
+  )
   parser.add_argument("--span", type=int, default=24, help="copy samples: tokens per copy")
   parser.add_argument("--cue", type=int, default=4, help="copy samples: leading copy tokens left unscored")
   parser.add_argument("--data", default=None, help="copy samples: held-out jsonl/txt (default: packaged)")
-  parser.add_argument("--random-ids", default=None, type=copy_recall.id_range,
-                      help="copy samples: MIN,MAX: random ids in [MIN, MAX) instead of held-out text")
-  parser.add_argument("--needle-ids", default=None, type=copy_recall.id_range,
-                      help="copy samples: MIN,MAX: the copied span is random ids in [MIN, MAX) planted in the text")
+  parser.add_argument(
+    "--random-ids",
+    default=None,
+    type=copy_recall.id_range,
+    help="copy samples: MIN,MAX: random ids in [MIN, MAX) instead of held-out text",
+  )
+  parser.add_argument(
+    "--needle-ids",
+    default=None,
+    type=copy_recall.id_range,
+    help="copy samples: MIN,MAX: the copied span is random ids in [MIN, MAX) planted in the text",
+  )
   return parser.parse_args(argv)
 
 
@@ -276,8 +320,10 @@ def check_copy_args(args):
   if args.copies and not 1 <= args.cue < args.span:
     raise ConfigError(f"--cue must be >= 1 and < --span, got cue={args.cue}, span={args.span}")
   if args.copies and args.length < copy_recall.SOURCE_RANGE + 2 * args.span:
-    raise ConfigError(f"--length: {args.length} is below {copy_recall.SOURCE_RANGE + 2 * args.span} (copy "
-                      "samples: source range + 2 spans)")
+    raise ConfigError(
+      f"--length: {args.length} is below {copy_recall.SOURCE_RANGE + 2 * args.span} (copy "
+      "samples: source range + 2 spans)"
+    )
   for flag, value in (("--random-ids", args.random_ids), ("--needle-ids", args.needle_ids)):
     if value is not None and not args.copies:
       raise ConfigError(f"{flag} needs --copies (it draws copy samples)")
@@ -285,23 +331,32 @@ def check_copy_args(args):
 
 
 def print_copies(summary):
-  print(f"copy samples at {summary['length']} tokens (source {summary['mean_distance']:.0f} back on average); "
-        f"target cell eligible for {summary['target_eligible_rate']:.2f} of scored queries")
+  print(
+    f"copy samples at {summary['length']} tokens (source {summary['mean_distance']:.0f} back on average); "
+    f"target cell eligible for {summary['target_eligible_rate']:.2f} of scored queries"
+  )
   print("| layer | target cell selected, copy / control, per head |\n|---|---|")
   for layer, (copy, control) in enumerate(zip(summary["copy_per_layer_head"], summary["control_per_layer_head"])):
     print(f"| {layer} | {' '.join(f'{a:.2f}/{b:.2f}' for a, b in zip(copy, control))} |")
-  print(f"selected: {summary['copy_selected_rate']:.3f} in copies, {summary['control_selected_rate']:.3f} in "
-        f"controls, {summary['chance_rate']:.3f} by a uniform choice")
+  print(
+    f"selected: {summary['copy_selected_rate']:.3f} in copies, {summary['control_selected_rate']:.3f} in "
+    f"controls, {summary['chance_rate']:.3f} by a uniform choice"
+  )
   if summary["target_retained_rate"] is not None:
-    print(f"eligible targets retained: {summary['target_retained_rate']:.3f}, by a uniform pool of the same size: "
-          f"{summary['retained_chance_rate']:.3f}")
-  print("| cells past the next token's | " + " | ".join(f"layer {i}, copy / control"
-                                                      for i in range(len(summary["copy_per_layer_head"]))) + " |")
+    print(
+      f"eligible targets retained: {summary['target_retained_rate']:.3f}, by a uniform pool of the same size: "
+      f"{summary['retained_chance_rate']:.3f}"
+    )
+  print(
+    "| cells past the next token's | "
+    + " | ".join(f"layer {i}, copy / control" for i in range(len(summary["copy_per_layer_head"])))
+    + " |"
+  )
   print("|---|" + "---|" * len(summary["copy_per_layer_head"]))
-  for offset, copy, control in zip(summary["offset_cells"], summary["copy_by_offset_layer"],
-                                   summary["control_by_offset_layer"]):
-    cells = (" | ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(copy, control)) if copy and control
-             else "not eligible")
+  for offset, copy, control in zip(
+    summary["offset_cells"], summary["copy_by_offset_layer"], summary["control_by_offset_layer"]
+  ):
+    cells = " | ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(copy, control)) if copy and control else "not eligible"
     print(f"| {offset:+d} | {cells} |")
 
 
@@ -318,11 +373,28 @@ def main(argv=None):
         stream = copy_recall.random_stream(args.random_ids, args.length, args.seed)
       else:
         stream = copy_recall.heldout_stream(args.data or default_corpus_path("valid"), config.data.tokenizer)
-      summary = probe_copies(model, variables, stream, length=args.length, count=args.copies, span=args.span,
-                             cue=args.cue, seed=args.seed, chunk=args.chunk, needle_ids=args.needle_ids)
+      summary = probe_copies(
+        model,
+        variables,
+        stream,
+        length=args.length,
+        count=args.copies,
+        span=args.span,
+        cue=args.cue,
+        seed=args.seed,
+        chunk=args.chunk,
+        needle_ids=args.needle_ids,
+      )
     else:
-      summary, distance = probe(model, variables, load_tokenizer(config.data.tokenizer), task=args.task,
-                                length=args.length, seed=args.seed, chunk=args.chunk)
+      summary, distance = probe(
+        model,
+        variables,
+        load_tokenizer(config.data.tokenizer),
+        task=args.task,
+        length=args.length,
+        seed=args.seed,
+        chunk=args.chunk,
+      )
   except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -340,8 +412,10 @@ def main(argv=None):
   print("| layer | η per head (retained / eligible cells) |\n|---|---|")
   for layer, row in enumerate(eta):
     print(f"| {layer} | {' '.join(f'{x:.3f}' for x in row)} |")
-  print(f"needle retained at the last query: {summary['needle_retained_rate']:.2f} of layer-heads; "
-        f"selected by question queries: {summary['needle_selected_rate']:.2f} of (query, layer, head)")
+  print(
+    f"needle retained at the last query: {summary['needle_retained_rate']:.2f} of layer-heads; "
+    f"selected by question queries: {summary['needle_selected_rate']:.2f} of (query, layer, head)"
+  )
   print(f"wrote {out / 'probe.json'}, {out / 'distances.png'}, {out / 'heatmap.png'}")
   return 0
 

@@ -10,9 +10,11 @@ from pathlib import Path
 
 from fsjax.eval.synthetic import split_prefix
 
-TEMPLATE = ("Answer the question based on the given documents. Only give me the answer and do not output any other "
-            "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
-            "documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}")
+TEMPLATE = (
+  "Answer the question based on the given documents. Only give me the answer and do not output any other "
+  "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
+  "documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}"
+)
 PREFIX = " Answer:"
 DOCUMENT = "Document {i}:\n{document}"
 
@@ -37,15 +39,24 @@ def load(path, kind):
       article_docs = [index[p["context"]] for p in article["paragraphs"]]
       for p in article["paragraphs"]:
         gold = index[p["context"]]
-        questions += [dict(query=q["question"], outputs=[a["text"] for a in q["answers"]], gold=[gold],
-                           near=[i for i in article_docs if i != gold])
-                      for q in p["qas"] if not q.get("is_impossible", False)]
+        questions += [
+          dict(
+            query=q["question"],
+            outputs=[a["text"] for a in q["answers"]],
+            gold=[gold],
+            near=[i for i in article_docs if i != gold],
+          )
+          for q in p["qas"]
+          if not q.get("is_impossible", False)
+        ]
   elif kind == "hotpotqa":
     text = lambda title, sentences: f"{title}\n{''.join(sentences)}"
     docs = sorted({text(t, s) for d in data for t, s in d["context"]})
     index = {d: i for i, d in enumerate(docs)}
-    questions = [dict(query=d["question"], outputs=[d["answer"]], gold=[index[text(t, s)] for t, s in d["context"]],
-                      near=[]) for d in data]
+    questions = [
+      dict(query=d["question"], outputs=[d["answer"]], gold=[index[text(t, s)] for t, s in d["context"]], near=[])
+      for d in data
+    ]
   else:
     raise ValueError(f"QA kind must be 'squad' or 'hotpotqa', got {kind!r}")
   if not questions:
@@ -64,9 +75,11 @@ def sample(dataset, size, seed, length, count_tokens):
   near = list(question["near"])
   rng.shuffle(near)
   rng.shuffle(others)
-  chosen = (question["gold"] + near + others)[:max(size, len(question["gold"]))]
+  chosen = (question["gold"] + near + others)[: max(size, len(question["gold"]))]
   documents = [docs[i] for i in chosen]
   random.Random(seed).shuffle(documents)
   context = "\n\n".join(DOCUMENT.format(i=i + 1, document=d) for i, d in enumerate(documents))
-  return (*split_prefix((TEMPLATE + PREFIX).format(context=context, query=question["query"]), PREFIX),
-          question["outputs"])
+  return (
+    *split_prefix((TEMPLATE + PREFIX).format(context=context, query=question["query"]), PREFIX),
+    question["outputs"],
+  )

@@ -32,8 +32,9 @@ from fsjax.train.checkpoint import CheckpointError
 def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--checkpoint", nargs="+", required=True, help="training workdirs or step directories")
-  parser.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3",
-                      type=lambda s: [t for t in s.split(",") if t])
+  parser.add_argument(
+    "--tasks", default="niah_single_1,niah_single_2,niah_single_3", type=lambda s: [t for t in s.split(",") if t]
+  )
   parser.add_argument("--lengths", default="4096", type=lambda s: [int(n) for n in s.split(",") if n])
   parser.add_argument("--num-samples", type=int, default=50)
   parser.add_argument("--batch-size", type=int, default=1)
@@ -41,9 +42,14 @@ def parse_args(argv):
   parser.add_argument("--ruler-data", default=None, help="read RULER-generated files instead of generating")
   parser.add_argument("--out", default="runs/ruler")
   parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a model config field of every checkpoint, e.g. --set attention.zha.top_p=0.8 "
-                      "(repeatable; the model's name in the results records it)")
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="override a model config field of every checkpoint, e.g. --set attention.zha.top_p=0.8 "
+    "(repeatable; the model's name in the results records it)",
+  )
   return parser.parse_args(argv)
 
 
@@ -79,17 +85,32 @@ def evaluate_checkpoint(args, path, progress, scored=None):
   for length in args.lengths:
     for task in args.tasks:
       if args.ruler_data is None and task in ("qa_1", "qa_2") and getattr(args, task_source(task)) is None:
-        print(f"skipping {task}: it needs --{task_source(task)} (the dataset file is not available offline)",
-              file=sys.stderr)
+        print(
+          f"skipping {task}: it needs --{task_source(task)} (the dataset file is not available offline)",
+          file=sys.stderr,
+        )
         continue
       given = None
       if args.ruler_data is not None:
         given = records.read_jsonl(Path(args.ruler_data) / str(length) / task / "validation.jsonl")
-        given = given[:args.num_samples]
-      score, predicted = run_task(loaded.model, loaded.variables, tokenizer, task, length, eos_id=eos_id(tokenizer),
-                                  num_samples=args.num_samples, task_records=given, seed=args.seed,
-                                  batch_size=args.batch_size, chunk=args.chunk, progress=progress,
-                                  corpus=args.corpus, squad=args.squad, hotpotqa=args.hotpotqa)
+        given = given[: args.num_samples]
+      score, predicted = run_task(
+        loaded.model,
+        loaded.variables,
+        tokenizer,
+        task,
+        length,
+        eos_id=eos_id(tokenizer),
+        num_samples=args.num_samples,
+        task_records=given,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        chunk=args.chunk,
+        progress=progress,
+        corpus=args.corpus,
+        squad=args.squad,
+        hotpotqa=args.hotpotqa,
+      )
       records.write_jsonl(Path(args.out) / loaded.name / str(length) / f"{task}.jsonl", predicted)
       rows.append(dict(model=loaded.name, task=task, length=length, samples=len(predicted), score=score))
       if scored is not None:
@@ -109,6 +130,7 @@ def plot(path, rows):
   """Writes `figure(rows)` to `path`."""
   chart = figure(rows)  # selects the Agg backend before pyplot is imported
   import matplotlib.pyplot as plt
+
   chart.savefig(path, dpi=120)
   plt.close(chart)
 
@@ -117,6 +139,7 @@ def figure(rows):
   """Accuracy vs length, one panel per task (four per row), one line per model (log2 length axis). A model keeps
   its color in every panel and is in the legend even where it has no points in the first panel."""
   import matplotlib  # here, not at module top: the Agg backend is chosen only when a plot is drawn, before pyplot
+
   matplotlib.use("Agg")
   import matplotlib.lines
   import matplotlib.pyplot as plt
@@ -127,7 +150,7 @@ def figure(rows):
   columns = min(4, len(names))
   grid_rows = -(-len(names) // columns)
   chart, axes = plt.subplots(grid_rows, columns, figsize=(4 * columns, 3.2 * grid_rows), squeeze=False)
-  for ax in axes.flat[len(names):]:
+  for ax in axes.flat[len(names) :]:
     ax.set_visible(False)
   for ax, task in zip(axes.flat, names):
     for model in models:

@@ -11,8 +11,9 @@ from fsjax.eval import scoring, tasks
 from fsjax.eval.records import prompt
 
 
-def predict(model, variables, tokenizer, task_records, *, max_new_tokens, eos_id, max_len, batch_size=1,
-            chunk=2048, progress=None):
+def predict(
+  model, variables, tokenizer, task_records, *, max_new_tokens, eos_id, max_len, batch_size=1, chunk=2048, progress=None
+):
   """Predictions (decoded text up to EOS) for records of one task and length.
 
   Args:
@@ -28,29 +29,54 @@ def predict(model, variables, tokenizer, task_records, *, max_new_tokens, eos_id
   width = max_len - max_new_tokens  # every batch has the same shape: one compile per (task, length)
   predictions = []
   for start in range(0, len(task_records), batch_size):
-    batch = task_records[start:start + batch_size]
+    batch = task_records[start : start + batch_size]
     ids = [tokenizer.encode(prompt(r), add_special_tokens=False).ids for r in batch]
     if max(map(len, ids)) > width:
-      raise ValueError(f"a prompt of {max(map(len, ids))} tokens + {max_new_tokens} new tokens exceeds "
-                       f"max_len={max_len}")
+      raise ValueError(
+        f"a prompt of {max(map(len, ids))} tokens + {max_new_tokens} new tokens exceeds max_len={max_len}"
+      )
     ids += [ids[0]] * (batch_size - len(ids))  # a short last batch is filled with copies, then dropped
     tokens = np.zeros((batch_size, width), np.int32)
     for row, row_ids in enumerate(ids):
-      tokens[row, :len(row_ids)] = row_ids
+      tokens[row, : len(row_ids)] = row_ids
     with warnings.catch_warnings():  # on CPU XLA cannot alias the donated cache: a copy, not a problem
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      out = np.asarray(generate(model, variables, tokens, [len(i) for i in ids], max_new_tokens=max_new_tokens,
-                                eos_id=eos_id, chunk=chunk, max_len=max_len))
-    for row in out[:len(batch)]:
+      out = np.asarray(
+        generate(
+          model,
+          variables,
+          tokens,
+          [len(i) for i in ids],
+          max_new_tokens=max_new_tokens,
+          eos_id=eos_id,
+          chunk=chunk,
+          max_len=max_len,
+        )
+      )
+    for row in out[: len(batch)]:
       row = [int(t) for t in row]
-      predictions.append(tokenizer.decode(row[:row.index(eos_id)] if eos_id in row else row))
+      predictions.append(tokenizer.decode(row[: row.index(eos_id)] if eos_id in row else row))
     if progress is not None:
       progress(len(batch))
   return predictions
 
 
-def run_task(model, variables, tokenizer, task, length, *, eos_id, num_samples=None, task_records=None, seed=42,
-             batch_size=1, chunk=2048, progress=None, **sources):
+def run_task(
+  model,
+  variables,
+  tokenizer,
+  task,
+  length,
+  *,
+  eos_id,
+  num_samples=None,
+  task_records=None,
+  seed=42,
+  batch_size=1,
+  chunk=2048,
+  progress=None,
+  **sources,
+):
   """Generates (or takes) one task's records at one length, predicts and scores them.
 
   Args:
@@ -63,10 +89,19 @@ def run_task(model, variables, tokenizer, task, length, *, eos_id, num_samples=N
   cap = scoring.TOKENS_TO_GENERATE[scoring.task_family(task)]
   if task_records is None:
     count_tokens = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
-    task_records = tasks.generate(task, length, num_samples, count_tokens, seed=seed, tokens_to_generate=cap,
-                                  **sources)
-  predictions = predict(model, variables, tokenizer, task_records, max_new_tokens=cap, eos_id=eos_id,
-                        max_len=length, batch_size=batch_size, chunk=chunk, progress=progress)
+    task_records = tasks.generate(task, length, num_samples, count_tokens, seed=seed, tokens_to_generate=cap, **sources)
+  predictions = predict(
+    model,
+    variables,
+    tokenizer,
+    task_records,
+    max_new_tokens=cap,
+    eos_id=eos_id,
+    max_len=length,
+    batch_size=batch_size,
+    chunk=chunk,
+    progress=progress,
+  )
   score = scoring.score(task, predictions, [r["outputs"] for r in task_records])
   return score, [{**r, "pred": p} for r, p in zip(task_records, predictions)]
 
@@ -83,6 +118,15 @@ def niah_scores(config, model, variables):
   if not config.eval.niah_samples:
     return {}
   tokenizer = load_tokenizer(config.data.tokenizer)
-  return {f"s_niah_1@{length}": run_task(model, variables, tokenizer, "niah_single_1", length,
-                                         eos_id=eos_id(tokenizer), num_samples=config.eval.niah_samples)[0]
-          for length in (config.data.seq_len, 4 * config.data.seq_len)}
+  return {
+    f"s_niah_1@{length}": run_task(
+      model,
+      variables,
+      tokenizer,
+      "niah_single_1",
+      length,
+      eos_id=eos_id(tokenizer),
+      num_samples=config.eval.niah_samples,
+    )[0]
+    for length in (config.data.seq_len, 4 * config.data.seq_len)
+  }

@@ -29,7 +29,7 @@ def string_match_part(predictions, references):
 
 
 def task_family(task):
-  """"niah", "vt", "cwe", "fwe" or "qa" for a RULER task name such as niah_multikey_2 or qa_1."""
+  """ "niah", "vt", "cwe", "fwe" or "qa" for a RULER task name such as niah_multikey_2 or qa_1."""
   family = task.split("_")[0]
   if family not in TOKENS_TO_GENERATE:
     raise ValueError(f"unknown RULER task {task!r}")

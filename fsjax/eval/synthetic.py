@@ -19,18 +19,26 @@ import scipy.special
 from fsjax.eval.haystack import NOISE, wonderwords_list
 from fsjax.eval.scoring import TOKENS_TO_GENERATE
 
-VT_TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
-               "Question: Find all variables that are assigned the value {query} in the text above.")
+VT_TEMPLATE = (
+  "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+  "Question: Find all variables that are assigned the value {query} in the text above."
+)
 # "assgined" is RULER's own spelling; models are scored against its prompts verbatim.
-VT_PREFIX = (" Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are "
-             "assgined the value {query}, they are: ")
-CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
-                "ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above "
-                "list?")
+VT_PREFIX = (
+  " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are "
+  "assgined the value {query}, they are: "
+)
+CWE_TEMPLATE = (
+  "Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+  "ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above "
+  "list?"
+)
 CWE_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
-FWE_TEMPLATE = ("Read the following coded text and track the frequency of each coded word. Find the three most "
-                "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore "
-                "the dots '....'. What are the three most frequently appeared words in the above coded text?")
+FWE_TEMPLATE = (
+  "Read the following coded text and track the frequency of each coded word. Find the three most "
+  "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore "
+  "the dots '....'. What are the three most frequently appeared words in the above coded text?"
+)
 FWE_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
 
 VT_CHAINS, VT_HOPS, VT_EXAMPLE_LENGTH = 1, 4, 500
@@ -46,6 +54,7 @@ def split_prefix(text, prefix):
 
 # Variable tracking --------------------------------------------------------------------------------------------
 
+
 def _chains(rng, example):
   """Variable names `[chains][hops + 1]` and chains of assignment statements; the example uses 3-letter names."""
   letters = 3 if example else 5
@@ -54,9 +63,12 @@ def _chains(rng, example):
     name = "".join(rng.choices(string.ascii_uppercase, k=letters))
     if name not in names:
       names.append(name)
-  groups = [names[i:i + VT_HOPS + 1] for i in range(0, len(names), VT_HOPS + 1)]
-  chains = [[f"VAR {group[0]} = {rng.randint(10000, 99998)}"] +
-            [f"VAR {group[j + 1]} = VAR {group[j]} " for j in range(VT_HOPS)] for group in groups]
+  groups = [names[i : i + VT_HOPS + 1] for i in range(0, len(names), VT_HOPS + 1)]
+  chains = [
+    [f"VAR {group[0]} = {rng.randint(10000, 99998)}"]
+    + [f"VAR {group[j + 1]} = VAR {group[j]} " for j in range(VT_HOPS)]
+    for group in groups
+  ]
   return groups, chains
 
 
@@ -99,6 +111,7 @@ def vt_sample(size, seed, length, count_tokens):
 
 # Common-word extraction ------------------------------------------------------------------------------------------
 
+
 def _cwe_list(rng, words, seed, num_words, common_repeats, uncommon_repeats):
   chosen = rng.sample(words, num_words)
   common, uncommon = chosen[:CWE_COMMON], chosen[CWE_COMMON:]
@@ -110,8 +123,9 @@ def _cwe_list(rng, words, seed, num_words, common_repeats, uncommon_repeats):
 @functools.lru_cache(maxsize=8)
 def cwe_words(seed):
   """RULER's CWE vocabulary: the wonderwords nouns, adjectives and verbs, sorted, deduplicated, shuffled."""
-  words = sorted(set(wonderwords_list("nounlist.txt") + wonderwords_list("adjectivelist.txt")
-                     + wonderwords_list("verblist.txt")))
+  words = sorted(
+    set(wonderwords_list("nounlist.txt") + wonderwords_list("adjectivelist.txt") + wonderwords_list("verblist.txt"))
+  )
   random.Random(seed).shuffle(words)
   return tuple(words)
 
@@ -126,12 +140,16 @@ def cwe_sample(size, seed, length, count_tokens):
     example_args, main_args = (40, 10, 3), (size, CWE_FREQ_COMMON, CWE_FREQ_UNCOMMON)
   example_context, example_answer = _cwe_list(rng, words, seed, *example_args)
   context, answer = _cwe_list(rng, words, seed, *main_args)
-  example = (CWE_TEMPLATE + CWE_PREFIX).format(context=example_context) + " " + " ".join(
-      f"{i + 1}. {word}" for i, word in enumerate(example_answer))
+  example = (
+    (CWE_TEMPLATE + CWE_PREFIX).format(context=example_context)
+    + " "
+    + " ".join(f"{i + 1}. {word}" for i, word in enumerate(example_answer))
+  )
   return (*split_prefix(example + "\n" + (CWE_TEMPLATE + CWE_PREFIX).format(context=context), CWE_PREFIX), answer)
 
 
 # Frequent-word extraction ----------------------------------------------------------------------------------------
+
 
 def fwe_sample(size, seed, length, count_tokens):
   """Frequent-word extraction over about `size` coded words drawn by a zeta(2) law."""
@@ -145,7 +163,7 @@ def fwe_sample(size, seed, length, count_tokens):
   random.Random(seed).shuffle(vocab)
   vocab[0] = "..."  # the most frequent word is noise
   rank = np.arange(1, len(vocab) + 1)
-  counts = (size * rank ** -FWE_ALPHA / scipy.special.zeta(FWE_ALPHA)).astype(int)
+  counts = (size * rank**-FWE_ALPHA / scipy.special.zeta(FWE_ALPHA)).astype(int)
   words = [word for word, count in zip(vocab, counts) for _ in range(count)]
   random.Random(seed).shuffle(words)
   text = (FWE_TEMPLATE + FWE_PREFIX).format(context=" ".join(words))

@@ -28,8 +28,11 @@ def sampler(task, *, corpus=None, squad=None, hotpotqa=None):
   if task == "fwe":
     return synthetic.fwe_sample, 1, None
   if task in ("qa_1", "qa_2"):
-    path, name = (squad, "--squad (SQuAD v2 dev json)") if task == "qa_1" else \
-        (hotpotqa, "--hotpotqa (HotpotQA distractor dev json)")
+    path, name = (
+      (squad, "--squad (SQuAD v2 dev json)")
+      if task == "qa_1"
+      else (hotpotqa, "--hotpotqa (HotpotQA distractor dev json)")
+    )
     if path is None:
       raise FileNotFoundError(f"{task} needs {name}, which is not available offline")
     dataset = qa.load(path, "squad" if task == "qa_1" else "hotpotqa")
@@ -97,8 +100,17 @@ def generate(task, length, num_samples, count_tokens, *, seed=42, tokens_to_gene
       raise ValueError(f"{task} at {length} tokens: {e}") from None
     text, prefix, answers = make(guess, this_seed, length, count_tokens)
     used = prompt_tokens(guess) + cap
-    records.append(dict(index=index, input=text, outputs=list(answers), length=used, length_w_model_temp=used,
-                        answer_prefix=prefix, haystack_size=guess))
+    records.append(
+      dict(
+        index=index,
+        input=text,
+        outputs=list(answers),
+        length=used,
+        length_w_model_temp=used,
+        answer_prefix=prefix,
+        haystack_size=guess,
+      )
+    )
   return records
 
 

@@ -9,11 +9,11 @@ from fsjax.ops.dense import local_attention, moba_attention, swa_attention, tfpp
 from fsjax.ops.dispatch import IMPLS, UnsupportedImpl
 from fsjax.ops.forest import forest_beam_search
 from fsjax.ops.freesolo import (
-                                freesolo_attention,
-                                freesolo_long_range,
-                                select_cells,
-                                select_from_summaries,
-                                sparse_readout,
+  freesolo_attention,
+  freesolo_long_range,
+  select_cells,
+  select_from_summaries,
+  sparse_readout,
 )
 from fsjax.ops.zha import zha_attention, zha_decode, zha_kl_loss, zha_kl_per_level, zha_route
 from fsjax.reference.cells import available_cells, cell_scores, cell_summaries, retention_death_block, top_k_cells
@@ -23,10 +23,31 @@ from fsjax.reference.rope import apply_rope
 from fsjax.reference.routing import Routing, validate_routing
 
 __all__ = [
-    "IMPLS", "Routing", "UnsupportedImpl", "apply_rope", "available_cells", "cell_scores", "cell_summaries",
-    "forest_beam_search", "freesolo_attention", "freesolo_long_range", "fsb_select_cells", "local_attention",
-    "moba_attention",
-    "retention_death_block", "rms_norm", "select_cells", "select_from_summaries", "sparse_readout",
-    "swa_attention", "tfpp_attention", "top_k_cells", "validate_routing", "zha_attention", "zha_decode",
-    "zha_kl_loss", "zha_kl_per_level", "zha_route",
+  "IMPLS",
+  "Routing",
+  "UnsupportedImpl",
+  "apply_rope",
+  "available_cells",
+  "cell_scores",
+  "cell_summaries",
+  "forest_beam_search",
+  "freesolo_attention",
+  "freesolo_long_range",
+  "fsb_select_cells",
+  "local_attention",
+  "moba_attention",
+  "retention_death_block",
+  "rms_norm",
+  "select_cells",
+  "select_from_summaries",
+  "sparse_readout",
+  "swa_attention",
+  "tfpp_attention",
+  "top_k_cells",
+  "validate_routing",
+  "zha_attention",
+  "zha_decode",
+  "zha_kl_loss",
+  "zha_kl_per_level",
+  "zha_route",
 ]

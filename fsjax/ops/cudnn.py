@@ -21,5 +21,6 @@ def causal_rope_attention_cudnn(q, k, v, *, window=None, rope_theta=10000.0):
   positions = jnp.arange(q.shape[1])
   q_rot, k_rot = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
   local_window = None if window is None else (window, 0)
-  return jax.nn.dot_product_attention(q_rot, k_rot, v, is_causal=True, implementation="cudnn",
-                                      local_window_size=local_window)
+  return jax.nn.dot_product_attention(
+    q_rot, k_rot, v, is_causal=True, implementation="cudnn", local_window_size=local_window
+  )

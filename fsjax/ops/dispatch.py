@@ -32,6 +32,7 @@ class UnsupportedImpl(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Implementation:
   """A fast implementation of an op: its name and whether "auto" may pick it for these inputs here."""
+
   name: str
   usable: Callable[..., bool]
 
@@ -76,24 +77,24 @@ def _cudnn_chunk(*, dtype, cache_dtype, tokens, **_):
 
 # op -> its fast implementations, in the order "auto" tries them. Every op also has "reference".
 TABLE = {
-    # FreeSolo (FS Eq. 5-9): fused scoring + top-K, and the tile-union readout with its own backward.
-    "freesolo_long_range": (Implementation("pallas", _cell_kernels),),
-    "select_cells": (Implementation("pallas", _scoring_kernel),),
-    "select_from_summaries": (Implementation("pallas", _scoring_kernel),),
-    "sparse_readout": (Implementation("pallas", _cell_kernels),),
-    # FS-B's beam search over a decode step's streaming forests (FS Eq. 11).
-    "forest_search": (Implementation("pallas", _beam_kernel),),
-    # Local and dense RoPE attention: cuDNN's fused kernel.
-    "local_attention": (Implementation("cudnn", _cudnn),),
-    "tfpp_attention": (Implementation("cudnn", _cudnn),),
-    "swa_attention": (Implementation("cudnn", _cudnn),),
-    "moba_attention": (),
-    # Decode: a chunk attending a half-precision dense cache through cuDNN; one token read in place by XLA.
-    "cache_attention": (Implementation("cudnn", _cudnn_chunk), Implementation("one_token", _one_token)),
-    # ZHA: the training-form operator and loss are references; capped decode routing has kernels.
-    "zha_attention": (),
-    "zha_kl_loss": (),
-    "zha_route": (Implementation("pallas", _zha_kernels),),
+  # FreeSolo (FS Eq. 5-9): fused scoring + top-K, and the tile-union readout with its own backward.
+  "freesolo_long_range": (Implementation("pallas", _cell_kernels),),
+  "select_cells": (Implementation("pallas", _scoring_kernel),),
+  "select_from_summaries": (Implementation("pallas", _scoring_kernel),),
+  "sparse_readout": (Implementation("pallas", _cell_kernels),),
+  # FS-B's beam search over a decode step's streaming forests (FS Eq. 11).
+  "forest_search": (Implementation("pallas", _beam_kernel),),
+  # Local and dense RoPE attention: cuDNN's fused kernel.
+  "local_attention": (Implementation("cudnn", _cudnn),),
+  "tfpp_attention": (Implementation("cudnn", _cudnn),),
+  "swa_attention": (Implementation("cudnn", _cudnn),),
+  "moba_attention": (),
+  # Decode: a chunk attending a half-precision dense cache through cuDNN; one token read in place by XLA.
+  "cache_attention": (Implementation("cudnn", _cudnn_chunk), Implementation("one_token", _one_token)),
+  # ZHA: the training-form operator and loss are references; capped decode routing has kernels.
+  "zha_attention": (),
+  "zha_kl_loss": (),
+  "zha_route": (Implementation("pallas", _zha_kernels),),
 }
 
 
@@ -118,8 +119,10 @@ def resolve(op, impl, **facts):
     return next((f.name for f in fast if f.usable(**facts)), "reference")
   if any(f.name == impl for f in fast):
     return impl
-  raise UnsupportedImpl(f"{op} has no {impl!r} implementation (it has: {', '.join(implementations(op))}); "
-                        "impl='auto' takes the fastest one available")
+  raise UnsupportedImpl(
+    f"{op} has no {impl!r} implementation (it has: {', '.join(implementations(op))}); "
+    "impl='auto' takes the fastest one available"
+  )
 
 
 def for_op(op, impl):

@@ -10,8 +10,9 @@ from fsjax.reference import forest as reference
 from pallas_kernels import forest_search
 
 
-def forest_beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c, cell, layer=None,
-                       impl="reference"):
+def forest_beam_search(
+  q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c, cell, layer=None, impl="reference"
+):
   """Beam search of every query over its (batch, head)'s forest node table.
 
   Args:
@@ -28,15 +29,17 @@ def forest_beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, b
   """
   facts = dict(cell=cell, head_dim=q.shape[-1], beam=beam)
   if dispatch.resolve("forest_search", impl, **facts) == "pallas":
-    return forest_search.beam_search(q, positions, roots, nodes, lam, sigma, beam=beam, steps=steps,
-                                     bound_c=bound_c, layer=layer)
+    return forest_search.beam_search(
+      q, positions, roots, nodes, lam, sigma, beam=beam, steps=steps, bound_c=bound_c, layer=layer
+    )
   if layer is not None:
     nodes = {name: x[layer] for name, x in nodes.items()}
   root = roots[:, 0]  # every query of a row and head starts from the same root
 
   def one(q, pos, nodes, root, lam, sigma):
-    return reference.beam_search(q, pos, nodes, jnp.full(q.shape[:1], root), beam=beam, bound_c=bound_c, lam=lam,
-                                 sigma=sigma, steps=steps)
+    return reference.beam_search(
+      q, pos, nodes, jnp.full(q.shape[:1], root), beam=beam, bound_c=bound_c, lam=lam, sigma=sigma, steps=steps
+    )
 
   per_head = jax.vmap(one, in_axes=(1, None, 0, 0, 0, 0), out_axes=1)
   return jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None))(q, positions, nodes, root, lam, sigma)

@@ -36,16 +36,30 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing: Routin
     `[batch, T, heads, K]` int32, -1 where fewer than K cells are available.
   """
   if dispatch.resolve("select_from_summaries", impl, **_facts(routing, q.shape[-1])) == "reference":
-    return cells_ref.select_from_summaries(q, positions, mean_keys, max_norms, routing=routing, lam=lam,
-                                           sigma=sigma)
+    return cells_ref.select_from_summaries(q, positions, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma)
   death = None
   if routing.variant == "fsl":  # FS-L's pool (Eq. 8), ranked once per sequence, as the kernel scores in float32
-    death = cells_ref.retention_death_block(jax.lax.stop_gradient(max_norms).astype(jnp.float32),
-                                            cell=routing.cell, block=routing.block, retain_top=routing.retain_top)
-  return cell_scoring.select_from_summaries(q, positions, mean_keys, max_norms, death, variant=routing.variant,
-                                            lam=lam, sigma=sigma, cell=routing.cell, block=routing.block,
-                                            top_k=routing.top_k, retain_top=routing.retain_top,
-                                            retain_recent=routing.retain_recent)
+    death = cells_ref.retention_death_block(
+      jax.lax.stop_gradient(max_norms).astype(jnp.float32),
+      cell=routing.cell,
+      block=routing.block,
+      retain_top=routing.retain_top,
+    )
+  return cell_scoring.select_from_summaries(
+    q,
+    positions,
+    mean_keys,
+    max_norms,
+    death,
+    variant=routing.variant,
+    lam=lam,
+    sigma=sigma,
+    cell=routing.cell,
+    block=routing.block,
+    top_k=routing.top_k,
+    retain_top=routing.retain_top,
+    retain_recent=routing.retain_recent,
+  )
 
 
 def select_cells_routed(q, k, routing: Routing, *, lam=1.0, sigma=4.0, tau=None, impl="reference"):
@@ -58,12 +72,35 @@ def select_cells_routed(q, k, routing: Routing, *, lam=1.0, sigma=4.0, tau=None,
   return select_from_summaries(q, None, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma, impl="pallas")
 
 
-def select_cells(q, k, *, variant="fs", lam=1.0, sigma=4.0, cell=32, block=128, top_k=4, retain_top=64,
-                 retain_recent=8, tau=None, beam=16, bound_c=8.0, impl="reference"):
+def select_cells(
+  q,
+  k,
+  *,
+  variant="fs",
+  lam=1.0,
+  sigma=4.0,
+  cell=32,
+  block=128,
+  top_k=4,
+  retain_top=64,
+  retain_recent=8,
+  tau=None,
+  beam=16,
+  bound_c=8.0,
+  impl="reference",
+):
   """Per query and head, the cells the long-range branch reads (FS Eq. 5-8, FS-B Eq. 10-12); the reference's
   `select_cells` plus `impl` (the kernel scores FS and FS-L). `[batch, T, heads, K]` int32, -1 for none."""
-  routing = Routing(variant=variant, cell=cell, block=block, top_k=top_k, retain_top=retain_top,
-                    retain_recent=retain_recent, beam=beam, bound_c=bound_c)
+  routing = Routing(
+    variant=variant,
+    cell=cell,
+    block=block,
+    top_k=top_k,
+    retain_top=retain_top,
+    retain_recent=retain_recent,
+    beam=beam,
+    bound_c=bound_c,
+  )
   return select_cells_routed(q, k, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
 
 
@@ -99,8 +136,9 @@ def long_range_routed(q, k, v, routing: Routing, *, lam=1.0, sigma=4.0, lr_gain=
   check_qkv(q, k, v)
   reference.check_routing(routing, tau)
   if dispatch.resolve("freesolo_long_range", impl, **_facts(routing, q.shape[-1])) == "reference":
-    return reference.freesolo_long_range(q, k, v, lam=lam, sigma=sigma, lr_gain=lr_gain, tau=tau,
-                                         **dataclasses.asdict(routing))
+    return reference.freesolo_long_range(
+      q, k, v, lam=lam, sigma=sigma, lr_gain=lr_gain, tau=tau, **dataclasses.asdict(routing)
+    )
   # FS-B selects with the reference forests; FS and FS-L with the scoring kernel. Both read with the kernel.
   select_impl = "reference" if routing.variant == "fsb" else "pallas"
   cell_idx = select_cells_routed(q, k, routing, lam=lam, sigma=sigma, tau=tau, impl=select_impl)
@@ -109,34 +147,80 @@ def long_range_routed(q, k, v, routing: Routing, *, lam=1.0, sigma=4.0, lr_gain=
   return reference.rms_norm(u, jnp.asarray(lr_gain, dtype)).astype(q.dtype)
 
 
-
-def freesolo_long_range(q, k, v, *, variant="fs", lam=1.0, sigma=4.0, lr_gain=1.0, cell=32, block=128,
-                        top_k=4, retain_top=64, retain_recent=8, tau=None, beam=16, bound_c=8.0, window=512,
-                        impl="reference"):
+def freesolo_long_range(
+  q,
+  k,
+  v,
+  *,
+  variant="fs",
+  lam=1.0,
+  sigma=4.0,
+  lr_gain=1.0,
+  cell=32,
+  block=128,
+  top_k=4,
+  retain_top=64,
+  retain_recent=8,
+  tau=None,
+  beam=16,
+  bound_c=8.0,
+  window=512,
+  impl="reference",
+):
   """Long-range branch `o_lr = RMSNorm(u)` (FS Eq. 5-9): the reference's `freesolo_long_range` plus `impl`.
   With kernels, FS-B still selects with the reference forests and reads with the readout kernel.
 
   Returns:
     `[batch, T, heads, d]` in the dtype of `q`.
   """
-  routing = Routing(variant=variant, window=window, cell=cell, block=block, top_k=top_k, retain_top=retain_top,
-                    retain_recent=retain_recent, beam=beam, bound_c=bound_c)
+  routing = Routing(
+    variant=variant,
+    window=window,
+    cell=cell,
+    block=block,
+    top_k=top_k,
+    retain_top=retain_top,
+    retain_recent=retain_recent,
+    beam=beam,
+    bound_c=bound_c,
+  )
   return long_range_routed(q, k, v, routing, lam=lam, sigma=sigma, lr_gain=lr_gain, tau=tau, impl=impl)
 
 
-def attention_routed(q, k, v, routing: Routing, *, alpha, lam=1.0, sigma=4.0, lr_gain=1.0, tau=None,
-                     rope_theta=10000.0, impl="reference"):
+def attention_routed(
+  q, k, v, routing: Routing, *, alpha, lam=1.0, sigma=4.0, lr_gain=1.0, tau=None, rope_theta=10000.0, impl="reference"
+):
   """`freesolo_attention` with its geometry as one `Routing`."""
   check_qkv(q, k, v)
   long_range = long_range_routed(q, k, v, routing, lam=lam, sigma=sigma, lr_gain=lr_gain, tau=tau, impl=impl)
-  local = local_attention(q, k, v, window=routing.window, rope_theta=rope_theta,
-                          impl=dispatch.for_op("local_attention", impl))
+  local = local_attention(
+    q, k, v, window=routing.window, rope_theta=rope_theta, impl=dispatch.for_op("local_attention", impl)
+  )
   return reference.mix_branches(local, long_range, alpha)
 
 
-def freesolo_attention(q, k, v, *, variant="fs", alpha, lam=1.0, sigma=4.0, lr_gain=1.0, window=512, cell=32,
-                       block=128, top_k=4, retain_top=64, retain_recent=8, tau=None, beam=16, bound_c=8.0,
-                       rope_theta=10000.0, impl="reference"):
+def freesolo_attention(
+  q,
+  k,
+  v,
+  *,
+  variant="fs",
+  alpha,
+  lam=1.0,
+  sigma=4.0,
+  lr_gain=1.0,
+  window=512,
+  cell=32,
+  block=128,
+  top_k=4,
+  retain_top=64,
+  retain_recent=8,
+  tau=None,
+  beam=16,
+  bound_c=8.0,
+  rope_theta=10000.0,
+  impl="reference",
+):
   """FreeSolo attention `o = o_sr + α o_lr` (FS Eq. 2): the reference's `freesolo_attention` plus `impl`. With a
   fast `impl`, the long-range branch runs on the Pallas kernels and a half-precision local branch on a GPU on
   cuDNN.
@@ -144,7 +228,17 @@ def freesolo_attention(q, k, v, *, variant="fs", alpha, lam=1.0, sigma=4.0, lr_g
   Returns:
     `[batch, T, heads, d]` in the dtype of `q`.
   """
-  routing = Routing(variant=variant, window=window, cell=cell, block=block, top_k=top_k, retain_top=retain_top,
-                    retain_recent=retain_recent, beam=beam, bound_c=bound_c)
-  return attention_routed(q, k, v, routing, alpha=alpha, lam=lam, sigma=sigma, lr_gain=lr_gain, tau=tau,
-                          rope_theta=rope_theta, impl=impl)
+  routing = Routing(
+    variant=variant,
+    window=window,
+    cell=cell,
+    block=block,
+    top_k=top_k,
+    retain_top=retain_top,
+    retain_recent=retain_recent,
+    beam=beam,
+    bound_c=bound_c,
+  )
+  return attention_routed(
+    q, k, v, routing, alpha=alpha, lam=lam, sigma=sigma, lr_gain=lr_gain, tau=tau, rope_theta=rope_theta, impl=impl
+  )

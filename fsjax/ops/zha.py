@@ -19,8 +19,20 @@ from fsjax.reference.zha import ZHATree
 from pallas_kernels import zha_routing
 
 
-def zha_attention(q, k, v, ref_queries, *, chunk, levels, top_p, rope_theta=None, max_nodes=None,
-                  return_fraction=False, impl="reference"):
+def zha_attention(
+  q,
+  k,
+  v,
+  ref_queries,
+  *,
+  chunk,
+  levels,
+  top_p,
+  rope_theta=None,
+  max_nodes=None,
+  return_fraction=False,
+  impl="reference",
+):
   """Causal attention over the keys each query reaches through the ZHA tree: the reference's `zha_attention`
   plus `impl` ("reference" or "auto"; no kernel computes the training form).
 
@@ -29,8 +41,18 @@ def zha_attention(q, k, v, ref_queries, *, chunk, levels, top_p, rope_theta=None
     `[batch, T, heads]`).
   """
   dispatch.resolve("zha_attention", impl)
-  return reference.zha_attention(q, k, v, ref_queries, chunk=chunk, levels=levels, top_p=top_p,
-                                 rope_theta=rope_theta, max_nodes=max_nodes, return_fraction=return_fraction)
+  return reference.zha_attention(
+    q,
+    k,
+    v,
+    ref_queries,
+    chunk=chunk,
+    levels=levels,
+    top_p=top_p,
+    rope_theta=rope_theta,
+    max_nodes=max_nodes,
+    return_fraction=return_fraction,
+  )
 
 
 def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None):
@@ -64,22 +86,25 @@ def _route_with_kernels(q, position, keys, bias, tree: ZHATree, layer):
   for level in range(tree.levels, 0, -1):
     span = tree.chunk**level
     if kept is None:
-      scores = zha_routing.score_candidates(q, keys[level - 1], bias[level - 1], index, position=position,
-                                            span=span, layer=layer)
+      scores = zha_routing.score_candidates(
+        q, keys[level - 1], bias[level - 1], index, position=position, span=span, layer=layer
+      )
     else:
-      scores, index = zha_routing.score_children(q, keys[level - 1], bias[level - 1], kept, position,
-                                                 parents_kept=cap, chunk=tree.chunk, span=span, layer=layer)
+      scores, index = zha_routing.score_children(
+        q, keys[level - 1], bias[level - 1], kept, position, parents_kept=cap, chunk=tree.chunk, span=span, layer=layer
+      )
       count = cap * tree.chunk + tree.chunk - 1
     cap = min(tree.max_nodes, count)
-    kept = zha_routing.keep_top_p(scores, index, p=tree.level_top_p[level - 1], max_nodes=cap,
-                                  full_row=level > 1)
+    kept = zha_routing.keep_top_p(scores, index, p=tree.level_top_p[level - 1], max_nodes=cap, full_row=level > 1)
   return kept
 
 
 def _check_decode(q, position, keys, bias, tree: ZHATree):
   if tree.max_nodes is None:
-    raise ValueError("the capped decode step needs tree.max_nodes (None routes through every node: "
-                     "`fsjax.reference.zha.routed_attention`)")
+    raise ValueError(
+      "the capped decode step needs tree.max_nodes (None routes through every node: "
+      "`fsjax.reference.zha.routed_attention`)"
+    )
   if len(keys) != tree.levels or len(bias) != tree.levels:
     raise ValueError(f"keys and bias must hold one array per level ({tree.levels}), got {len(keys)}, {len(bias)}")
   if q.ndim != 3 or position.shape != q.shape[:1]:
@@ -103,8 +128,9 @@ def zha_route(q, position, keys, bias, *, tree: ZHATree, layer=None, impl="refer
   _check_decode(q, position, keys, bias, tree)
   if _kernels(impl, tree, keys):
     return _route_with_kernels(q, position, keys, bias, tree, layer)
-  return decode_reference.route_gathered(q, position, tuple(_layer(x, layer) for x in keys),
-                                         tuple(_layer(x, layer) for x in bias), tree)
+  return decode_reference.route_gathered(
+    q, position, tuple(_layer(x, layer) for x in keys), tuple(_layer(x, layer) for x in bias), tree
+  )
 
 
 def zha_decode(q, position, keys, bias, k, v, *, tree: ZHATree, layer=None, impl="reference"):

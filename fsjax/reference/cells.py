@@ -58,9 +58,9 @@ def retention_death_block(max_norms, *, cell, block, retain_top):
   outranks = (a_other > a_self) | ((a_other == a_self) & (idx[:, None] < idx[None, :]))  # [.., c', c]
   reached = jnp.cumsum(outranks, axis=-2, dtype=jnp.int32) >= retain_top
   pth_outranker = jnp.argmax(reached, axis=-2)
-  death = jnp.where(jnp.any(reached, axis=-2),
-                    first_eligible_block(pth_outranker, cell=cell, block=block),
-                    jnp.iinfo(jnp.int32).max)
+  death = jnp.where(
+    jnp.any(reached, axis=-2), first_eligible_block(pth_outranker, cell=cell, block=block), jnp.iinfo(jnp.int32).max
+  )
   return jnp.moveaxis(death, -1, 1).astype(jnp.int32)
 
 
@@ -152,8 +152,15 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing, lam, s
   """
   q = jax.lax.stop_gradient(q)
   centers = (jnp.arange(max_norms.shape[1]) + 0.5) * routing.cell
-  available = available_cells(max_norms, q.shape[1], variant=routing.variant, cell=routing.cell,
-                              block=routing.block, retain_top=routing.retain_top,
-                              retain_recent=routing.retain_recent, positions=positions)  # Eq. 6, 8
+  available = available_cells(
+    max_norms,
+    q.shape[1],
+    variant=routing.variant,
+    cell=routing.cell,
+    block=routing.block,
+    retain_top=routing.retain_top,
+    retain_recent=routing.retain_recent,
+    positions=positions,
+  )  # Eq. 6, 8
   scores = cell_scores(q, mean_keys, max_norms, centers, lam=lam, sigma=sigma, positions=positions)  # Eq. 7
   return top_k_cells(scores, available, routing.top_k)

@@ -49,15 +49,16 @@ def _split_level(groups, means, cell_ids):
   x = x_all - jnp.mean(x_all, axis=1, keepdims=True)
   ids = cell_ids[groups]
   norms = jnp.linalg.norm(x, axis=-1)
-  farthest = jnp.argmin(jnp.where(norms == jnp.max(norms, axis=1, keepdims=True), ids, jnp.iinfo(jnp.int32).max),
-                        axis=1)
+  farthest = jnp.argmin(
+    jnp.where(norms == jnp.max(norms, axis=1, keepdims=True), ids, jnp.iinfo(jnp.int32).max), axis=1
+  )
   u = normalize(jnp.take_along_axis(x, farthest[:, None, None], axis=1)[:, 0])
   for _ in range(2):
-    u = normalize(jnp.einsum("gnd,gn->gd", x, jnp.einsum("gnd,gd->gn", x, u, precision=PRECISION),
-                             precision=PRECISION))
+    u = normalize(jnp.einsum("gnd,gn->gd", x, jnp.einsum("gnd,gd->gn", x, u, precision=PRECISION), precision=PRECISION))
   projection = jnp.einsum("gnd,gd->gn", x, u, precision=PRECISION)
-  _, _, order = jax.lax.sort((projection, ids, jnp.broadcast_to(jnp.arange(groups.shape[1]), groups.shape)),
-                             dimension=1, num_keys=2)
+  _, _, order = jax.lax.sort(
+    (projection, ids, jnp.broadcast_to(jnp.arange(groups.shape[1]), groups.shape)), dimension=1, num_keys=2
+  )
   # u's sign is arbitrary (two cells are both farthest, up to rounding), so the half holding the lower cell index
   # goes left: the split, not the direction, defines the tree.
   half = groups.shape[1] // 2
@@ -83,7 +84,7 @@ def chunk_leaf_orders(means, cell_ids, sizes):
       split = _split_level(jnp.concatenate([orders[size].reshape(-1, width) for size in active]), means, cell_ids)
       counts = [orders[size].size // width for size in active]
       for size, end, count in zip(active, np.cumsum(counts), counts):
-        orders[size] = split[end - count:end].reshape(orders[size].shape)
+        orders[size] = split[end - count : end].reshape(orders[size].shape)
     width //= 2
   return [orders[size] for size in sizes]
 
@@ -111,10 +112,16 @@ def chunk_trees(means, norms, centers, cell_ids, size, order=None):
   while width >= 1:  # depth j: 2^j nodes of `width` leaves, heap ids 2^j … 2^(j+1) − 1
     runs = lambda v: v.reshape(count, size // width, width, *v.shape[2:])
     mu = jnp.mean(runs(x), axis=2)
-    depths.append(dict(mu=mu, rho=jnp.max(jnp.linalg.norm(runs(x) - mu[:, :, None], axis=-1), axis=2),
-                       amax=jnp.max(runs(a), axis=2), pmin=jnp.min(runs(c), axis=2),
-                       first=jnp.min(runs(ids), axis=2),
-                       leaf=ids if width == 1 else jnp.full((count, size // width), NO_NODE, ids.dtype)))
+    depths.append(
+      dict(
+        mu=mu,
+        rho=jnp.max(jnp.linalg.norm(runs(x) - mu[:, :, None], axis=-1), axis=2),
+        amax=jnp.max(runs(a), axis=2),
+        pmin=jnp.min(runs(c), axis=2),
+        first=jnp.min(runs(ids), axis=2),
+        leaf=ids if width == 1 else jnp.full((count, size // width), NO_NODE, ids.dtype),
+      )
+    )
     width //= 2
   return {name: jnp.concatenate([d[name] for d in depths], axis=1) for name in depths[0]}
 
@@ -140,8 +147,10 @@ def _chunk_nodes(means, norms, centers, cell_ids):
     tables.append(dict(trees, child0=child(0), child1=child(1)))
     roots.append(base + np.arange(count) * per_tree)
     base += count * per_tree
-  table = {name: jnp.concatenate([jnp.asarray(t[name]).reshape(-1, *jnp.shape(t[name])[2:]) for t in tables])
-           for name in tables[0]}
+  table = {
+    name: jnp.concatenate([jnp.asarray(t[name]).reshape(-1, *jnp.shape(t[name])[2:]) for t in tables])
+    for name in tables[0]
+  }
   return table, [jnp.asarray(r) for r in roots]
 
 
@@ -149,10 +158,17 @@ def _join(a, b):
   """Eq. 21 join of node summaries `a`, `b` (dicts of arrays, same shapes)."""
   size = a["size"] + b["size"]
   mu = (a["size"][..., None] * a["mu"] + b["size"][..., None] * b["mu"]) / size[..., None]
-  rho = jnp.maximum(a["rho"] + jnp.linalg.norm(a["mu"] - mu, axis=-1),
-                    b["rho"] + jnp.linalg.norm(b["mu"] - mu, axis=-1))
-  return dict(mu=mu, rho=rho, amax=jnp.maximum(a["amax"], b["amax"]), pmin=jnp.minimum(a["pmin"], b["pmin"]),
-              first=jnp.minimum(a["first"], b["first"]), size=size)
+  rho = jnp.maximum(
+    a["rho"] + jnp.linalg.norm(a["mu"] - mu, axis=-1), b["rho"] + jnp.linalg.norm(b["mu"] - mu, axis=-1)
+  )
+  return dict(
+    mu=mu,
+    rho=rho,
+    amax=jnp.maximum(a["amax"], b["amax"]),
+    pmin=jnp.minimum(a["pmin"], b["pmin"]),
+    first=jnp.minimum(a["first"], b["first"]),
+    size=size,
+  )
 
 
 SUMMARY = ("mu", "rho", "amax", "pmin", "first")
@@ -185,10 +201,19 @@ def join_chains(table, roots, admitted_before, first_join_id):
     chunk_sum = dict(pick(chunk), size=jnp.full((count,), 2**k, table["mu"].dtype))
     make_join = present & (current != NO_NODE)
     joined = _join(chunk_sum, current_sum)
-    joins.append(dict({name: joined[name] for name in SUMMARY}, child0=jnp.where(make_join, chunk, NO_NODE),
-                      child1=jnp.where(make_join, current, NO_NODE), leaf=jnp.full((count,), NO_NODE)))
-    choose = lambda a, b, c: jnp.where(jnp.expand_dims(make_join, tuple(range(1, a.ndim))), a,
-                                       jnp.where(jnp.expand_dims(present, tuple(range(1, a.ndim))), b, c))
+    joins.append(
+      dict(
+        {name: joined[name] for name in SUMMARY},
+        child0=jnp.where(make_join, chunk, NO_NODE),
+        child1=jnp.where(make_join, current, NO_NODE),
+        leaf=jnp.full((count,), NO_NODE),
+      )
+    )
+    choose = lambda a, b, c: jnp.where(
+      jnp.expand_dims(make_join, tuple(range(1, a.ndim))),
+      a,
+      jnp.where(jnp.expand_dims(present, tuple(range(1, a.ndim))), b, c),
+    )
     current_sum = {name: choose(joined[name], chunk_sum[name], v) for name, v in current_sum.items()}
     current = jnp.where(make_join, first_join_id + jnp.arange(count) * levels + k, jnp.where(present, chunk, current))
   return {name: jnp.stack([j[name] for j in joins], axis=1) for name in joins[0]}, current
@@ -204,8 +229,12 @@ def block_forests(table, roots, admitted_before):
     (table with the join nodes appended, root node id per block `[num_blocks]`, NO_NODE where M_n = 0).
   """
   joins, roots = join_chains(table, roots, admitted_before, table["mu"].shape[0])
-  table = {name: jnp.concatenate([table[name], joins[name].reshape(-1, *joins[name].shape[2:]).astype(
-      table[name].dtype)]) if name in joins else table[name] for name in table}
+  table = {
+    name: jnp.concatenate([table[name], joins[name].reshape(-1, *joins[name].shape[2:]).astype(table[name].dtype)])
+    if name in joins
+    else table[name]
+    for name in table
+  }
   return table, roots
 
 
@@ -220,8 +249,10 @@ def beam_search(q, positions, table, roots, *, beam, bound_c, lam, sigma, steps)
 
   def priority(node):  # node [T, n] → U [T, n], -inf for NO_NODE
     safe = jnp.maximum(node, 0)
-    content = (jnp.einsum("td,tnd->tn", q, table["mu"][safe], precision=PRECISION)
-               + bound_c * q_norm[:, None] * table["rho"][safe]) / math.sqrt(dim)
+    content = (
+      jnp.einsum("td,tnd->tn", q, table["mu"][safe], precision=PRECISION)
+      + bound_c * q_norm[:, None] * table["rho"][safe]
+    ) / math.sqrt(dim)
     score = content + table["amax"][safe] * _prior(positions[:, None] - table["pmin"][safe], lam, sigma)
     return jnp.where(node >= 0, score, -jnp.inf)
 
@@ -229,11 +260,17 @@ def beam_search(q, positions, table, roots, *, beam, bound_c, lam, sigma, steps)
     is_leaf = table["leaf"][jnp.maximum(current, 0)] >= 0
     inner = (current >= 0) & ~is_leaf
     kept = jnp.where((current >= 0) & is_leaf, current, NO_NODE)
-    children = jnp.concatenate([jnp.where(inner, table["child0"][jnp.maximum(current, 0)], NO_NODE),
-                                jnp.where(inner, table["child1"][jnp.maximum(current, 0)], NO_NODE)], axis=1)
+    children = jnp.concatenate(
+      [
+        jnp.where(inner, table["child0"][jnp.maximum(current, 0)], NO_NODE),
+        jnp.where(inner, table["child1"][jnp.maximum(current, 0)], NO_NODE),
+      ],
+      axis=1,
+    )
     pool = jnp.concatenate([kept, children], axis=1)
-    rank = jnp.where(jnp.concatenate([kept >= 0, jnp.zeros(children.shape, bool)], axis=1), jnp.inf,
-                     priority(pool))  # leaves keep their slots
+    rank = jnp.where(
+      jnp.concatenate([kept >= 0, jnp.zeros(children.shape, bool)], axis=1), jnp.inf, priority(pool)
+    )  # leaves keep their slots
     first = jnp.where(pool >= 0, table["first"][jnp.maximum(pool, 0)], jnp.iinfo(jnp.int32).max)
     _, _, ordered = jax.lax.sort((-rank, first, pool), dimension=1, num_keys=2)
     return ordered[:, :beam]
@@ -260,8 +297,17 @@ def forest_candidates(q, positions, mean_keys, max_norms, admitted, *, lam, sigm
   eligible_cells = jnp.arange(num_blocks) * (block // cell)  # cells before each block's start
   admitted_before = jnp.sum(admitted[None, :] & (jnp.arange(num_cells)[None, :] < eligible_cells[:, None]), axis=1)
   table, block_roots = block_forests(table, roots, admitted_before)
-  return beam_search(q, positions, table, block_roots[jnp.minimum(positions // block, num_blocks - 1)], beam=beam,
-                     bound_c=bound_c, lam=lam, sigma=sigma, steps=len(roots))
+  return beam_search(
+    q,
+    positions,
+    table,
+    block_roots[jnp.minimum(positions // block, num_blocks - 1)],
+    beam=beam,
+    bound_c=bound_c,
+    lam=lam,
+    sigma=sigma,
+    steps=len(roots),
+  )
 
 
 def token_rerank(q, positions, k, candidates, max_norms, *, lam, sigma, cell, top_k):
@@ -282,14 +328,14 @@ def token_rerank(q, positions, k, candidates, max_norms, *, lam, sigma, cell, to
   mass = jax.nn.logsumexp(jnp.einsum("td,tnsd->tns", q, tokens, precision=PRECISION) / math.sqrt(dim), axis=-1)
   score = mass + max_norms[safe] * _prior(positions[:, None] - (safe + 0.5) * cell, lam, sigma)
   # Deduplicate: sort by cell index and keep the first of each run.
-  ids_sorted, score_sorted = jax.lax.sort((jnp.where(candidates >= 0, candidates, jnp.iinfo(jnp.int32).max), score),
-                                          dimension=1, num_keys=1)
+  ids_sorted, score_sorted = jax.lax.sort(
+    (jnp.where(candidates >= 0, candidates, jnp.iinfo(jnp.int32).max), score), dimension=1, num_keys=1
+  )
   repeat = jnp.concatenate([jnp.zeros((count_q, 1), bool), ids_sorted[:, 1:] == ids_sorted[:, :-1]], axis=1)
   valid = (ids_sorted != jnp.iinfo(jnp.int32).max) & ~repeat
   count = min(top_k, candidates.shape[1])
   _, slot = jax.lax.top_k(jnp.where(valid, score_sorted, -jnp.inf), count)  # lower slot = lower cell on ties
-  chosen = jnp.where(jnp.take_along_axis(valid, slot, axis=1), jnp.take_along_axis(ids_sorted, slot, axis=1),
-                     NO_NODE)
+  chosen = jnp.where(jnp.take_along_axis(valid, slot, axis=1), jnp.take_along_axis(ids_sorted, slot, axis=1), NO_NODE)
   return jnp.pad(chosen, ((0, 0), (0, top_k - count)), constant_values=NO_NODE).astype(jnp.int32)
 
 
@@ -298,14 +344,18 @@ def rerank_candidates(q, positions, k, max_norms, candidates, *, lam, sigma, cel
   `[batch, S, heads, d]`, max_norms `[batch, M, heads]`, candidates `[batch, C, heads, n]`, lam, sigma `[heads]`
   → `[batch, C, heads, top_k]`."""
   rerank = functools.partial(token_rerank, cell=cell, top_k=top_k)
-  per_head = jax.vmap(lambda q, p, k, c, m, lam, sigma: rerank(q, p, k, c, m, lam=lam, sigma=sigma),
-                      in_axes=(1, None, 1, 1, 1, 0, 0), out_axes=1)
+  per_head = jax.vmap(
+    lambda q, p, k, c, m, lam, sigma: rerank(q, p, k, c, m, lam=lam, sigma=sigma),
+    in_axes=(1, None, 1, 1, 1, 0, 0),
+    out_axes=1,
+  )
   return jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0, None, None))(q, positions, k, candidates, max_norms, lam, sigma)
 
 
 @functools.partial(jax.jit, static_argnames=("cell", "block", "top_k", "beam", "bound_c"))
-def fsb_select_from_summaries(q, positions, k, mean_keys, max_norms, *, tau, lam, sigma, cell=32, block=128,
-                              top_k=4, beam=16, bound_c=8.0):
+def fsb_select_from_summaries(
+  q, positions, k, mean_keys, max_norms, *, tau, lam, sigma, cell=32, block=128, top_k=4, beam=16, bound_c=8.0
+):
   """FS-B's selected cells for queries at `positions` (FS Sec. 3.4), forests built with the prefill formulation.
   No gradient.
 
@@ -327,8 +377,9 @@ def fsb_select_from_summaries(q, positions, k, mean_keys, max_norms, *, tau, lam
     return jnp.concatenate([everything, high_norm], axis=1)
 
   per_head = jax.vmap(both_forests, in_axes=(1, None, 1, 1, 0, 0, 0), out_axes=1)
-  candidates = jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None, None))(q, positions, mean_keys, max_norms, tau,
-                                                                          lam, sigma)
+  candidates = jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None, None))(
+    q, positions, mean_keys, max_norms, tau, lam, sigma
+  )
   return rerank_candidates(q, positions, k, max_norms, candidates, lam=lam, sigma=sigma, cell=cell, top_k=top_k)
 
 
@@ -336,5 +387,18 @@ def fsb_select_cells(q, k, *, tau, lam, sigma, cell=32, block=128, top_k=4, beam
   """FS-B's selected cells of a whole sequence: q, k `[batch, T, heads, d]` → `[batch, T, heads, top_k]`."""
   mean_keys, max_norms, _ = cell_summaries(k, cell)
   positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
-  return fsb_select_from_summaries(q, positions, k, mean_keys, max_norms, tau=tau, lam=lam, sigma=sigma, cell=cell,
-                                   block=block, top_k=top_k, beam=beam, bound_c=bound_c)
+  return fsb_select_from_summaries(
+    q,
+    positions,
+    k,
+    mean_keys,
+    max_norms,
+    tau=tau,
+    lam=lam,
+    sigma=sigma,
+    cell=cell,
+    block=block,
+    top_k=top_k,
+    beam=beam,
+    bound_c=bound_c,
+  )

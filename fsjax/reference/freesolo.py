@@ -22,8 +22,7 @@ def check_routing(routing: Routing, tau=None):
   """Validates the geometry and that FS-B has its τ; raises ValueError naming the argument."""
   routing.validate()
   if routing.variant == "fsb" and tau is None:
-    raise ValueError("tau must be given for variant 'fsb': the per-head median cell norm (python -m "
-                     "fsjax.calibrate)")
+    raise ValueError("tau must be given for variant 'fsb': the per-head median cell norm (python -m fsjax.calibrate)")
 
 
 def per_head(value, heads, name, dtype):
@@ -33,8 +32,22 @@ def per_head(value, heads, name, dtype):
   return jnp.broadcast_to(value, (heads,))
 
 
-def select_cells(q, k, *, variant="fs", lam=1.0, sigma=4.0, cell=32, block=128, top_k=4, retain_top=64,
-                 retain_recent=8, tau=None, beam=16, bound_c=8.0):
+def select_cells(
+  q,
+  k,
+  *,
+  variant="fs",
+  lam=1.0,
+  sigma=4.0,
+  cell=32,
+  block=128,
+  top_k=4,
+  retain_top=64,
+  retain_recent=8,
+  tau=None,
+  beam=16,
+  bound_c=8.0,
+):
   """Per query and head, the cells read by the long-range branch (FS Eq. 5-8, FS-B Eq. 10-12). No gradient.
 
   Args:
@@ -48,9 +61,23 @@ def select_cells(q, k, *, variant="fs", lam=1.0, sigma=4.0, cell=32, block=128, 
   Returns:
     `[batch, T, heads, K]` int32 cell indices, best first, -1 where fewer than K cells are available.
   """
-  return select_cells_routed(q, k, Routing(variant=variant, cell=cell, block=block, top_k=top_k,
-                                           retain_top=retain_top, retain_recent=retain_recent, beam=beam,
-                                           bound_c=bound_c), lam=lam, sigma=sigma, tau=tau)
+  return select_cells_routed(
+    q,
+    k,
+    Routing(
+      variant=variant,
+      cell=cell,
+      block=block,
+      top_k=top_k,
+      retain_top=retain_top,
+      retain_recent=retain_recent,
+      beam=beam,
+      bound_c=bound_c,
+    ),
+    lam=lam,
+    sigma=sigma,
+    tau=tau,
+  )
 
 
 def select_cells_routed(q, k, routing: Routing, *, lam=1.0, sigma=4.0, tau=None):
@@ -64,8 +91,18 @@ def select_cells_routed(q, k, routing: Routing, *, lam=1.0, sigma=4.0, tau=None)
     return jnp.full((batch, seq, heads, routing.top_k), -1, jnp.int32)
   if routing.variant == "fsb":
     tau = jax.lax.stop_gradient(per_head(tau, heads, "tau", dtype))
-    return forest.fsb_select_cells(q, k, tau=tau, lam=lam, sigma=sigma, cell=routing.cell, block=routing.block,
-                                   top_k=routing.top_k, beam=routing.beam, bound_c=routing.bound_c)
+    return forest.fsb_select_cells(
+      q,
+      k,
+      tau=tau,
+      lam=lam,
+      sigma=sigma,
+      cell=routing.cell,
+      block=routing.block,
+      top_k=routing.top_k,
+      beam=routing.beam,
+      bound_c=routing.bound_c,
+    )
   mean_keys, max_norms, _ = cells.cell_summaries(k, routing.cell)  # Eq. 5
   return cells.select_from_summaries(q, None, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma)
 
@@ -114,8 +151,25 @@ def rms_norm(x, gain, eps=READOUT_NORM_EPS):
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gain
 
 
-def freesolo_long_range(q, k, v, *, variant="fs", lam=1.0, sigma=4.0, lr_gain=1.0, cell=32, block=128,
-                        top_k=4, retain_top=64, retain_recent=8, tau=None, beam=16, bound_c=8.0, window=512):
+def freesolo_long_range(
+  q,
+  k,
+  v,
+  *,
+  variant="fs",
+  lam=1.0,
+  sigma=4.0,
+  lr_gain=1.0,
+  cell=32,
+  block=128,
+  top_k=4,
+  retain_top=64,
+  retain_recent=8,
+  tau=None,
+  beam=16,
+  bound_c=8.0,
+  window=512,
+):
   """Long-range branch `o_lr = RMSNorm(u)` (FS Eq. 5-9), before the α mix.
 
   Args:
@@ -130,8 +184,17 @@ def freesolo_long_range(q, k, v, *, variant="fs", lam=1.0, sigma=4.0, lr_gain=1.
   Returns:
     `[batch, T, heads, d]` in the dtype of `q`; zero where nothing is available (e.g. the first block).
   """
-  routing = Routing(variant=variant, window=window, cell=cell, block=block, top_k=top_k, retain_top=retain_top,
-                    retain_recent=retain_recent, beam=beam, bound_c=bound_c)
+  routing = Routing(
+    variant=variant,
+    window=window,
+    cell=cell,
+    block=block,
+    top_k=top_k,
+    retain_top=retain_top,
+    retain_recent=retain_recent,
+    beam=beam,
+    bound_c=bound_c,
+  )
   check_qkv(q, k, v)
   check_routing(routing, tau)
   dtype = compute_dtype(q.dtype)
@@ -151,9 +214,27 @@ def mix_branches(local, long_range, alpha):
   return (local.astype(dtype) + alpha[:, None] * long_range.astype(dtype)).astype(local.dtype)
 
 
-def freesolo_attention(q, k, v, *, variant="fs", alpha, lam=1.0, sigma=4.0, lr_gain=1.0, window=512, cell=32,
-                       block=128, top_k=4, retain_top=64, retain_recent=8, tau=None, beam=16, bound_c=8.0,
-                       rope_theta=10000.0):
+def freesolo_attention(
+  q,
+  k,
+  v,
+  *,
+  variant="fs",
+  alpha,
+  lam=1.0,
+  sigma=4.0,
+  lr_gain=1.0,
+  window=512,
+  cell=32,
+  block=128,
+  top_k=4,
+  retain_top=64,
+  retain_recent=8,
+  tau=None,
+  beam=16,
+  bound_c=8.0,
+  rope_theta=10000.0,
+):
   """FreeSolo attention `o_i = o_sr_i + α_h o_lr_i` (FS Eq. 2).
 
   Args:
@@ -169,8 +250,23 @@ def freesolo_attention(q, k, v, *, variant="fs", alpha, lam=1.0, sigma=4.0, lr_g
     `[batch, T, heads, d]` in the dtype of `q`.
   """
   check_qkv(q, k, v)
-  long_range = freesolo_long_range(q, k, v, variant=variant, lam=lam, sigma=sigma, lr_gain=lr_gain, cell=cell,
-                                   block=block, top_k=top_k, retain_top=retain_top, retain_recent=retain_recent,
-                                   window=window, tau=tau, beam=beam, bound_c=bound_c)
+  long_range = freesolo_long_range(
+    q,
+    k,
+    v,
+    variant=variant,
+    lam=lam,
+    sigma=sigma,
+    lr_gain=lr_gain,
+    cell=cell,
+    block=block,
+    top_k=top_k,
+    retain_top=retain_top,
+    retain_recent=retain_recent,
+    window=window,
+    tau=tau,
+    beam=beam,
+    bound_c=bound_c,
+  )
   local = local_attention(q, k, v, window=window, rope_theta=rope_theta)
   return mix_branches(local.astype(q.dtype), long_range, alpha)

@@ -41,6 +41,7 @@ class Routing:
     retain_top, retain_recent: FS-L's pool `P` and recent cells `W` (Eq. 8).
     beam, bound_c: FS-B's beam width `W_b` and the radius factor `c` of the node bound (Eq. 11).
   """
+
   variant: str = "fs"
   window: int = 512
   cell: int = 32
@@ -55,8 +56,15 @@ class Routing:
     """Raises ValueError naming the first field that breaks a rule; returns self."""
     if self.variant not in VARIANTS:
       raise ValueError(f"{prefix}variant must be one of {VARIANTS}, got {self.variant!r}")
-    validate_routing(cell=self.cell, block=self.block, window=self.window, top_k=self.top_k,
-                     retain_top=self.retain_top, retain_recent=self.retain_recent, prefix=prefix)
+    validate_routing(
+      cell=self.cell,
+      block=self.block,
+      window=self.window,
+      top_k=self.top_k,
+      retain_top=self.retain_top,
+      retain_recent=self.retain_recent,
+      prefix=prefix,
+    )
     return self
 
   def replace(self, **changes):

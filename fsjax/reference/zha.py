@@ -71,6 +71,7 @@ class ZHATree:
     top_p: routing threshold, one value or one per level (level 1 first).
     max_nodes: per-level cap on the nodes a query keeps (ours; None = the paper's routing).
   """
+
   refs: int = 16
   chunk: int = 8
   levels: int = 2
@@ -79,8 +80,9 @@ class ZHATree:
 
   def validate(self, prefix=""):
     """Raises ValueError naming the first field that breaks a rule; returns self."""
-    validate_zha(chunk=self.chunk, levels=self.levels, top_p=self.top_p, refs=self.refs,
-                 max_nodes=self.max_nodes, prefix=prefix)
+    validate_zha(
+      chunk=self.chunk, levels=self.levels, top_p=self.top_p, refs=self.refs, max_nodes=self.max_nodes, prefix=prefix
+    )
     return self
 
   @property
@@ -116,8 +118,7 @@ def rotated_refs(ref_queries, positions, rope_theta, dtype):
   """
   heads, refs, dim = ref_queries.shape
   batch, count = positions.shape
-  flat = jnp.broadcast_to(ref_queries.astype(dtype).reshape(1, 1, heads * refs, dim),
-                          (batch, count, heads * refs, dim))
+  flat = jnp.broadcast_to(ref_queries.astype(dtype).reshape(1, 1, heads * refs, dim), (batch, count, heads * refs, dim))
   return rotate(flat, positions, rope_theta).reshape(batch, count, heads, refs, dim)
 
 
@@ -160,9 +161,9 @@ def build_tree(k, ref_queries, *, chunk, levels, rope_theta=None):
   tree, children, child_bias = [], k[:, 1:], None
   for level in range(1, levels + 1):
     count = node_count(seq, chunk, level)
-    children = children[:, :count * chunk].reshape(batch, count, chunk, *children.shape[2:])
+    children = children[:, : count * chunk].reshape(batch, count, chunk, *children.shape[2:])
     if child_bias is not None:
-      child_bias = child_bias[:, :count * chunk].reshape(batch, count, chunk, *child_bias.shape[2:])
+      child_bias = child_bias[:, : count * chunk].reshape(batch, count, chunk, *child_bias.shape[2:])
     positions = node_last_key(jnp.arange(count), chunk, level)[None]
     refs = rotated_refs(ref_queries, positions, rope_theta, k.dtype)
     children, child_bias = summarize(refs, children, child_bias)
@@ -252,8 +253,9 @@ def key_mask(leaves, q_pos, k_pos, chunk):
   """
   node = (k_pos - 1) // chunk  # [batch, S]
   in_tree = (k_pos >= 1) & (node < leaves.shape[-1])
-  index = jnp.broadcast_to(jnp.clip(node, 0, max(leaves.shape[-1] - 1, 0))[:, None, None],
-                           leaves.shape[:-1] + node.shape[-1:])
+  index = jnp.broadcast_to(
+    jnp.clip(node, 0, max(leaves.shape[-1] - 1, 0))[:, None, None], leaves.shape[:-1] + node.shape[-1:]
+  )
   in_leaf = (jnp.take_along_axis(leaves, index, axis=-1) if leaves.shape[-1] else False) & in_tree[:, None, None]
   q, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
   current = kp >= 1 + chunk * (q // chunk)
@@ -281,8 +283,9 @@ def routed_attention(q, q_pos, nodes, k, v, k_pos, *, chunk, top_p, max_nodes=No
   return out, jnp.moveaxis(jnp.sum(mask, axis=-1) / (q_pos[:, None] + 1), 1, 2)
 
 
-def zha_attention(q, k, v, ref_queries, *, chunk, levels, top_p, rope_theta=None, max_nodes=None,
-                  return_fraction=False):
+def zha_attention(
+  q, k, v, ref_queries, *, chunk, levels, top_p, rope_theta=None, max_nodes=None, return_fraction=False
+):
   """Causal attention restricted to the keys each query reaches through the ZHA tree (ZHA III).
 
   Args:
@@ -307,8 +310,17 @@ def zha_attention(q, k, v, ref_queries, *, chunk, levels, top_p, rope_theta=None
   q_rot = rotate(q.astype(dtype), positions, rope_theta)
   k_rot = rotate(k.astype(dtype), positions, rope_theta)
   nodes = build_tree(k_rot, ref_queries, chunk=chunk, levels=levels, rope_theta=rope_theta)
-  out, fraction = routed_attention(q_rot, positions, nodes, k_rot, v.astype(dtype), positions, chunk=chunk,
-                                   top_p=level_top_p(top_p, levels), max_nodes=max_nodes)
+  out, fraction = routed_attention(
+    q_rot,
+    positions,
+    nodes,
+    k_rot,
+    v.astype(dtype),
+    positions,
+    chunk=chunk,
+    top_p=level_top_p(top_p, levels),
+    max_nodes=max_nodes,
+  )
   out = out.astype(q.dtype)
   return (out, fraction) if return_fraction else out
 
@@ -339,17 +351,24 @@ def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None):
       losses.append(jnp.zeros((), dtype))
       continue
     complete = complete_nodes(positions, count, chunk, level)  # [batch, 1, T, N]
-    node_mass = attention[..., 1:1 + count * span].reshape(batch, heads, seq, count, span).sum(-1)
+    node_mass = attention[..., 1 : 1 + count * span].reshape(batch, heads, seq, count, span).sum(-1)
     remainder = (j >= 1 + span * (i // span)) & (j <= i)  # [T, T]
-    target = jnp.concatenate([attention[..., :1], jnp.where(complete, node_mass, 0.0),
-                              jnp.sum(jnp.where(remainder, attention, 0.0), -1, keepdims=True)], axis=-1)
+    target = jnp.concatenate(
+      [
+        attention[..., :1],
+        jnp.where(complete, node_mass, 0.0),
+        jnp.sum(jnp.where(remainder, attention, 0.0), -1, keepdims=True),
+      ],
+      axis=-1,
+    )
     scores = jnp.where(complete, node_scores(q_rot, *node), -jnp.inf)
-    predicted = jnp.concatenate([logits[..., :1], scores,
-                                 jax.nn.logsumexp(jnp.where(remainder, logits, -jnp.inf), -1, keepdims=True)],
-                                axis=-1)
+    predicted = jnp.concatenate(
+      [logits[..., :1], scores, jax.nn.logsumexp(jnp.where(remainder, logits, -jnp.inf), -1, keepdims=True)], axis=-1
+    )
     log_predicted = jax.nn.log_softmax(predicted, axis=-1)
-    kl = jnp.sum(jnp.where(target > 0, target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_predicted),
-                           0.0), axis=-1)  # [batch, heads, T]
+    kl = jnp.sum(
+      jnp.where(target > 0, target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_predicted), 0.0), axis=-1
+    )  # [batch, heads, T]
     eligible = (jnp.arange(seq) >= span).astype(dtype)
     losses.append(jnp.sum(kl * eligible) / (batch * heads * jnp.maximum(jnp.sum(eligible), 1.0)))
   return jnp.stack(losses)

@@ -97,8 +97,9 @@ def candidates_below(kept, position, *, chunk, level):
   children = jnp.where(kept[..., None] >= 0, kept[..., None] * chunk + jnp.arange(chunk), NO_NODE)
   parentless = chunk * (i // chunk**level) + jnp.arange(chunk - 1)
   parentless = jnp.where(node_last_key(parentless, chunk, level - 1) <= i, parentless, NO_NODE)
-  return jnp.concatenate([children.reshape(batch, heads, -1), jnp.broadcast_to(parentless, (batch, heads, chunk - 1))],
-                         axis=-1).astype(jnp.int32)
+  return jnp.concatenate(
+    [children.reshape(batch, heads, -1), jnp.broadcast_to(parentless, (batch, heads, chunk - 1))], axis=-1
+  ).astype(jnp.int32)
 
 
 def route_gathered(q, position, keys, bias, tree: ZHATree):
@@ -124,8 +125,12 @@ def route_gathered(q, position, keys, bias, tree: ZHATree):
   index = jnp.where(node_last_key(nodes, tree.chunk, tree.levels) <= position[:, None, None], nodes, NO_NODE)
   index = jnp.broadcast_to(index, (batch, heads, top))  # A_L = U_L: every complete top-level node
   for level in range(tree.levels, 0, -1):
-    kept = keep_top_p(listed_scores(q, keys[level - 1], bias[level - 1], index), index,
-                      p=tree.level_top_p[level - 1], max_nodes=tree.max_nodes)
+    kept = keep_top_p(
+      listed_scores(q, keys[level - 1], bias[level - 1], index),
+      index,
+      p=tree.level_top_p[level - 1],
+      max_nodes=tree.max_nodes,
+    )
     if level > 1:
       index = candidates_below(kept, position, chunk=tree.chunk, level=level)
   return kept
@@ -154,10 +159,17 @@ def leaf_attention(q, k, v, leaves, position, *, chunk):
   i = position[:, None, None]
   leaf_keys = (1 + jnp.maximum(leaves, 0)[..., None] * chunk + jnp.arange(chunk)).reshape(batch, heads, -1)
   current = 1 + chunk * (i // chunk) + jnp.arange(chunk)
-  key_pos = jnp.concatenate([jnp.zeros((batch, heads, 1), jnp.int32), leaf_keys,
-                             jnp.broadcast_to(current, (batch, heads, chunk))], axis=-1)
-  key_valid = jnp.concatenate([jnp.ones((batch, heads, 1), bool), jnp.repeat(leaves >= 0, chunk, axis=-1),
-                               jnp.broadcast_to(current <= i, (batch, heads, chunk))], axis=-1)
+  key_pos = jnp.concatenate(
+    [jnp.zeros((batch, heads, 1), jnp.int32), leaf_keys, jnp.broadcast_to(current, (batch, heads, chunk))], axis=-1
+  )
+  key_valid = jnp.concatenate(
+    [
+      jnp.ones((batch, heads, 1), bool),
+      jnp.repeat(leaves >= 0, chunk, axis=-1),
+      jnp.broadcast_to(current <= i, (batch, heads, chunk)),
+    ],
+    axis=-1,
+  )
   keys = gather_per_head(k, key_pos).astype(dtype)  # [batch, heads, K, d]
   values = gather_per_head(v, key_pos).astype(dtype)
   logits = jnp.einsum("bhd,bhkd->bhk", q.astype(dtype), keys, precision=PRECISION) / math.sqrt(dim)

@@ -19,8 +19,9 @@ CHECKPOINT_SUBDIR = "checkpoints"
 
 def _manager(directory, **options):
   """A CheckpointManager that knows how each item is stored, so a fresh process can read metadata."""
-  handlers = dict(state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler(),
-                  config=ocp.JsonCheckpointHandler())
+  handlers = dict(
+    state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler(), config=ocp.JsonCheckpointHandler()
+  )
   return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(**options), item_handlers=handlers)
 
 
@@ -40,15 +41,22 @@ class Checkpointer:
 
   def save(self, step, state, data_state, config: Config):
     """Starts writing step `step` (asynchronously when configured)."""
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    data=ocp.args.JsonSave({"iterator": data_state}),
-                                                    config=ocp.args.JsonSave(to_dict(config))), force=True)
+    self.manager.save(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=ocp.args.JsonSave({"iterator": data_state}),
+        config=ocp.args.JsonSave(to_dict(config)),
+      ),
+      force=True,
+    )
 
   def restore(self, step, abstract_state):
     """(state laid out like `abstract_state`, data iterator state). Shapes are checked first."""
     check_shapes(self.manager.item_metadata(step)["state"], abstract_state, f"{self.directory}/{step}")
-    restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                                                  data=ocp.args.JsonRestore()))
+    restored = self.manager.restore(
+      step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+    )
     return restored["state"], restored["data"]["iterator"]
 
   def wait(self):
@@ -71,8 +79,10 @@ def check_shapes(saved, expected, where):
     if name not in saved:
       raise CheckpointError(f"checkpoint {where} has no array {name} that the config needs (shape {shape})")
     if saved[name] != shape:
-      raise CheckpointError(f"checkpoint {where}: {name} has shape {saved[name]} but the config gives {shape}; "
-                            "does the config match the one the checkpoint was trained with?")
+      raise CheckpointError(
+        f"checkpoint {where}: {name} has shape {saved[name]} but the config gives {shape}; "
+        "does the config match the one the checkpoint was trained with?"
+      )
 
 
 def resolve(path):
@@ -102,8 +112,9 @@ def load(path):
   """
   directory, step = resolve(path)
   manager = _manager(directory, read_only=True)
-  restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
-                                                           config=ocp.args.JsonRestore()))
+  restored = manager.restore(
+    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(), config=ocp.args.JsonRestore())
+  )
   manager.close()
   try:
     config = from_dict(Config, restored["config"])

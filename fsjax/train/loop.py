@@ -58,8 +58,12 @@ def check_paths(config: Config):
   """Raises ConfigError for a data, tokenizer or parent-checkpoint path that does not exist. `data.train_path` is
   checked only when training reads it (not with `data.source: random`)."""
   train_path = config.data.train_path if config.data.source == "text" else None
-  for field, path in (("data.train_path", train_path), ("data.eval_path", config.data.eval_path),
-                      ("data.tokenizer", config.data.tokenizer), ("train.init_from", config.train.init_from)):
+  for field, path in (
+    ("data.train_path", train_path),
+    ("data.eval_path", config.data.eval_path),
+    ("data.tokenizer", config.data.tokenizer),
+    ("train.init_from", config.train.init_from),
+  ):
     if path is not None and not os.path.exists(path):
       raise ConfigError(f"{field}: path does not exist: {path}")
 
@@ -69,8 +73,10 @@ def check_vocabulary(config: Config):
   reads text, and an out-of-range id would embed as NaN (`jnp.take` fills) instead of failing."""
   size = load_tokenizer(config.data.tokenizer).get_vocab_size()
   if size > config.model.vocab_size:
-    raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) must hold every id of the tokenizer "
-                      f"(data.tokenizer: {size} ids); held-out evaluation reads text even with data.source random")
+    raise ConfigError(
+      f"model.vocab_size ({config.model.vocab_size}) must hold every id of the tokenizer "
+      f"(data.tokenizer: {size} ids); held-out evaluation reads text even with data.source random"
+    )
 
 
 def _check_divisible(config: Config, mesh):
@@ -86,33 +92,57 @@ def _local_rows(global_rows):
 def _train_iterator(config: Config):
   data, shards = config.data, dict(shard_index=jax.process_index(), shard_count=jax.process_count())
   if data.tiled_rows % jax.process_count():
-    raise ConfigError(f"data.tiled_rows ({data.tiled_rows}) must be a multiple of the process count "
-                      f"({jax.process_count()})")
+    raise ConfigError(
+      f"data.tiled_rows ({data.tiled_rows}) must be a multiple of the process count ({jax.process_count()})"
+    )
   rows = _local_rows(config.train.batch_size - data.tiled_rows)
   if data.source == "random":
-    main = make_random_iterator(seq_len=data.seq_len, batch_size=rows, seed=config.train.seed, vocab=data.random_ids,
-                                copies=data.copies, period=None if data.tiled_rows else data.random_period,
-                                **shards)
+    main = make_random_iterator(
+      seq_len=data.seq_len,
+      batch_size=rows,
+      seed=config.train.seed,
+      vocab=data.random_ids,
+      copies=data.copies,
+      period=None if data.tiled_rows else data.random_period,
+      **shards,
+    )
   else:
-    main = make_train_iterator(path=data.train_path or default_corpus_path("train"), tokenizer_path=data.tokenizer,
-                               seq_len=data.seq_len, batch_size=rows, seed=config.train.seed,
-                               recall_masks=data.recall, copies=data.copies, **shards)
+    main = make_train_iterator(
+      path=data.train_path or default_corpus_path("train"),
+      tokenizer_path=data.tokenizer,
+      seq_len=data.seq_len,
+      batch_size=rows,
+      seed=config.train.seed,
+      recall_masks=data.recall,
+      copies=data.copies,
+      **shards,
+    )
   if not data.tiled_rows:
     return main
   # Beside random copy rows, tiled rows from the same seed would replay those rows' ids (DataConfig.tiled_rows).
   tiled_seed = config.train.seed + 1 if data.source == "random" else config.train.seed
-  tiled = make_random_iterator(seq_len=data.seq_len, batch_size=_local_rows(data.tiled_rows), seed=tiled_seed,
-                               vocab=data.random_ids, period=data.random_period, **shards)
+  tiled = make_random_iterator(
+    seq_len=data.seq_len,
+    batch_size=_local_rows(data.tiled_rows),
+    seed=tiled_seed,
+    vocab=data.random_ids,
+    period=data.random_period,
+    **shards,
+  )
   return RowMixture(main, tiled)
 
 
 def _eval_batches(config: Config):
-  batches = make_eval_batches(path=config.data.eval_path or default_corpus_path("valid"),
-                              tokenizer_path=config.data.tokenizer, seq_len=config.data.seq_len,
-                              batch_size=config.eval.batch_size, max_batches=config.eval.batches)
+  batches = make_eval_batches(
+    path=config.data.eval_path or default_corpus_path("valid"),
+    tokenizer_path=config.data.tokenizer,
+    seq_len=config.data.seq_len,
+    batch_size=config.eval.batch_size,
+    max_batches=config.eval.batches,
+  )
   rows = _local_rows(config.eval.batch_size)
   start = jax.process_index() * rows
-  return [b[start:start + rows] for b in batches]  # each process feeds its share of every batch
+  return [b[start : start + rows] for b in batches]  # each process feeds its share of every batch
 
 
 def _parent_variables(config: Config, objective, abstract_params, abstract_frozen):
@@ -121,10 +151,14 @@ def _parent_variables(config: Config, objective, abstract_params, abstract_froze
   parent_config, params, frozen, step = ckpt_lib.load(config.train.init_from)
   where = f"{config.train.init_from} (step {step})"
   abstract_params = objective.parent_params(config, parent_config, abstract_params, where)
-  ckpt_lib.check_shapes({"params": params, "frozen": frozen},
-                        {"params": abstract_params, "frozen": abstract_frozen}, where)
-  print(f"continuing from {where}: {parent_config.model.attention.kind} -> {config.model.attention.kind}, "
-        "fresh optimizer and schedule", flush=True)
+  ckpt_lib.check_shapes(
+    {"params": params, "frozen": frozen}, {"params": abstract_params, "frozen": abstract_frozen}, where
+  )
+  print(
+    f"continuing from {where}: {parent_config.model.attention.kind} -> {config.model.attention.kind}, "
+    "fresh optimizer and schedule",
+    flush=True,
+  )
   return params, frozen
 
 
@@ -167,11 +201,15 @@ def train(config: Config, workdir, final_evals=()):
   init_state = lambda: create_state(init_variables(config.model, rng, config.model.attention.block), optimizer)
   abstract_state = jax.eval_shape(init_state)
   state_shardings = sharding.tree_shardings(abstract_state, mesh)
-  abstract_state = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                          abstract_state, state_shardings)
+  abstract_state = jax.tree_util.tree_map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, state_shardings
+  )
 
-  checkpoints = ckpt_lib.Checkpointer(os.path.join(workdir, ckpt_lib.CHECKPOINT_SUBDIR),
-                                      keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+  checkpoints = ckpt_lib.Checkpointer(
+    os.path.join(workdir, ckpt_lib.CHECKPOINT_SUBDIR),
+    keep=config.checkpoint.keep,
+    async_save=config.checkpoint.async_save,
+  )
   log = MetricsLog(workdir, config.train.steps)
   data = _train_iterator(config)
   latest = checkpoints.latest_step()
@@ -181,26 +219,36 @@ def train(config: Config, workdir, final_evals=()):
     log.truncate_after(latest)
     print(f"resumed from {checkpoints.directory}/{latest}", flush=True)
   else:
-    parent = (_parent_variables(config, objective, abstract_state.params, abstract_state.frozen)
-              if config.train.init_from else None)
+    parent = (
+      _parent_variables(config, objective, abstract_state.params, abstract_state.frozen)
+      if config.train.init_from
+      else None
+    )
     state = jax.jit(init_state, out_shardings=state_shardings)()
     if parent is not None:
       parent_params, parent_frozen = parent
       fresh = flax.traverse_util.flatten_dict(jax.device_get(state.params))
       fresh.update(flax.traverse_util.flatten_dict(parent_params))  # arrays the parent lacks stay fresh
-      params, frozen = jax.device_put((flax.traverse_util.unflatten_dict(fresh), parent_frozen),
-                                      (state_shardings.params, state_shardings.frozen))
+      params, frozen = jax.device_put(
+        (flax.traverse_util.unflatten_dict(fresh), parent_frozen), (state_shardings.params, state_shardings.frozen)
+      )
       state = state.replace(params=params, frozen=frozen, opt_state=optimizer.init(params))
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(to_dict(config), f, indent=2)
 
   counts = param_counts(config.model)
-  print(f"{config.model.attention.kind} model, {counts['total']:,} parameters, mesh {dict(mesh.shape)}, "
-        f"{config.train.batch_size} x {config.data.seq_len} tokens per step", flush=True)
+  print(
+    f"{config.model.attention.kind} model, {counts['total']:,} parameters, mesh {dict(mesh.shape)}, "
+    f"{config.train.batch_size} x {config.data.seq_len} tokens per step",
+    flush=True,
+  )
   batch_shardings = sharding.batch_sharding(mesh)
-  train_step = jax.jit(make_train_step(objective.loss(train_model, config.train), optimizer, schedule),
-                       in_shardings=(state_shardings, batch_shardings), out_shardings=(state_shardings, None),
-                       donate_argnums=0)
+  train_step = jax.jit(
+    make_train_step(objective.loss(train_model, config.train), optimizer, schedule),
+    in_shardings=(state_shardings, batch_shardings),
+    out_shardings=(state_shardings, None),
+    donate_argnums=0,
+  )
   eval_batches = _eval_batches(config)
   step = int(state.step)
   tokens_per_step = config.train.batch_size * config.data.seq_len
@@ -214,36 +262,52 @@ def train(config: Config, workdir, final_evals=()):
       bad_steps = int(state.bad_steps)
       if bad_steps >= config.train.max_bad_steps:
         checkpoints.wait()
-        raise TrainingStopped(f"stopped at step {step}: {bad_steps} consecutive non-finite losses or gradients "
-                              f"(train.max_bad_steps={config.train.max_bad_steps}); the last good checkpoint "
-                              f"(step {checkpoints.latest_step()}) is kept unchanged")
+        raise TrainingStopped(
+          f"stopped at step {step}: {bad_steps} consecutive non-finite losses or gradients "
+          f"(train.max_bad_steps={config.train.max_bad_steps}); the last good checkpoint "
+          f"(step {checkpoints.latest_step()}) is kept unchanged"
+        )
       stopping = stop_requested()
       if bad_steps == 0 and (step % config.checkpoint.every == 0 or step == config.train.steps or stopping):
         checkpoints.save(step, state, data.get_state(), config)
       if step % config.log.every == 0 or step == config.train.steps or stopping:
         now = time.perf_counter()
         extra = {name: metrics[name] for name in objective.metric_names(config.model)}
-        log.write(step, dict(loss=metrics["loss"], grad_norm=metrics["grad_norm"],
-                             learning_rate=metrics["learning_rate"], skipped=int(state.skipped),
-                             tokens_per_s=tokens_per_step * (step - last_step) / (now - last_time), **extra))
+        log.write(
+          step,
+          dict(
+            loss=metrics["loss"],
+            grad_norm=metrics["grad_norm"],
+            learning_rate=metrics["learning_rate"],
+            skipped=int(state.skipped),
+            tokens_per_s=tokens_per_step * (step - last_step) / (now - last_time),
+            **extra,
+          ),
+        )
         last_time, last_step = now, step
       if stopping:
         checkpoints.wait()
         saved = checkpoints.latest_step()
         checkpoints.close()
-        raise TrainingInterrupted(f"stopped by SIGTERM after step {step}; the latest checkpoint is step {saved} (a "
-                                  "step with a non-finite loss is not saved): rerun the same command to resume")
+        raise TrainingInterrupted(
+          f"stopped by SIGTERM after step {step}; the latest checkpoint is step {saved} (a "
+          "step with a non-finite loss is not saved): rerun the same command to resume"
+        )
       if config.eval.every and step % config.eval.every == 0:
         result = evaluate(model, state.params, state.frozen, eval_batches, mesh)
-        print(f"step {step}: held-out loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}",
-              flush=True)
+        print(f"step {step}: held-out loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}", flush=True)
   checkpoints.wait()
   checkpoints.close()
 
   result = evaluate(model, state.params, state.frozen, eval_batches, mesh)
-  summary = dict(model=config.model.attention.kind, parameters=counts["total"], steps=step,
-                 tokens_seen=step * tokens_per_step, heldout_loss=result["loss"],
-                 heldout_perplexity=result["perplexity"])
+  summary = dict(
+    model=config.model.attention.kind,
+    parameters=counts["total"],
+    steps=step,
+    tokens_seen=step * tokens_per_step,
+    heldout_loss=result["loss"],
+    heldout_perplexity=result["perplexity"],
+  )
   for final_eval in final_evals:
     summary.update(final_eval(config, model, {"params": state.params, **state.frozen}))
   with open(os.path.join(workdir, "eval.json"), "w") as f:

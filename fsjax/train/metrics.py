@@ -29,8 +29,11 @@ class MetricsLog:
     if self.tensorboard is not None:
       for name, value in metrics.items():
         self.tensorboard.add_scalar(name, float(value), step)
-    print(f"step {step:>6}/{self.total_steps} | loss {record['loss']:.4f} | lr {record['learning_rate']:.2e} | "
-          f"{record['tokens_per_s']:,.0f} tok/s | skipped {int(record['skipped'])}", flush=True)
+    print(
+      f"step {step:>6}/{self.total_steps} | loss {record['loss']:.4f} | lr {record['learning_rate']:.2e} | "
+      f"{record['tokens_per_s']:,.0f} tok/s | skipped {int(record['skipped'])}",
+      flush=True,
+    )
 
 
 def _tensorboard_writer(logdir):

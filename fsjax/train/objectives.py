@@ -70,6 +70,7 @@ class Objective:
       the objective cannot start from (`where` names the parent checkpoint).
     metric_names: `model_config` → the names of the loss's extra metrics, in logging order.
   """
+
   name: str
   loss: Callable
   model_config: Callable = lambda model_config: model_config
@@ -79,8 +80,10 @@ class Objective:
 
 
 def _lm_loss(model, train):
-  return lambda params, frozen, batch: (weighted_loss(model, params, frozen, batch, train.recall_beta,
-                                                      train.recall_switch_beta), {})
+  return lambda params, frozen, batch: (
+    weighted_loss(model, params, frozen, batch, train.recall_beta, train.recall_switch_beta),
+    {},
+  )
 
 
 def _zha_kl_loss(model, train):
@@ -91,14 +94,16 @@ def _zha_kl_loss(model, train):
 def _distilling(model_config):
   """The model with each ZHA layer running its frozen dense attention and sowing its KL."""
   att = model_config.attention
-  return dataclasses.replace(model_config, attention=dataclasses.replace(
-      att, zha=dataclasses.replace(att.zha, distill=True)))
+  return dataclasses.replace(
+    model_config, attention=dataclasses.replace(att, zha=dataclasses.replace(att.zha, distill=True))
+  )
 
 
 def ref_queries_only(params):
   """True for ZHA's reference queries, False for every other parameter (ZHA III-B freezes the backbone)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: any(getattr(p, "key", None) == "ref_queries" for p in path), params)
+    lambda path, _: any(getattr(p, "key", None) == "ref_queries" for p in path), params
+  )
 
 
 def _zha_parent_params(config, parent_config, abstract_params, where):
@@ -108,8 +113,9 @@ def _zha_parent_params(config, parent_config, abstract_params, where):
   if parent_kind == "zha":
     return abstract_params
   if parent_kind != "tfpp":
-    raise ConfigError(f"train.init_from: a ZHA model converts a TF++ checkpoint (ZHA III-B), but {where} holds "
-                      f"a {parent_kind!r} model")
+    raise ConfigError(
+      f"train.init_from: a ZHA model converts a TF++ checkpoint (ZHA III-B), but {where} holds a {parent_kind!r} model"
+    )
   flat = flax.traverse_util.flatten_dict(abstract_params)
   return flax.traverse_util.unflatten_dict({k: v for k, v in flat.items() if "ref_queries" not in k})
 
@@ -119,11 +125,17 @@ def _kl_levels(model_config):
 
 
 OBJECTIVES = {
-    # Next-token loss with FS Eq. 13's recall weights; every parameter trains.
-    "lm": Objective(name="lm", loss=_lm_loss),
-    # ZHA III-B: the backbone frozen and run dense, only the reference queries train, on the per-level KL.
-    "zha_kl": Objective(name="zha_kl", loss=_zha_kl_loss, model_config=_distilling, trainable=ref_queries_only,
-                        parent_params=_zha_parent_params, metric_names=_kl_levels),
+  # Next-token loss with FS Eq. 13's recall weights; every parameter trains.
+  "lm": Objective(name="lm", loss=_lm_loss),
+  # ZHA III-B: the backbone frozen and run dense, only the reference queries train, on the per-level KL.
+  "zha_kl": Objective(
+    name="zha_kl",
+    loss=_zha_kl_loss,
+    model_config=_distilling,
+    trainable=ref_queries_only,
+    parent_params=_zha_parent_params,
+    metric_names=_kl_levels,
+  ),
 }
 
 

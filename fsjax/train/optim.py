@@ -16,15 +16,19 @@ def learning_rate_schedule(train: TrainConfig):
   horizon = train.decay_steps or train.steps
   warmup = min(train.warmup_steps, horizon)
   if train.schedule == "cosine":
-    return optax.warmup_cosine_decay_schedule(0.0, train.learning_rate, warmup, max(horizon, warmup + 1),
-                                              end_value=train.lr_floor)
+    return optax.warmup_cosine_decay_schedule(
+      0.0, train.learning_rate, warmup, max(horizon, warmup + 1), end_value=train.lr_floor
+    )
   decay = max(1, round(train.decay_fraction * horizon))
   stable = max(0, horizon - warmup - decay)
   return optax.join_schedules(
-      [optax.linear_schedule(0.0, train.learning_rate, warmup),
-       optax.constant_schedule(train.learning_rate),
-       optax.linear_schedule(train.learning_rate, train.lr_floor, decay)],
-      boundaries=[warmup, warmup + stable])
+    [
+      optax.linear_schedule(0.0, train.learning_rate, warmup),
+      optax.constant_schedule(train.learning_rate),
+      optax.linear_schedule(train.learning_rate, train.lr_floor, decay),
+    ],
+    boundaries=[warmup, warmup + stable],
+  )
 
 
 DECAYED = ("kernel", "embedding")
@@ -46,9 +50,16 @@ def make_optimizer(train: TrainConfig, trainable=None):
       `trainable`): parameters marked False get zero updates and no optimizer state.
   """
   adamw = optax.chain(
-      optax.clip_by_global_norm(train.clip_norm),
-      optax.adamw(learning_rate_schedule(train), b1=train.beta1, b2=train.beta2, eps=train.eps,
-                  weight_decay=train.weight_decay, mask=decay_mask))
+    optax.clip_by_global_norm(train.clip_norm),
+    optax.adamw(
+      learning_rate_schedule(train),
+      b1=train.beta1,
+      b2=train.beta2,
+      eps=train.eps,
+      weight_decay=train.weight_decay,
+      mask=decay_mask,
+    ),
+  )
   if trainable is None:
     return adamw
   labels = lambda params: jax.tree_util.tree_map(lambda t: "train" if t else "frozen", trainable(params))

@@ -19,12 +19,12 @@ BATCH_AXES = ("data", "fsdp")
 # (regex on the "/"-joined parameter path, spec). First match wins; an axis whose size the fsdp axis does not
 # divide is replicated instead.
 PARTITION_RULES = (
-    (r"embed/embedding$", P("fsdp", None)),  # [vocab, d_model]
-    (r"(q_proj|k_proj|v_proj)/kernel$", P("fsdp", None, None)),  # [d_model, heads, head_dim]
-    (r"o_proj/kernel$", P(None, None, "fsdp")),  # [heads, head_dim, d_model]
-    (r"mlp/(gate|up)/kernel$", P("fsdp", None)),  # [d_model, hidden]
-    (r"mlp/down/kernel$", P(None, "fsdp")),  # [hidden, d_model]
-    (r"lm_head/kernel$", P("fsdp", None)),  # [d_model, vocab]
+  (r"embed/embedding$", P("fsdp", None)),  # [vocab, d_model]
+  (r"(q_proj|k_proj|v_proj)/kernel$", P("fsdp", None, None)),  # [d_model, heads, head_dim]
+  (r"o_proj/kernel$", P(None, None, "fsdp")),  # [heads, head_dim, d_model]
+  (r"mlp/(gate|up)/kernel$", P("fsdp", None)),  # [d_model, hidden]
+  (r"mlp/down/kernel$", P(None, "fsdp")),  # [hidden, d_model]
+  (r"lm_head/kernel$", P("fsdp", None)),  # [d_model, vocab]
 )
 
 
@@ -53,7 +53,7 @@ def make_mesh(mesh: MeshConfig, devices=None):
 
 
 def path_name(path):
-  """"a/b/0/c" for a pytree key path of dict keys, attribute names and sequence indices."""
+  """ "a/b/0/c" for a pytree key path of dict keys, attribute names and sequence indices."""
   return "/".join(str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path)
 
 
@@ -75,8 +75,8 @@ def tree_shardings(tree, mesh):
   """
   fsdp_size = mesh.shape["fsdp"]
   return jax.tree_util.tree_map_with_path(
-      lambda path, leaf: NamedSharding(mesh, param_spec(path_name(path), getattr(leaf, "shape", ()), fsdp_size)),
-      tree)
+    lambda path, leaf: NamedSharding(mesh, param_spec(path_name(path), getattr(leaf, "shape", ()), fsdp_size)), tree
+  )
 
 
 def batch_sharding(mesh):

@@ -18,6 +18,7 @@ class TrainState:
     bad_steps: consecutive non-finite steps so far (reset by a good one).
     skipped: total non-finite steps skipped.
   """
+
   step: jax.Array
   params: dict
   frozen: dict
@@ -31,8 +32,9 @@ def create_state(variables, optimizer):
   params = variables["params"]
   frozen = {name: col for name, col in variables.items() if name != "params"}
   zero = jnp.zeros((), jnp.int32)
-  return TrainState(step=zero, params=params, frozen=frozen, opt_state=optimizer.init(params), bad_steps=zero,
-                    skipped=zero)
+  return TrainState(
+    step=zero, params=params, frozen=frozen, opt_state=optimizer.init(params), bad_steps=zero, skipped=zero
+  )
 
 
 def make_train_step(loss_fn, optimizer, schedule):
@@ -47,11 +49,12 @@ def make_train_step(loss_fn, optimizer, schedule):
     new_params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, old)
     new_state = state.replace(
-        step=state.step + 1,
-        params=keep(new_params, state.params),
-        opt_state=keep(new_opt_state, state.opt_state),
-        bad_steps=jnp.where(finite, 0, state.bad_steps + 1),
-        skipped=state.skipped + jnp.where(finite, 0, 1))
+      step=state.step + 1,
+      params=keep(new_params, state.params),
+      opt_state=keep(new_opt_state, state.opt_state),
+      bad_steps=jnp.where(finite, 0, state.bad_steps + 1),
+      skipped=state.skipped + jnp.where(finite, 0, 1),
+    )
     metrics = dict(loss=loss, grad_norm=grad_norm, learning_rate=schedule(state.step), finite=finite, **extra)
     return new_state, metrics
 
