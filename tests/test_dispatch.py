@@ -36,7 +36,9 @@ def test_auto_takes_the_kernels_only_on_a_gpu_and_for_geometries_they_tile():
   assert dispatch.resolve("freesolo_long_range", "auto", **{**FACTS, "cell": 24}) == "reference"
   assert dispatch.resolve("select_cells", "auto", **{**FACTS, "variant": "fsb"}) == "reference"
   assert dispatch.resolve("local_attention", "auto", dtype=jnp.float32) == "reference"
-  assert dispatch.resolve("cache_attention", "auto", **{**FACTS, "tokens": 1}) == ("cudnn" if ON_GPU else "one_token")
+  assert dispatch.resolve("cache_attention", "auto", **FACTS) == ("cudnn" if ON_GPU else "reference")
+  assert dispatch.resolve("cache_attention", "auto", **{**FACTS, "cache_dtype": jnp.float32}) == "reference"
+  assert dispatch.resolve("cache_attention", "auto", **{**FACTS, "tokens": 1}) == "one_token"
 
 
 def test_unknown_impl_is_one_clear_error_everywhere(rng):
