@@ -18,6 +18,7 @@ from fsjax.config import ConfigError, load_config, model_preset
 from fsjax.decode import extend, prefill
 from fsjax.eval import ruler
 from fsjax.model import Transformer, init_variables
+from fsjax.reference import zha as zha_ref
 from fsjax.reference.rope import apply_rope
 from fsjax.reference.zha import ZHATree
 from fsjax.train import checkpoint as ckpt_lib
@@ -201,3 +202,27 @@ def test_capped_model_decodes_like_its_full_forward(rng, impl, scan_layers):
     step, cache, _ = extend(model, variables, tokens[:, t : t + 1], cache, jnp.full((2, 1), t), jnp.ones((2, 1), bool))
     steps.append(step)
   np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("start_length", [(0, 46), (8, 37)])
+def test_a_chunk_writes_every_node_it_completes_and_none_from_padding(rng, start_length):
+  """A 48-token chunk into a 48-slot cache (11 level-1 nodes of 4 keys): the slots for the nodes a chunk
+  completes are capped at the node count, so a chunk from position 0 must not spend one on node -1. Padding
+  after each row's length writes no node: the cache's complete nodes equal `build_tree` over the valid keys."""
+  start, length = start_length
+  tree = ZHATree(refs=2, chunk=4, levels=2, top_p=(0.9,))
+  k = jnp.asarray(rng.standard_normal((1, 48, 2, 8)), jnp.float32)
+  ref_queries = jnp.asarray(rng.standard_normal((2, 2, 8)), jnp.float32)
+  cache = zha_cache.empty_zha(1, 48, 2, 8, tree)
+  if start:
+    pos = jnp.arange(start)[None]
+    cache = zha_cache.extend(cache, k[:, :start], k[:, :start], pos, pos >= 0, ref_queries, tree=tree, rope_theta=None)
+  pos = jnp.arange(start, start + 48)[None]
+  chunk = jnp.pad(k[:, start:], ((0, 0), (0, start), (0, 0), (0, 0)), constant_values=9.0)  # padding: not keys
+  cache = zha_cache.extend(cache, chunk, chunk, pos, pos < length, ref_queries, tree=tree, rope_theta=None)
+  expected = zha_ref.build_tree(k[:, :length], ref_queries, chunk=4, levels=2)
+  for level, (keys, bias) in enumerate(expected):
+    count = keys.shape[1]
+    np.testing.assert_allclose(cache.keys[level][:, :count], keys, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cache.bias[level][:, :count], bias, rtol=1e-5, atol=1e-6)
+    assert not np.any(np.asarray(cache.keys[level][:, count:])), f"level {level + 1}: a node past the prompt"

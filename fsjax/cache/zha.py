@@ -40,11 +40,12 @@ def _completed_nodes(positions, valid, chunk, level, count):
   """Level-`level` nodes whose last key arrives in this chunk: indices `[batch, S]` and a write mask.
 
   A chunk of n tokens starting at position p completes at most ⌈n / C^ℓ⌉ nodes, the first being
-  ⌈p / C^ℓ⌉ − 1.
+  max(⌈p / C^ℓ⌉ − 1, 0) (node m's last key is (m + 1) C^ℓ, so at p = 0 the first candidate is node 0, not -1:
+  starting at -1 would spend a slot on no node and, with the slots capped at `count`, drop the last one).
   """
   span = chunk**level
   slots = min(-(-positions.shape[1] // span), count)
-  first = -(-positions[:, :1] // span) - 1
+  first = jnp.maximum(-(-positions[:, :1] // span) - 1, 0)
   index = first + jnp.arange(slots)  # [batch, S]
   last_valid = jnp.max(jnp.where(valid, positions, -1), axis=1, keepdims=True)
   last_key = zha.node_last_key(index, chunk, level)
