@@ -9,6 +9,7 @@ Prefill runs the same causal operator as training, chunk by chunk, so its logits
 """
 
 import functools
+import math
 
 import flax.struct
 import jax
@@ -16,52 +17,99 @@ import jax.numpy as jnp
 
 from fsjax import kinds
 from fsjax.cache import init_cache
+from fsjax.ops import dispatch
 
-DEFAULT_CHUNK = 2048
+DEFAULT_CHUNK = 2048  # tokens per chunk where the training operator is a reference (its memory grows faster)
+ACTIVATION_BUDGET = 24 * 2**30  # bytes of one chunk's forward activations, where the fused operators run
 
 
-def _apply(model, variables, tokens, cache, positions, valid):
-  (logits, cache), state = model.apply(variables, tokens, cache, positions, valid, mutable=["intermediates"])
+def _apply(model, variables, tokens, cache, positions, valid, first_chunk=False, logits_at=None):
+  (logits, cache), state = model.apply(
+    variables, tokens, cache, positions, valid, first_chunk=first_chunk, logits_at=logits_at, mutable=["intermediates"]
+  )
   return logits, cache, state.get("intermediates", {})
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def extend(model, variables, tokens, cache, positions, valid):
-  """One chunk through the model: `(logits [batch, C, vocab], cache, intermediates)`. The cache is donated."""
-  return _apply(model, variables, tokens, cache, positions, valid)
+@functools.partial(jax.jit, static_argnums=0, static_argnames="first_chunk", donate_argnums=3)
+def extend(model, variables, tokens, cache, positions, valid, first_chunk=False, logits_at=None):
+  """One chunk through the model: `(logits, cache, intermediates)`. The cache is donated.
+
+  logits are `[batch, C, vocab]`, or `[batch, vocab]` at the chunk indices `logits_at` `[batch]`. `first_chunk`
+  (static): the cache is empty and `positions` are `0..C-1` in every row, so every layer runs its training
+  operator over the chunk and writes its cache in bulk (`fsjax.model.Transformer`).
+  """
+  return _apply(model, variables, tokens, cache, positions, valid, first_chunk, logits_at)
 
 
-def prefill(model, variables, tokens, lengths, cache, chunk=DEFAULT_CHUNK, all_logits=True):
-  """Runs right-padded prompts through the model in chunks of `chunk` tokens, filling `cache`.
+def activation_bytes_per_token(config):
+  """A bound on one token's share of a forward pass's live activations: the residual stream and norms, q/k/v and
+  the attention output, the SwiGLU hidden states, in the compute dtype, twice over for XLA's temporaries."""
+  width = 4 * config.d_model + 4 * config.num_heads * config.head_dim + 3 * config.ffn_hidden_size
+  return 2 * width * jnp.dtype(config.dtype).itemsize
+
+
+def prefill_chunk(config, prompt_len):
+  """Tokens per prefill chunk for `prompt_len`-token prompts: a performance choice, never a semantic one.
+
+  Where the kind's training operator runs fused on this platform (`fsjax.kinds.Kind.prefill_op`: cuDNN or the
+  Pallas kernels, whose memory grows linearly with the chunk), the whole prompt up to what `ACTIVATION_BUDGET`
+  holds; otherwise `DEFAULT_CHUNK`. Rounded up to whole query blocks (the FS-L bounded cache needs them) and to
+  a multiple of an eighth of its power of two, so prompts of nearby lengths share a compiled program at most
+  12.5% padding.
+  """
+  att = config.attention
+  tokens = DEFAULT_CHUNK
+  op = kinds.get(att.kind).prefill_op
+  facts = dict(cell=att.cell, head_dim=config.head_dim, dtype=jnp.dtype(config.dtype))
+  if op is not None and dispatch.resolve(op, dispatch.for_op(op, att.impl), **facts) != "reference":
+    tokens = max(DEFAULT_CHUNK, ACTIVATION_BUDGET // activation_bytes_per_token(config))
+  chunk = max(1, min(tokens, prompt_len))
+  unit = math.lcm(att.block, max(1, 2 ** (chunk.bit_length() - 4)))
+  return -(-chunk // unit) * unit
+
+
+def prefill(model, variables, tokens, lengths, cache, chunk=None, all_logits=True):
+  """Runs right-padded prompts through the model in chunks, filling an empty `cache`.
+
+  The first chunk runs each layer's training operator and writes the caches in bulk (`first_chunk`); later
+  chunks attend through the caches. Either way the logits equal the full forward's (the tests hold every kind
+  to it), so the chunk size only trades memory for speed.
 
   Args:
     tokens: `[batch, P]` int32; lengths: `[batch]` real prompt lengths (>= 1).
-    chunk: tokens per forward call (one compile for all chunks), rounded up to whole query blocks.
-    all_logits: return every position's logits; False keeps only each row's last prompt position (at 256k
-      tokens and a 32k vocabulary all of them would take 32 GiB).
+    cache: empty, from `fsjax.cache.init_cache`.
+    chunk: tokens per forward call (one compile for all chunks), rounded up to whole query blocks; None chooses
+      it from the prompt length (`prefill_chunk`).
+    all_logits: return every position's logits; False computes only each row's last prompt position.
 
   Returns:
     (logits `[batch, P, vocab]` (padding positions hold garbage) or `[batch, vocab]`, cache).
   """
   batch, prompt_len = tokens.shape
-  block = model.config.attention.block  # chunks of whole query blocks (the FS-L bounded cache needs them)
-  chunk = -(-min(chunk, prompt_len) // block) * block
+  block = model.config.attention.block
+  chunk = prefill_chunk(model.config, prompt_len) if chunk is None else -(-min(chunk, prompt_len) // block) * block
   padded = -(-prompt_len // chunk) * chunk
   tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (0, padded - prompt_len)))
   lengths = jnp.asarray(lengths, jnp.int32)
   outputs, last = [], None
   for start in range(0, padded, chunk):
     positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
+    offset = None if all_logits else jnp.clip(lengths - 1 - start, 0, chunk - 1)
     logits, cache, _ = extend(
-      model, variables, tokens[:, start : start + chunk], cache, positions, positions < lengths[:, None]
+      model,
+      variables,
+      tokens[:, start : start + chunk],
+      cache,
+      positions,
+      positions < lengths[:, None],
+      first_chunk=start == 0,
+      logits_at=offset,
     )
     if all_logits:
       outputs.append(logits)
     else:
-      offset = jnp.clip(lengths - 1 - start, 0, chunk - 1)
-      here = jnp.take_along_axis(logits, offset[:, None, None], axis=1)[:, 0]
       in_chunk = ((lengths - 1) // chunk == start // chunk)[:, None]
-      last = here if last is None else jnp.where(in_chunk, here, last)
+      last = logits if last is None else jnp.where(in_chunk, logits, last)
   return (jnp.concatenate(outputs, axis=1)[:, :prompt_len] if all_logits else last), cache
 
 
@@ -195,7 +243,7 @@ def generate(
   temperature=0.0,
   top_p=1.0,
   seed=0,
-  chunk=DEFAULT_CHUNK,
+  chunk=None,
   max_len=None,
   return_cells=False,
 ):

@@ -32,6 +32,9 @@ class Kind:
     cache: `(attention_config, batch, capacity, heads, head_dim, dtype, bounded)` → one layer's empty decode
       cache; `bounded=False` asks for the kind's unbounded reference cache where it has one.
     capacity: `(attention_config, max_len)` → token slots per layer of that cache.
+    prefill_op: the `fsjax.ops.dispatch` op whose fast implementation keeps the kind's training forward linear
+      in memory (so prefill may take a whole prompt as one chunk, `fsjax.decode.prefill_chunk`); None where the
+      training form materializes query-by-key masks (MoBA, ZHA) or rebuilds forests per block (FS-B).
   """
 
   name: str
@@ -41,6 +44,7 @@ class Kind:
   module: Callable
   cache: Callable
   capacity: Callable
+  prefill_op: str | None = None
 
 
 def _routing_rules(att, prefix):
@@ -116,11 +120,13 @@ _DENSE = dict(family="dense", validate=_no_rules, module=_dense_module, cache=_s
 REGISTRY = {
   kind.name: kind
   for kind in (
-    Kind("fs", cache=_archive, **_FREESOLO),
-    Kind("fsl", cache=_fsl_cache, **_FREESOLO),
+    Kind("fs", cache=_archive, prefill_op="freesolo_long_range", **_FREESOLO),
+    Kind("fsl", cache=_fsl_cache, prefill_op="freesolo_long_range", **_FREESOLO),
     Kind("fsb", cache=_fsb_cache, **_FREESOLO),
-    Kind("tfpp", section=None, capacity=_block_capacity, **_DENSE),
-    Kind("swa", section=None, capacity=lambda att, max_len: att.window + 1, **_DENSE),  # a ring of w + 1 slots
+    Kind("tfpp", section=None, capacity=_block_capacity, prefill_op="tfpp_attention", **_DENSE),
+    Kind(  # a ring of w + 1 slots
+      "swa", section=None, capacity=lambda att, max_len: att.window + 1, prefill_op="swa_attention", **_DENSE
+    ),
     Kind(
       "moba",
       section="moba",

@@ -46,9 +46,14 @@ class SwiGLU(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """`x + attention(RMSNorm(x))`, then `x + SwiGLU(RMSNorm(x))`; with a cache, returns `(x, new_cache)`."""
+  """`x + attention(RMSNorm(x))`, then `x + SwiGLU(RMSNorm(x))`; with a cache, returns `(x, new_cache)`.
+
+  `first_chunk`: the cache is empty and the chunk starts at position 0 in every row (a prompt's first chunk),
+  so attention runs the training operator over the chunk and writes the cache in bulk.
+  """
 
   config: ModelConfig
+  first_chunk: bool = False
 
   @nn.compact
   def __call__(self, x, cache=None, positions=None, valid=None):
@@ -58,7 +63,7 @@ class DecoderLayer(nn.Module):
     if cache is None:
       x = x + attention(norm("attention_norm")(x))
     else:
-      y, cache = attention(norm("attention_norm")(x), cache, positions, valid)
+      y, cache = attention(norm("attention_norm")(x), cache, positions, valid, first_chunk=self.first_chunk)
       x = x + y
     x = x + SwiGLU(c.ffn_hidden_size, dtype=c.dtype, param_dtype=c.param_dtype, name="mlp")(norm("mlp_norm")(x))
     return x if cache is None else (x, cache)
@@ -73,18 +78,21 @@ class ScannedLayer(nn.Module):
   """
 
   config: ModelConfig
+  first_chunk: bool = False
 
   @nn.compact
   def __call__(self, carry, index, positions, valid):
     x, cache = carry
-    layer = (nn.remat(DecoderLayer) if self.config.remat else DecoderLayer)(self.config, name="layer")
+    layer = (nn.remat(DecoderLayer) if self.config.remat else DecoderLayer)(
+      self.config, first_chunk=self.first_chunk, name="layer"
+    )
     if cache is None:
       return (layer(x), None), None
     x, view = layer(x, layer_of(cache, index), positions, valid)
     return (x, write_back(cache, view, index)), None
 
 
-def _scanned_layers(config: ModelConfig):
+def _scanned_layers(config: ModelConfig, first_chunk=False):
   """All layers as one scanned module over the layer index: parameters, routing buffers and sown intermediates
   stacked on axis 0; x and the stacked cache carried; positions and valid broadcast."""
   return nn.scan(
@@ -93,7 +101,7 @@ def _scanned_layers(config: ModelConfig):
     split_rngs={"params": True},
     in_axes=(0, nn.broadcast, nn.broadcast),
     length=config.num_layers,
-  )(config, name="layers")
+  )(config, first_chunk=first_chunk, name="layers")
 
 
 class Transformer(nn.Module):
@@ -101,13 +109,17 @@ class Transformer(nn.Module):
 
   Decoding: with `cache` (from `fsjax.cache.init_cache`), `tokens` is a chunk at `positions` `[batch, C]`
   (`valid` `[batch, C]` marks real tokens; right padding is not cached) and the call returns
-  `(logits, new_cache)`. Layers are `layer_0..layer_{L-1}`, or one scanned `layers` (`config.scan_layers`).
+  `(logits, new_cache)`. `first_chunk=True` (static) says the cache is empty and `positions` are `0..C-1` in
+  every row: each layer then runs its training operator over the chunk (the fused kernels on a GPU) and writes
+  its cache in bulk. `logits_at` `[batch]` (chunk indices) keeps only those positions' logits, `[batch, vocab]`:
+  at 256k tokens and a 32k vocabulary all of them would take 32 GiB. Layers are `layer_0..layer_{L-1}`, or one
+  scanned `layers` (`config.scan_layers`).
   """
 
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, cache=None, positions=None, valid=None):
+  def __call__(self, tokens, cache=None, positions=None, valid=None, first_chunk=False, logits_at=None):
     c = self.config
     embed = nn.Embed(
       c.vocab_size,
@@ -120,7 +132,7 @@ class Transformer(nn.Module):
     x = embed(tokens)
     new_cache = {}
     if c.scan_layers:
-      (x, new_cache["layers"]), _ = _scanned_layers(c)(
+      (x, new_cache["layers"]), _ = _scanned_layers(c, first_chunk)(
         (x, None if cache is None else cache["layers"]), jnp.arange(c.num_layers), positions, valid
       )
     else:
@@ -130,7 +142,9 @@ class Transformer(nn.Module):
         if cache is None:
           x = layer(c, name=name)(x)
         else:
-          x, new_cache[name] = layer(c, name=name)(x, cache[name], positions, valid)
+          x, new_cache[name] = layer(c, first_chunk=first_chunk, name=name)(x, cache[name], positions, valid)
+    if logits_at is not None:
+      x = jnp.take_along_axis(x, jnp.asarray(logits_at)[:, None, None], axis=1)[:, 0]
     x = nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name="final_norm")(x)
     if c.tie_embeddings:
       logits = embed.attend(x)

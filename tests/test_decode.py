@@ -114,6 +114,54 @@ def test_prefill_and_decode_through_the_kernels_equal_the_reference_forward(rng,
   )
 
 
+def _chunk_by_chunk(model, variables, tokens, lengths, cache, chunk):
+  """Prefill with every chunk, the first included, through the caches' own attention (no `first_chunk`)."""
+  batch, prompt_len = tokens.shape
+  outputs = []
+  for start in range(0, prompt_len, chunk):
+    positions = jnp.broadcast_to(start + jnp.arange(chunk), (batch, chunk))
+    piece = jnp.pad(tokens[:, start : start + chunk], ((0, 0), (0, chunk - tokens[:, start : start + chunk].shape[1])))
+    logits, cache, _ = extend(model, variables, piece, cache, positions, positions < lengths[:, None])
+    outputs.append(logits)
+  return jnp.concatenate(outputs, axis=1)[:, :prompt_len], cache
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prompts_first_chunk_fills_the_cache_in_bulk_as_chunk_by_chunk_does(rng, kind):
+  """The first chunk runs the training operator and writes the cache at once (`first_chunk`): its logits and
+  the cache it leaves equal those of 32-token chunks through the cache path, for a ragged batch whose prompts
+  end mid-cell and mid-block and leave padding in the chunk (cell 8, block 32; 70 and 45 tokens in one
+  96-token chunk). Padding reaches no cache field: every array, empty slots included, agrees."""
+  config, model, variables = _setup(kind)
+  tokens = _distinct_tokens(rng, config.vocab_size, 2, 70)
+  lengths = jnp.array([70, 45])
+  bulk_logits, bulk = prefill(model, variables, tokens, lengths, init_cache(config, 2, 96))  # chunk: whole prompt
+  logits, cache = _chunk_by_chunk(model, variables, tokens, lengths, init_cache(config, 2, 96), 32)
+  for row, n in enumerate([70, 45]):
+    assert_close(np.asarray(bulk_logits)[row, :n], np.asarray(logits)[row, :n], np.float32, scale=5)
+  paths = jax.tree_util.tree_flatten_with_path(cache)[0]
+  for (path, expected), got in zip(paths, jax.tree_util.tree_leaves(bulk)):
+    name = jax.tree_util.keystr(path)
+    if jnp.issubdtype(expected.dtype, jnp.integer) or expected.dtype == bool:
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(expected), err_msg=name)
+    else:
+      np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_prefill_chunk_grows_with_the_prompt_only_where_the_fused_operators_run():
+  """On a CPU the training operators are references: chunks stay at DEFAULT_CHUNK. Chunks are whole blocks and
+  round up to an eighth of their power of two (at most 12.5% padding, few compiled lengths)."""
+  config = model_preset("tiny", kind="fsl")
+  block = config.attention.block
+  assert decode.prefill_chunk(config, 70) == -(-70 // block) * block
+  if jax.default_backend() != "gpu":
+    assert decode.prefill_chunk(config, 100_000) == decode.DEFAULT_CHUNK
+  for length in (1, 200, 3000, 70_000):
+    chunk = decode.prefill_chunk(config, length)
+    assert chunk % block == 0 and chunk >= min(length, decode.DEFAULT_CHUNK)
+    assert chunk <= max(block, 1.125 * min(length, chunk) + block)
+
+
 @pytest.mark.parametrize("kind", ["fsl", "swa"])
 def test_prefill_chunk_size_does_not_change_logits(rng, kind):
   config, model, variables = _setup(kind)

@@ -59,7 +59,8 @@ class DenseAttention(nn.Module):
   otherwise TF++ and SWA use cuDNN on a GPU in bf16/fp16.
 
   With a `cache` (a `KVStore`: dense for TF++/MoBA, a ring of window + 1 for SWA), `x` is a chunk at
-  `positions` `[batch, C]` with `valid` `[batch, C]`, and the call returns `(y, new_cache)`. Unless
+  `positions` `[batch, C]` with `valid` `[batch, C]`, and the call returns `(y, new_cache)`. A prompt's
+  `first_chunk` (empty cache, positions from 0) runs the training operator and writes the cache once. Unless
   `impl="reference"`, TF++ attends a chunk over a half-precision cache on a GPU through cuDNN, and a one-token
   step through `fsjax.attention.cached.attend_one`, which reads the cache in place.
   """
@@ -76,31 +77,39 @@ class DenseAttention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x, cache=None, positions=None, valid=None):
+  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False):
     if self.kind not in KINDS:
       raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
     q, k, v = (
       project_heads(x, self.num_heads, self.head_dim, name, self.dtype, self.param_dtype)
       for name in ("q_proj", "k_proj", "v_proj")
     )
-    if cache is not None:
+    if cache is None:
+      return project_out(self._causal(q, k, v), x.shape[-1], self.dtype, self.param_dtype)
+    if first_chunk:  # an empty cache and positions 0..C-1: the training operator, then one bulk write
+      o = self._causal(q, k, v)
+      dtype = compute_dtype(k.dtype)
+      k_rot = apply_rope(k.astype(dtype), positions, self.rope_theta)
+      cache = kv.write(cache, k_rot, v.astype(dtype), positions, valid)
+    else:
       o, cache = self._extend(q, k, v, cache, positions, valid)
-      return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
+    return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
+
+  def _causal(self, q, k, v):
+    """The training operator over a whole sequence from position 0: `[batch, T, heads, d]` in q's dtype."""
     if self.kind in ("tfpp", "swa"):
-      o = causal_attention(
+      return causal_attention(
         q, k, v, window=self.window if self.kind == "swa" else None, rope_theta=self.rope_theta, impl=self.impl
       )
-    else:
-      o = ops.moba_attention(
-        q,
-        k,
-        v,
-        moba_block=self.moba_block,
-        moba_top_k=self.moba_top_k,
-        rope_theta=self.rope_theta,
-        impl=dispatch.for_op("moba_attention", self.impl),
-      )
-    return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
+    return ops.moba_attention(
+      q,
+      k,
+      v,
+      moba_block=self.moba_block,
+      moba_top_k=self.moba_top_k,
+      rope_theta=self.rope_theta,
+      impl=dispatch.for_op("moba_attention", self.impl),
+    )
 
   def _extend(self, q, k, v, cache, positions, valid):
     path = "reference"

@@ -31,7 +31,9 @@ class FreeSoloAttention(nn.Module):
   With a `cache` (an FS `Archive` for FS, a `ForestCache` (or the archive) for FS-B, a `BoundedCache` (or the
   archive) for FS-L), `x` is a chunk at `positions` `[batch, C]` with `valid` `[batch, C]`; the call returns
   `(y, new_cache)` and sows the selected cells `[batch, C, heads, K]` as intermediates/selected_cells for routing
-  probes. A chunk for the bounded cache is one token or whole query blocks starting at a block boundary.
+  probes. A chunk for the bounded cache is one token or whole query blocks starting at a block boundary. A
+  prompt's `first_chunk` (empty cache, positions from 0) runs the training operator (the fused kernels) and
+  fills the cache in bulk (`freesolo_step.fill`); it sows no selected cells.
   """
 
   num_heads: int
@@ -45,7 +47,7 @@ class FreeSoloAttention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x, cache=None, positions=None, valid=None):
+  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False):
     heads, dim, routing = self.num_heads, self.head_dim, self.routing
     q, k, v = (
       project_heads(x, heads, dim, name, self.dtype, self.param_dtype) for name in ("q_proj", "k_proj", "v_proj")
@@ -57,8 +59,9 @@ class FreeSoloAttention(nn.Module):
     tau = None
     if routing.variant == "fsb":  # τ per head, set by `python -m fsjax.calibrate` (inf until then: forest τ empty)
       tau = self.variable(ROUTING, "tau", lambda: jnp.full((heads,), jnp.inf, jnp.float32)).value
-    if cache is None:
-      self.sow("intermediates", "cell_norms", cell_summaries(k, routing.cell)[1])  # for τ calibration (FS-B)
+    if cache is None or first_chunk:
+      if cache is None:
+        self.sow("intermediates", "cell_norms", cell_summaries(k, routing.cell)[1])  # for τ calibration (FS-B)
       o = freesolo_ops.attention_routed(
         q,
         k,
@@ -72,7 +75,14 @@ class FreeSoloAttention(nn.Module):
         rope_theta=self.rope_theta,
         impl=self.impl,
       )
-      return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
+      y = project_out(o, x.shape[-1], self.dtype, self.param_dtype)
+      if cache is None:
+        return y
+      dtype = compute_dtype(k.dtype)
+      cache = freesolo_step.fill(
+        cache, k.astype(dtype), v.astype(dtype), positions, valid, routing, rope_theta=self.rope_theta, tau=tau
+      )
+      return y, cache
 
     dtype = compute_dtype(q.dtype)
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)

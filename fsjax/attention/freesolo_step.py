@@ -174,6 +174,26 @@ def archive_chunk(
   return local, long_range, cell_idx, cache
 
 
+def fill(cache, k, v, positions, valid, routing: Routing, *, rope_theta, tau=None):
+  """The cache after an empty one takes a prompt's first chunk (positions `0..C-1` in every row, `valid` marking
+  each row's prompt), written in bulk: the state that chunk-by-chunk extension (`archive_chunk`,
+  `bounded_chunk`) reaches. The chunk's outputs come from the training operator, which is causal, so the
+  padding after a row's prompt changes none of them.
+
+  Args:
+    cache: an empty `Archive`, `ForestCache` or `BoundedCache`; k, v: `[batch, C, heads, d]` unrotated, in the
+      compute dtype; positions, valid: `[batch, C]`.
+  """
+  if isinstance(cache, bounded.BoundedCache):
+    return bounded.fill(cache, apply_rope(k, positions, rope_theta), k, v, positions, valid)
+  streaming = isinstance(cache, ForestCache)
+  archive = archive_cache.extend(cache.archive if streaming else cache, k, v, positions, valid, routing.cell)
+  if not streaming:
+    return archive
+  target = forest.eligible_after(positions, valid, cache.admitted, cell=routing.cell, block=routing.block)
+  return forest.advance(cache.replace(archive=archive), target, tau, cell=routing.cell, block=routing.block)
+
+
 def bounded_long_range(cache: bounded.BoundedCache, q, pos, routing: Routing, *, lam, sigma, lr_gain):
   """Eq. 7-9 for queries at `pos` over `pool ∪ recent` (Eq. 8): (o_lr `[batch, C, heads, d]`, cells `[.., K]`)."""
   ids, mean, norm, k_cells, v_cells = bounded.candidates(cache)

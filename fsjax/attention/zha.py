@@ -44,7 +44,7 @@ class ZHAAttention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x, cache=None, positions=None, valid=None):
+  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False):
     tree = self.tree
     q, k, v = (
       project_heads(x, self.num_heads, self.head_dim, name, self.dtype, self.param_dtype)
@@ -53,6 +53,11 @@ class ZHAAttention(nn.Module):
     ref_queries = self.param(
       "ref_queries", nn.initializers.normal(REF_INIT_STD), (self.num_heads, tree.refs, self.head_dim), self.param_dtype
     )
+    if cache is not None and first_chunk:  # empty cache, positions 0..C-1: the training form, one bulk write
+      o, fraction = self._routed(q, k, v, ref_queries)
+      self.sow("intermediates", "attended_fraction", fraction)
+      cache = zha_step.write(cache, k, v, positions, valid, ref_queries, tree=tree, rope_theta=self.rope_theta)
+      return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
     if cache is not None:
       o, fraction, cache = zha_step.step(
         cache,
@@ -76,18 +81,23 @@ class ZHAAttention(nn.Module):
       )
       o = causal_attention(q, k, v, window=None, rope_theta=self.rope_theta, impl=self.impl)
     else:
-      o, fraction = zha_ops.zha_attention(
-        q,
-        k,
-        v,
-        ref_queries.astype(compute_dtype(q.dtype)),
-        chunk=tree.chunk,
-        levels=tree.levels,
-        top_p=tree.top_p,
-        rope_theta=self.rope_theta,
-        max_nodes=tree.max_nodes,
-        return_fraction=True,
-        impl=dispatch.for_op("zha_attention", self.impl),
-      )
+      o, fraction = self._routed(q, k, v, ref_queries)
       self.sow("intermediates", "attended_fraction", fraction)
     return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
+
+  def _routed(self, q, k, v, ref_queries):
+    """The training form over a whole sequence from position 0: outputs in q's dtype and attended fractions."""
+    tree = self.tree
+    return zha_ops.zha_attention(
+      q,
+      k,
+      v,
+      ref_queries.astype(compute_dtype(q.dtype)),
+      chunk=tree.chunk,
+      levels=tree.levels,
+      top_p=tree.top_p,
+      rope_theta=self.rope_theta,
+      max_nodes=tree.max_nodes,
+      return_fraction=True,
+      impl=dispatch.for_op("zha_attention", self.impl),
+    )

@@ -60,6 +60,20 @@ def attend(cache: ZHACache, q_rot, positions, *, tree: ZHATree, impl="reference"
   return out.astype(dtype), fraction
 
 
+def write(cache: ZHACache, k, v, positions, valid, ref_queries, *, tree: ZHATree, rope_theta):
+  """The cache with a chunk's rotated keys, its values and every node it completes (`zha_cache.extend`).
+
+  Args:
+    k, v: `[batch, n, heads, d]` unrotated projections at `positions` `[batch, n]`; valid: `[batch, n]` (right
+      padding is not cached); ref_queries: `[heads, R, d]`.
+  """
+  dtype = compute_dtype(k.dtype)
+  k_rot = zha_ref.rotate(k.astype(dtype), positions, rope_theta)
+  return zha_cache.extend(
+    cache, k_rot, v.astype(dtype), positions, valid, ref_queries.astype(dtype), tree=tree, rope_theta=rope_theta
+  )
+
+
 def step(cache: ZHACache, q, k, v, positions, valid, ref_queries, *, tree: ZHATree, rope_theta, impl="reference"):
   """One cached ZHA step: rotate, extend the cache with the chunk, attend.
 
@@ -73,11 +87,7 @@ def step(cache: ZHACache, q, k, v, positions, valid, ref_queries, *, tree: ZHATr
     outputs `[batch, n, heads, d]` in q's compute dtype (at least float32), the attended fraction
     `[batch, n, heads]`, and the extended cache.
   """
-  dtype = compute_dtype(q.dtype)
-  q_rot = zha_ref.rotate(q.astype(dtype), positions, rope_theta)
-  k_rot = zha_ref.rotate(k.astype(dtype), positions, rope_theta)
-  cache = zha_cache.extend(
-    cache, k_rot, v.astype(dtype), positions, valid, ref_queries.astype(dtype), tree=tree, rope_theta=rope_theta
-  )
+  q_rot = zha_ref.rotate(q.astype(compute_dtype(q.dtype)), positions, rope_theta)
+  cache = write(cache, k, v, positions, valid, ref_queries, tree=tree, rope_theta=rope_theta)
   out, fraction = attend(cache, q_rot, positions, tree=tree, impl=impl)
   return out, fraction, cache

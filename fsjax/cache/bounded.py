@@ -168,3 +168,72 @@ def write_segment(cache: BoundedCache, k_rot, k, v, pos, valid):
   complete = jnp.any(valid & (pos % block == block - 1), axis=1)
   last_pos = jnp.max(jnp.where(valid, pos, 0), axis=1)
   return _merge(cache, last_pos // block, complete)
+
+
+def fill(cache: BoundedCache, k_rot, k, v, pos, valid):
+  """The state an empty cache reaches after a prompt's first chunk, built at once rather than block by block
+  (`write_segment` per block): the ring holds the last w + 1 tokens, the block buffer the last B, the recent
+  cells are the W latest of the completed blocks, and the pool is TopP by (max norm desc, cell index asc) over
+  every cell of the completed blocks (Eq. 15), in the order `_merge` keeps it.
+
+  Args:
+    k_rot, k, v: `[batch, C, heads, d]` (k_rot RoPE-rotated at `pos`); pos: `[batch, C]`, `0..C-1` in every row,
+      C a multiple of the block; valid: `[batch, C]`, each row's prompt (a prefix, at least one token).
+  """
+  batch, length, heads, head_dim = k.shape
+  block, cell = cache.block_k.shape[1], cache.pool_k.shape[3]
+  retain_top, width = cache.pool_ids.shape[2], cache.recent_ids.shape[1]
+  dtype = cache.pool_k.dtype
+  rows = jnp.arange(batch)[:, None]
+  last = jnp.max(jnp.where(valid, pos, -1), axis=1)  # [batch] each row's last prompt position
+  in_buffer = valid & (pos > last[:, None] - block)  # the block buffer's slots hold the last B tokens
+  slot = jnp.where(in_buffer, pos % block, block)
+  cache = cache.replace(
+    ring=kv.write(cache.ring, k_rot, v, pos, valid),
+    block_k=cache.block_k.at[rows, slot].set(k.astype(dtype), mode="drop"),
+    block_v=cache.block_v.at[rows, slot].set(v.astype(dtype), mode="drop"),
+  )
+
+  num_cells = length // cell
+  as_cells = lambda x: jnp.transpose(x.astype(dtype).reshape(batch, num_cells, cell, heads, head_dim), (0, 3, 1, 2, 4))
+  k_cells, v_cells = as_cells(k), as_cells(v)  # [batch, heads, n, s, d]
+  mean, norm = jnp.mean(k_cells, axis=3), jnp.max(jnp.linalg.norm(k_cells, axis=-1), axis=3)
+  eligible = (last + 1) // block * (block // cell)  # [batch] cells of the completed blocks
+  gather = lambda x, ids: jnp.take_along_axis(x, ids.reshape(ids.shape + (1,) * (x.ndim - 3)), axis=2)
+
+  recent = eligible[:, None] - width + jnp.arange(width)  # [batch, W], oldest first as `_keep_last` keeps them
+  recent_ids = jnp.where(recent >= 0, recent, NO_CELL)
+  at_recent = jnp.broadcast_to(jnp.maximum(recent, 0)[:, None], (batch, heads, width))
+  present = lambda x: (recent >= 0).reshape((batch, 1, width) + (1,) * (x.ndim - 3))
+  recent_fields = {
+    name: jnp.where(present(empty), gather(full, at_recent), empty)
+    for name, full, empty in (
+      ("recent_k", k_cells, cache.recent_k),
+      ("recent_v", v_cells, cache.recent_v),
+      ("recent_mean", mean, cache.recent_mean),
+      ("recent_norm", norm, cache.recent_norm),
+    )
+  }
+
+  # The empty pool first, then every cell: ranked as `_merge` ranks them, empty slots and cells of incomplete
+  # blocks last.
+  ids = jnp.concatenate(
+    [cache.pool_ids, jnp.broadcast_to(jnp.arange(num_cells), (batch, heads, num_cells)).astype(jnp.int32)], axis=2
+  )
+  ids = jnp.where(ids < eligible[:, None, None], ids, NO_CELL)
+  norms = jnp.concatenate([cache.pool_norm, norm], axis=2)
+  primary = jnp.where(ids >= 0, -norms, jnp.inf)
+  secondary = jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max)
+  order = jax.lax.sort(  # the slot index breaks ties among the unranked: the empty pool's slots fill first
+    (primary, secondary, jnp.broadcast_to(jnp.arange(ids.shape[2]), ids.shape)), dimension=2, num_keys=3
+  )[2][:, :, :retain_top]
+  pool_fields = {
+    name: gather(jnp.concatenate([empty, full], axis=2), order)
+    for name, full, empty in (
+      ("pool_k", k_cells, cache.pool_k),
+      ("pool_v", v_cells, cache.pool_v),
+      ("pool_mean", mean, cache.pool_mean),
+      ("pool_norm", norm, cache.pool_norm),
+    )
+  }
+  return cache.replace(recent_ids=recent_ids, pool_ids=gather(ids, order), **recent_fields, **pool_fields)

@@ -1,0 +1,113 @@
+"""Prefill throughput and peak memory per attention kind, with ratios to TF++ measured in the same run.
+
+    python benchmarks/prefill.py [--lengths 4096,16384,65536,131072,262144] [--kinds tfpp,swa,fs,fsl,fsb,moba,zha]
+        [--preset fs_341m] [--chunk N] [--profile] [--case-timeout S]
+
+Batch 1, random weights, bf16 parameters and caches, scanned layers. Each (kind, length) runs in its own
+subprocess, so the device's peak-memory counter belongs to that case. A case prefills once to compile, then
+times a second prefill of the same prompt into a fresh cache, keeping only the last position's logits (what
+generation asks). `--chunk` fixes the chunk (default: `fsjax.decode.prefill_chunk`, the whole prompt where the
+kind's training operator runs fused). Peak memory is the device's high-water mark over the case, compile
+included; the parameters and the filled cache are printed beside it. `--profile` traces one more prefill and
+splits its device time into matrix products (the dense layers: projections, MLP, logits) and everything else
+(attention, its routing and the cache writes), then lists the costliest kernels.
+FS-B's τ is calibrated on the first 4096 tokens, as `benchmarks/decode.py` does.
+"""
+
+import dataclasses
+import json
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+
+from fsjax import calibrate, loading
+from fsjax.cache import init_cache
+from fsjax.config import model_preset
+from fsjax.decode import prefill, prefill_chunk
+from fsjax.model import Transformer, init_variables
+
+from cases import case_parser, run_cases
+from timing import traced_kernels
+
+# cuBLAS / CUTLASS matrix products: the dense layers' kernels (projections, MLP, logits).
+MATMUL = re.compile(r"gemm|cublas|cutlass|xmma|nvjet", re.IGNORECASE)
+
+
+def run_case(kind, length, preset, chunk, profile):
+  config = dataclasses.replace(
+    model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16", scan_layers=True
+  )
+  model = Transformer(config)
+  variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, config.vocab_size)
+  if kind == "fsb":
+    fs_model = Transformer(dataclasses.replace(config, attention=model_preset(preset, kind="fs").attention))
+    variables = loading.with_tau(config, variables, calibrate.calibrate(fs_model, variables, [tokens[:, :4096]]))
+  lengths = jnp.array([length])
+  run = lambda: prefill(
+    model, variables, tokens, lengths, init_cache(config, 1, length + 1, dtype=jnp.bfloat16), chunk, all_logits=False
+  )
+  clock = time.perf_counter()
+  jax.block_until_ready(run())
+  compile_s = time.perf_counter() - clock
+  start = time.perf_counter()
+  logits, cache = run()
+  jax.block_until_ready(logits)
+  seconds = time.perf_counter() - start
+  kernels = traced_kernels(lambda: run()[0], 1, count=100_000) if profile else []
+  total_ms = sum(ms for _, ms, _ in kernels)
+  matmul_ms = sum(ms for name, ms, _ in kernels if MATMUL.search(name))
+  stats = jax.devices()[0].memory_stats() or {}
+  gib = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree)) / 2**30
+  return dict(
+    kind=kind,
+    length=length,
+    chunk=chunk or prefill_chunk(config, length),
+    tok_s=length / seconds,
+    first_call_s=compile_s,
+    peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
+    params_gib=gib(variables),
+    cache_gib=gib(cache),
+    matmul_share=matmul_ms / total_ms if total_ms else None,
+    device=jax.devices()[0].device_kind,
+    top_kernels=kernels[:10],
+  )
+
+
+def main():
+  parser = case_parser(__doc__, "4096,16384,65536,131072,262144")
+  parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: chosen per prompt)")
+  parser.add_argument("--profile", action="store_true", help="split device time: matrix products vs the rest")
+  args = parser.parse_args()
+  if args.case:
+    print(json.dumps(run_case(*args.case, args.preset, args.chunk, args.profile)))
+    return
+  extra = ["--preset", args.preset, *(["--chunk", args.chunk] if args.chunk else []), *(["--profile"] * args.profile)]
+  rows = run_cases(__file__, args.kinds, args.lengths, extra, args.case_timeout)
+  base = {r["length"]: r for r in rows if r["kind"] == "tfpp" and "error" not in r}
+  device = next((r["device"] for r in rows if "device" in r), "?")
+  print(f"\n{args.preset}, batch 1, bf16, scanned layers, last-position logits, {device}")
+  print("| kind | length | chunk | prefill tok/s | vs TF++ | peak GiB | params GiB | cache GiB | matmul share |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    if "error" in r:
+      print(f"| {r['kind']} | {r['length']} | failed: {r['error']} | | | | | | |")
+      continue
+    b = base.get(r["length"])
+    share = "–" if r["matmul_share"] is None else f"{r['matmul_share']:.0%}"
+    ratio = f"{r['tok_s'] / b['tok_s']:.2f}x" if b else "–"
+    print(
+      f"| {r['kind']} | {r['length']} | {r['chunk']} | {r['tok_s']:,.0f} | {ratio} | {r['peak_gib']:.1f} | "
+      f"{r['params_gib']:.2f} | {r['cache_gib']:.2f} | {share} |"
+    )
+  for r in rows:
+    if r.get("top_kernels"):
+      print(f"\n{r['kind']} at {r['length']:,}: costliest device kernels of one prefill")
+      for name, ms, launches in r["top_kernels"]:
+        print(f"  {ms:9.2f} ms  {launches:6.0f} launches  {name[:100]}")
+
+
+if __name__ == "__main__":
+  main()
