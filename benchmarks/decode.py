@@ -4,12 +4,12 @@
         [--decode-tokens 64] [--preset fs_341m] [--layers scanned|unrolled] [--zha-max-nodes 64] [--profile]
 
 Batch 1, random weights, bf16 parameters and caches. Each (kind, length) runs in its own subprocess. Prefill goes
-through `fsjax.decode.prefill` (2048-token chunks); decode through the on-device `decode_loop`. The roofline
-is the parameter and attention-state bytes divided by the device's measured copy bandwidth: the bound for TF++,
-SWA and FS-L, which read their whole state each step; FS and FS-B need only parts of theirs (summaries or forest
-nodes, the window, the selected cells), so they can beat it. Prints one table with ratios to TF++ at the same
-length, and the device kernels (fusions and library calls) one compiled decode step launches: at batch 1 a step
-is short enough for launches to matter.
+through `fsjax.decode.prefill` (the chunk it chooses, or `--chunk`); decode through the on-device `decode_loop`.
+The roofline is the parameter and attention-state bytes divided by the device's measured copy bandwidth: the
+bound for TF++, SWA and FS-L, which read their whole state each step; FS and FS-B need only parts of theirs
+(summaries or forest nodes, the window, the selected cells), so they can beat it. Prints one table with ratios to
+TF++ at the same length, and the device kernels (fusions and library calls) one compiled decode step launches: at
+batch 1 a step is short enough for launches to matter.
 `--layers unrolled` decodes with one layer body per layer instead of `nn.scan` over stacked layers and caches.
 ZHA (the preset's tree, random reference queries) decodes through the capped routing, `--zha-max-nodes` per level,
 which runs the `zha_routing` kernels on a GPU; 0 keeps the uncapped reference routing, which masks the whole cache.
@@ -68,9 +68,7 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, 
   state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(fresh()))
   lengths = jnp.array([length])
   clock = time.perf_counter()
-  _, cache = prefill(
-    model, variables, tokens[:, :chunk], jnp.array([chunk]), fresh(), chunk, all_logits=False
-  )  # compile
+  _, cache = prefill(model, variables, tokens, lengths, fresh(), chunk, all_logits=False)  # compile
   progress(f"{kind} at {length:,}: prefill chunk compiled and run in {time.perf_counter() - clock:.0f} s")
   start = time.perf_counter()
   logits, cache = prefill(model, variables, tokens, lengths, fresh(), chunk, all_logits=False)
@@ -119,7 +117,7 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, 
 def main():
   parser = case_parser(__doc__, "4096,16384,65536,131072,262144")
   parser.add_argument("--decode-tokens", type=int, default=64)
-  parser.add_argument("--chunk", type=int, default=2048)
+  parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: chosen per prompt)")
   parser.add_argument("--layers", choices=("scanned", "unrolled"), default="scanned")
   parser.add_argument("--zha-max-nodes", type=int, default=64, help="ZHA's per-level cap in decode (0: none)")
   parser.add_argument("--profile", action="store_true", help="print each case's costliest kernels per token")
@@ -138,8 +136,7 @@ def main():
     [
       "--decode-tokens",
       args.decode_tokens,
-      "--chunk",
-      args.chunk,
+      *(["--chunk", args.chunk] if args.chunk else []),
       "--preset",
       args.preset,
       "--layers",

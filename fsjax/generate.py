@@ -30,7 +30,9 @@ def parse_args(argv):
   parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   parser.add_argument("--top-p", type=float, default=1.0)
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
+  parser.add_argument(
+    "--chunk", type=int, default=None, help="prefill chunk in tokens (default: chosen from the prompt length)"
+  )
   parser.add_argument(
     "--set",
     action="append",

@@ -41,7 +41,9 @@ def parse_args(argv):
   tasks.add_source_arguments(parser)
   parser.add_argument("--ruler-data", default=None, help="read RULER-generated files instead of generating")
   parser.add_argument("--out", default="runs/ruler")
-  parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
+  parser.add_argument(
+    "--chunk", type=int, default=None, help="prefill chunk in tokens (default: chosen from the prompt length)"
+  )
   parser.add_argument(
     "--set",
     action="append",

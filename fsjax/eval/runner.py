@@ -12,7 +12,7 @@ from fsjax.eval.records import prompt
 
 
 def predict(
-  model, variables, tokenizer, task_records, *, max_new_tokens, eos_id, max_len, batch_size=1, chunk=2048, progress=None
+  model, variables, tokenizer, task_records, *, max_new_tokens, eos_id, max_len, batch_size=1, chunk=None, progress=None
 ):
   """Predictions (decoded text up to EOS) for records of one task and length.
 
@@ -21,6 +21,7 @@ def predict(
     max_new_tokens: the task's generation cap; max_len: cache length (the target length), the same for every
       batch so each (task, length) compiles once.
     batch_size: prompts per generate call, right-padded to `max_len - max_new_tokens` tokens.
+    chunk: prefill chunk in tokens; None chooses it from the prompt length (`fsjax.decode.prefill_chunk`).
     progress: optional callable(n) told after every batch how many records it finished.
 
   Returns:
@@ -73,7 +74,7 @@ def run_task(
   task_records=None,
   seed=42,
   batch_size=1,
-  chunk=2048,
+  chunk=None,
   progress=None,
   **sources,
 ):
