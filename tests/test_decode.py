@@ -321,3 +321,21 @@ def test_generation_returns_the_cells_each_step_selected(rng):
   np.testing.assert_array_equal(np.asarray(scanned_cells), cells)
   with pytest.raises(ValueError, match="return_cells needs a FreeSolo model"):
     generate(*_setup("tfpp")[1:], prompt, [90], max_new_tokens=2, eos_id=-1, return_cells=True)
+
+
+def test_a_prompts_first_chunk_writes_the_stacked_cache_in_place():
+  """Scanned layers, a 64-token first chunk into an 8192-token cache: the compiled chunk aliases every cache
+  buffer (donated, updated in place) and its temporaries stay far below one copy of the cache, so no layer's
+  cache is sliced out and written back whole. (The later-chunk path of TF++ and ZHA needs temporaries larger
+  than the cache here: it materializes the chunk's logits over every cached slot.)"""
+  for kind in ("tfpp", "fs", "zha"):
+    config, model, variables = _setup(kind, scan_layers=True)
+    cache = init_cache(config, 1, 8192)
+    positions = jnp.arange(64)[None]
+    compiled = decode.extend.lower(
+      model, variables, jnp.zeros((1, 64), jnp.int32), cache, positions, positions < 50, first_chunk=True
+    ).compile()
+    cache_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
+    memory = compiled.memory_analysis()
+    assert memory.alias_size_in_bytes == cache_bytes, kind
+    assert memory.temp_size_in_bytes < cache_bytes / 4, (kind, memory.temp_size_in_bytes, cache_bytes)
