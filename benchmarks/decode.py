@@ -35,7 +35,7 @@ from fsjax.decode import prefill
 from fsjax.model import Transformer, init_variables
 
 from cases import case_parser, run_cases
-from timing import copy_bandwidth, traced_kernels
+from timing import copy_bandwidth, print_top_kernels, traced_kernels
 
 
 def kernels_per_step(compiled_text):
@@ -165,11 +165,7 @@ def main():
       f"{r['decode_tok_s']:,.1f} | {ratio('decode_tok_s')} | {r['roofline_tok_s']:,.0f} | {r['state_mib']:.1f} | "
       f"{r['kernels']} |"
     )
-  for r in rows:
-    if r.get("top_kernels"):
-      print(f"\n{r['kind']} at {r['length']:,}: costliest device kernels per decoded token")
-      for name, ms, launches in r["top_kernels"]:
-        print(f"  {ms:8.3f} ms  {launches:6.1f} launches  {name[:100]}")
+  print_top_kernels(rows, "per decoded token")
 
 
 if __name__ == "__main__":

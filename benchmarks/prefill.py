@@ -29,7 +29,7 @@ from fsjax.decode import prefill, prefill_chunk
 from fsjax.model import Transformer, init_variables
 
 from cases import case_parser, run_cases
-from timing import traced_kernels
+from timing import print_top_kernels, traced_kernels
 
 # cuBLAS / CUTLASS matrix products: the dense layers' kernels (projections, MLP, logits).
 MATMUL = re.compile(r"gemm|cublas|cutlass|xmma|nvjet", re.IGNORECASE)
@@ -102,11 +102,7 @@ def main():
       f"| {r['kind']} | {r['length']} | {r['chunk']} | {r['tok_s']:,.0f} | {ratio} | {r['peak_gib']:.1f} | "
       f"{r['params_gib']:.2f} | {r['cache_gib']:.2f} | {share} |"
     )
-  for r in rows:
-    if r.get("top_kernels"):
-      print(f"\n{r['kind']} at {r['length']:,}: costliest device kernels of one prefill")
-      for name, ms, launches in r["top_kernels"]:
-        print(f"  {ms:9.2f} ms  {launches:6.0f} launches  {name[:100]}")
+  print_top_kernels(rows, "of one prefill")
 
 
 if __name__ == "__main__":

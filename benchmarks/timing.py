@@ -75,6 +75,15 @@ def profiled_kernels(fn, *args, calls=20, count=40):
   return traced_kernels(queued, calls, count)
 
 
+def print_top_kernels(rows, what):
+  """Each benchmark row's `top_kernels` under a "<kind> at <length>: costliest device kernels <what>" heading."""
+  for r in rows:
+    if r.get("top_kernels"):
+      print(f"\n{r['kind']} at {r['length']:,}: costliest device kernels {what}")
+      for name, ms, launches in r["top_kernels"]:
+        print(f"  {ms:9.3f} ms  {launches:6.1f} launches  {name[:100]}")
+
+
 def copy_bandwidth():
   """Bytes per second (read + write) of a 1 GiB device copy."""
   x = jnp.ones((256 * 2**20,), jnp.float32)
