@@ -20,7 +20,7 @@ from fsjax.cache import init_cache
 from fsjax.ops import dispatch
 
 DEFAULT_CHUNK = 2048  # tokens per chunk where the training operator is a reference (its memory grows faster)
-ACTIVATION_BUDGET = 24 * 2**30  # bytes of one chunk's forward activations, where the fused operators run
+ACTIVATION_BUDGET = 24 * 2**30  # bytes of one chunk's forward activations where the device reports no memory size
 
 
 def _apply(model, variables, tokens, cache, positions, valid, first_chunk=False, logits_at=None):
@@ -42,19 +42,31 @@ def extend(model, variables, tokens, cache, positions, valid, first_chunk=False,
 
 
 def activation_bytes_per_token(config):
-  """A bound on one token's share of a forward pass's live activations: the residual stream and norms, q/k/v and
-  the attention output, the SwiGLU hidden states, in the compute dtype, twice over for XLA's temporaries."""
+  """An estimate of one token's share of a forward pass's live activations: the residual stream and norms,
+  q/k/v and the attention output, the SwiGLU hidden states, in the compute dtype (33 KB for the 341M shape in
+  bf16). Measured on an H200 above parameters and cache: 22-25 KB per token at 128k-256k tokens in one chunk,
+  but 42 KB at 1M for FS-L, whose selection holds more per token as cells multiply; `activation_budget` leaves
+  the other half of the free memory as headroom."""
   width = 4 * config.d_model + 4 * config.num_heads * config.head_dim + 3 * config.ffn_hidden_size
-  return 2 * width * jnp.dtype(config.dtype).itemsize
+  return width * jnp.dtype(config.dtype).itemsize
+
+
+def activation_budget():
+  """Bytes one prefill chunk's activations may take: half the memory the first device has left (call it with
+  the cache allocated), or `ACTIVATION_BUDGET` where the platform reports no memory size."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if "bytes_limit" not in stats:
+    return ACTIVATION_BUDGET
+  return (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // 2
 
 
 def prefill_chunk(config, prompt_len):
   """Tokens per prefill chunk for `prompt_len`-token prompts: a performance choice, never a semantic one.
 
   Where the kind's training operator runs fused on this platform (`fsjax.kinds.Kind.prefill_op`: cuDNN or the
-  Pallas kernels, whose memory grows linearly with the chunk), the whole prompt up to what `ACTIVATION_BUDGET`
-  holds; otherwise `DEFAULT_CHUNK`. Rounded up to whole query blocks (the FS-L bounded cache needs them) and to
-  a multiple of an eighth of its power of two, so prompts of nearby lengths share a compiled program at most
+  Pallas kernels, whose memory grows linearly with the chunk), as few chunks as `activation_budget` allows, of
+  equal size; otherwise `DEFAULT_CHUNK`. Rounded up to whole query blocks (the FS-L bounded cache needs them) and
+  to a multiple of an eighth of its power of two, so prompts of nearby lengths share a compiled program at most
   12.5% padding.
   """
   att = config.attention
@@ -62,8 +74,9 @@ def prefill_chunk(config, prompt_len):
   op = kinds.get(att.kind).prefill_op
   facts = dict(cell=att.cell, head_dim=config.head_dim, dtype=jnp.dtype(config.dtype))
   if op is not None and dispatch.resolve(op, dispatch.for_op(op, att.impl), **facts) != "reference":
-    tokens = max(DEFAULT_CHUNK, ACTIVATION_BUDGET // activation_bytes_per_token(config))
-  chunk = max(1, min(tokens, prompt_len))
+    tokens = max(DEFAULT_CHUNK, activation_budget() // activation_bytes_per_token(config))
+  prompt_len = max(1, prompt_len)
+  chunk = -(-prompt_len // -(-prompt_len // tokens))  # the prompt in equal shares of at most `tokens`
   unit = math.lcm(att.block, max(1, 2 ** (chunk.bit_length() - 4)))
   return -(-chunk // unit) * unit
 
@@ -79,26 +92,34 @@ def prefill(model, variables, tokens, lengths, cache, chunk=None, all_logits=Tru
     tokens: `[batch, P]` int32; lengths: `[batch]` real prompt lengths (>= 1).
     cache: empty, from `fsjax.cache.init_cache`.
     chunk: tokens per forward call (one compile for all chunks), rounded up to whole query blocks; None chooses
-      it from the prompt length (`prefill_chunk`).
+      the first chunk from the prompt length (`prefill_chunk`) and the later ones from the cache: as long as the
+      first where the kind's cache path is bounded (`fsjax.kinds.Kind.bounded_chunks`), else `DEFAULT_CHUNK`.
     all_logits: return every position's logits; False computes only each row's last prompt position.
 
   Returns:
     (logits `[batch, P, vocab]` (padding positions hold garbage) or `[batch, vocab]`, cache).
   """
   batch, prompt_len = tokens.shape
-  block = model.config.attention.block
-  chunk = prefill_chunk(model.config, prompt_len) if chunk is None else -(-min(chunk, prompt_len) // block) * block
-  padded = -(-prompt_len // chunk) * chunk
+  config = model.config
+  block = config.attention.block
+  if chunk is None:
+    first = prefill_chunk(config, prompt_len)
+    later = first if kinds.get(config.attention.kind).bounded_chunks else min(first, -(-DEFAULT_CHUNK // block) * block)
+  else:
+    first = later = -(-min(chunk, prompt_len) // block) * block
+  padded = first + -(-max(prompt_len - first, 0) // later) * later
   tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (0, padded - prompt_len)))
   lengths = jnp.asarray(lengths, jnp.int32)
   outputs, last = [], None
-  for start in range(0, padded, chunk):
-    positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
-    offset = None if all_logits else jnp.clip(lengths - 1 - start, 0, chunk - 1)
+  start = 0
+  while start < padded:
+    size = first if start == 0 else later
+    positions = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32), (batch, size))
+    offset = None if all_logits else jnp.clip(lengths - 1 - start, 0, size - 1)
     logits, cache, _ = extend(
       model,
       variables,
-      tokens[:, start : start + chunk],
+      tokens[:, start : start + size],
       cache,
       positions,
       positions < lengths[:, None],
@@ -108,8 +129,9 @@ def prefill(model, variables, tokens, lengths, cache, chunk=None, all_logits=Tru
     if all_logits:
       outputs.append(logits)
     else:
-      in_chunk = ((lengths - 1) // chunk == start // chunk)[:, None]
+      in_chunk = ((lengths - 1 >= start) & (lengths - 1 < start + size))[:, None]
       last = logits if last is None else jnp.where(in_chunk, logits, last)
+    start += size
   return (jnp.concatenate(outputs, axis=1)[:, :prompt_len] if all_logits else last), cache
 
 

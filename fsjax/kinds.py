@@ -35,6 +35,9 @@ class Kind:
     prefill_op: the `fsjax.ops.dispatch` op whose fast implementation keeps the kind's training forward linear
       in memory (so prefill may take a whole prompt as one chunk, `fsjax.decode.prefill_chunk`); None where the
       training form materializes query-by-key masks (MoBA, ZHA) or rebuilds forests per block (FS-B).
+    bounded_chunks: the cache path takes a chunk in memory linear in the chunk and independent of the context
+      (FS-L's bounded cache, block by block), so a prompt's later chunks may be as long as its first; the other
+      caches' chunks attend to every cached slot at once, so prefill keeps their later chunks short.
   """
 
   name: str
@@ -45,6 +48,7 @@ class Kind:
   cache: Callable
   capacity: Callable
   prefill_op: str | None = None
+  bounded_chunks: bool = False
 
 
 def _routing_rules(att, prefix):
@@ -121,7 +125,7 @@ REGISTRY = {
   kind.name: kind
   for kind in (
     Kind("fs", cache=_archive, prefill_op="freesolo_long_range", **_FREESOLO),
-    Kind("fsl", cache=_fsl_cache, prefill_op="freesolo_long_range", **_FREESOLO),
+    Kind("fsl", cache=_fsl_cache, prefill_op="freesolo_long_range", bounded_chunks=True, **_FREESOLO),
     Kind("fsb", cache=_fsb_cache, **_FREESOLO),
     Kind("tfpp", section=None, capacity=_block_capacity, prefill_op="tfpp_attention", **_DENSE),
     Kind(  # a ring of w + 1 slots

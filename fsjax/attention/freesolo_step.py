@@ -12,6 +12,7 @@ own the kernel choice) as maths.
   the long-range branch over `pool ∪ recent` (Eq. 8), then the cache update (Eq. 15).
 """
 
+import functools
 import math
 
 import jax
@@ -235,28 +236,26 @@ def bounded_chunk(
   cache: bounded.BoundedCache, q, k, v, positions, valid, routing: Routing, *, rope_theta, lam, sigma, lr_gain
 ):
   """A chunk of one token or whole query blocks through FS-L's bounded cache, block by block (availability
-  changes at block boundaries): `(o_sr, o_lr, cells, new cache)`."""
+  changes at block boundaries): `(o_sr, o_lr, cells, new cache)`. The blocks run in a `lax.scan`, so a chunk
+  compiles one block's program whatever its length."""
   chunk, block = q.shape[1], routing.block
   if chunk > 1 and chunk % block:
     raise ValueError(
       f"a chunk for the FS-L bounded cache must be 1 token or whole blocks, got {chunk} tokens with block={block}"
     )
-  outputs = []
-  for start in range(0, chunk, block):
-    segment = slice(start, start + block)
-    *branches, cache = bounded_segment(
-      cache,
-      q[:, segment],
-      k[:, segment],
-      v[:, segment],
-      positions[:, segment],
-      valid[:, segment],
-      routing,
-      rope_theta=rope_theta,
-      lam=lam,
-      sigma=sigma,
-      lr_gain=lr_gain,
-    )
-    outputs.append(branches)
-  local, long_range, cell_idx = (jnp.concatenate(parts, axis=1) for parts in zip(*outputs))
+  segment = functools.partial(
+    bounded_segment, routing=routing, rope_theta=rope_theta, lam=lam, sigma=sigma, lr_gain=lr_gain
+  )
+  if chunk <= block:
+    return segment(cache, q, k, v, positions, valid)
+  # [batch, chunk, ...] -> [chunk // block, batch, block, ...]: the scan's leading axis is the block.
+  by_block = lambda x: jnp.moveaxis(x.reshape(x.shape[0], chunk // block, block, *x.shape[2:]), 1, 0)
+  unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], chunk, *x.shape[3:])
+
+  def one_block(cache, inputs):
+    *branches, cache = segment(cache, *inputs)
+    return cache, branches
+
+  cache, branches = jax.lax.scan(one_block, cache, tuple(by_block(x) for x in (q, k, v, positions, valid)))
+  local, long_range, cell_idx = (unblock(x) for x in branches)
   return local, long_range, cell_idx, cache
