@@ -44,9 +44,9 @@ def extend(model, variables, tokens, cache, positions, valid, first_chunk=False,
 def activation_bytes_per_token(config):
   """An estimate of one token's share of a forward pass's live activations: the residual stream and norms,
   q/k/v and the attention output, the SwiGLU hidden states, in the compute dtype (33 KB for the 341M shape in
-  bf16). Measured on an H200 above parameters and cache: 22-25 KB per token at 128k-256k tokens in one chunk,
-  but 42 KB at 1M for FS-L, whose selection holds more per token as cells multiply; `activation_budget` leaves
-  the other half of the free memory as headroom."""
+  bf16). The compiled first chunk's temporaries on an H200 (341M, bf16, scanned): 21-23 KB per token for TF++,
+  FS and FS-L at 128k-256k, but 42.6 KB for FS-L at 1M, where its selection's share grows with the number of
+  cells; `activation_budget` keeps the other half of the free memory as headroom."""
   width = 4 * config.d_model + 4 * config.num_heads * config.head_dim + 3 * config.ffn_hidden_size
   return width * jnp.dtype(config.dtype).itemsize
 
