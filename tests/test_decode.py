@@ -38,9 +38,8 @@ def _setup(kind, scan_layers=False, cell=8):
     ),
   )
   variables = init_variables(config, jax.random.PRNGKey(0), 64)
-  if (
-    kind == "fsb"
-  ):  # τ as `python -m fsjax.calibrate` finds it, from the FS model's cell norms: both forests hold cells
+  if kind == "fsb":
+    # τ as `python -m fsjax.calibrate` finds it, from the FS model's cell norms: both forests hold cells.
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 128), 0, config.vocab_size)
     fs = Transformer(dataclasses.replace(config, attention=dataclasses.replace(config.attention, kind="fs")))
     variables = loading.with_tau(config, variables, calibrate.calibrate(fs, variables, [tokens]))
