@@ -102,11 +102,12 @@ def prefill(model, variables, tokens, lengths, cache, chunk=None, all_logits=Tru
   batch, prompt_len = tokens.shape
   config = model.config
   block = config.attention.block
+  whole_blocks = lambda n: -(-n // block) * block
   if chunk is None:
     first = prefill_chunk(config, prompt_len)
-    later = first if kinds.get(config.attention.kind).bounded_chunks else min(first, -(-DEFAULT_CHUNK // block) * block)
+    later = first if kinds.get(config.attention.kind).bounded_chunks else min(first, whole_blocks(DEFAULT_CHUNK))
   else:
-    first = later = -(-min(chunk, prompt_len) // block) * block
+    first = later = whole_blocks(min(chunk, prompt_len))
   padded = first + -(-max(prompt_len - first, 0) // later) * later
   tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (0, padded - prompt_len)))
   lengths = jnp.asarray(lengths, jnp.int32)
