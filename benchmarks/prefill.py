@@ -1,19 +1,21 @@
 """Prefill throughput and peak memory per attention kind, with ratios to TF++ measured in the same run.
 
     python benchmarks/prefill.py [--lengths 4096,16384,65536,131072,262144] [--kinds tfpp,swa,fs,fsl,fsb,moba,zha]
-        [--preset fs_341m] [--chunk N] [--profile] [--case-timeout S]
+        [--batches 1] [--preset fs_341m] [--chunk N] [--profile] [--case-timeout S]
 
-Batch 1, random weights, bf16 parameters and caches, scanned layers. Each (kind, length) runs in its own
-subprocess, so the device's peak-memory counter belongs to that case. A case prefills once to compile, then
-times a second prefill of the same prompt into a fresh cache, keeping only the last position's logits (what
-generation asks). `--chunk` fixes the chunk (default: `fsjax.decode.prefill_chunk`, the whole prompt where the
-kind's training operator runs fused). Peak memory is the device's high-water mark over the case, compile
-included; the parameters and the filled cache are printed beside it. `--profile` traces one more prefill and
-splits its device time into matrix products (the dense layers: projections, MLP, logits) and everything else
-(attention, its routing and the cache writes), then lists the costliest kernels.
+Batches of `--batches` prompts of one length (tok/s counts every row's tokens), random weights, bf16 parameters
+and caches, scanned layers. Each (kind, length, batch) runs in its own subprocess, so the device's peak-memory
+counter belongs to that case. A case prefills once to compile, then times a second prefill of the same prompts
+into a fresh cache, keeping only the last position's logits (what generation asks). `--chunk` fixes the chunk
+(default: `fsjax.decode.prefill_chunk`, the whole prompt where the kind's training operator runs fused and the
+batch's activations fit). Peak memory is the device's high-water mark over the case, compile included; the
+parameters and the filled cache are printed beside it. `--profile` traces one more prefill and splits its device
+time into matrix products (the dense layers: projections, MLP, logits) and everything else (attention, its
+routing and the cache writes), then lists the costliest kernels.
 FS-B's τ is calibrated on the first 4096 tokens, as `benchmarks/decode.py` does.
 """
 
+import argparse
 import dataclasses
 import json
 import re
@@ -35,19 +37,25 @@ from timing import print_top_kernels, traced_kernels
 MATMUL = re.compile(r"gemm|cublas|cutlass|xmma|nvjet", re.IGNORECASE)
 
 
-def run_case(kind, length, preset, chunk, profile):
+def run_case(kind, length, batch, preset, chunk, profile):
   config = dataclasses.replace(
     model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16", scan_layers=True
   )
   model = Transformer(config)
   variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, config.vocab_size)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, length), 0, config.vocab_size)
   if kind == "fsb":
     fs_model = Transformer(dataclasses.replace(config, attention=model_preset(preset, kind="fs").attention))
     variables = loading.with_tau(config, variables, calibrate.calibrate(fs_model, variables, [tokens[:, :4096]]))
-  lengths = jnp.array([length])
+  lengths = jnp.full((batch,), length)
   run = lambda: prefill(
-    model, variables, tokens, lengths, init_cache(config, 1, length + 1, dtype=jnp.bfloat16), chunk, all_logits=False
+    model,
+    variables,
+    tokens,
+    lengths,
+    init_cache(config, batch, length + 1, dtype=jnp.bfloat16),
+    chunk,
+    all_logits=False,
   )
   clock = time.perf_counter()
   jax.block_until_ready(run())
@@ -64,8 +72,9 @@ def run_case(kind, length, preset, chunk, profile):
   return dict(
     kind=kind,
     length=length,
-    chunk=chunk or prefill_chunk(config, length),
-    tok_s=length / seconds,
+    batch=batch,
+    chunk=chunk or prefill_chunk(config, length, batch),
+    tok_s=batch * length / seconds,
     first_call_s=compile_s,
     peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
     params_gib=gib(variables),
@@ -79,28 +88,37 @@ def run_case(kind, length, preset, chunk, profile):
 def main():
   parser = case_parser(__doc__, "4096,16384,65536,131072,262144")
   parser.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: chosen per prompt)")
+  parser.add_argument("--batches", default=[1], type=lambda s: [int(n) for n in s.split(",")], help="default: 1")
+  parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
   parser.add_argument("--profile", action="store_true", help="split device time: matrix products vs the rest")
   args = parser.parse_args()
   if args.case:
-    print(json.dumps(run_case(*args.case, args.preset, args.chunk, args.profile)))
+    print(json.dumps(run_case(*args.case, args.batch, args.preset, args.chunk, args.profile)))
     return
   extra = ["--preset", args.preset, *(["--chunk", args.chunk] if args.chunk else []), *(["--profile"] * args.profile)]
-  rows = run_cases(__file__, args.kinds, args.lengths, extra, args.case_timeout)
-  base = {r["length"]: r for r in rows if r["kind"] == "tfpp" and "error" not in r}
+  rows = []
+  for batch in args.batches:
+    rows += [
+      {"batch": batch, **row}
+      for row in run_cases(__file__, args.kinds, args.lengths, [*extra, "--batch", batch], args.case_timeout)
+    ]
+  base = {(r["length"], r["batch"]): r for r in rows if r["kind"] == "tfpp" and "error" not in r}
   device = next((r["device"] for r in rows if "device" in r), "?")
-  print(f"\n{args.preset}, batch 1, bf16, scanned layers, last-position logits, {device}")
-  print("| kind | length | chunk | prefill tok/s | vs TF++ | peak GiB | params GiB | cache GiB | matmul share |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print(f"\n{args.preset}, bf16, scanned layers, last-position logits, {device}")
+  print(
+    "| kind | length | batch | chunk | prefill tok/s | vs TF++ | peak GiB | params GiB | cache GiB | matmul share |"
+  )
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     if "error" in r:
-      print(f"| {r['kind']} | {r['length']} | failed: {r['error']} | | | | | | |")
+      print(f"| {r['kind']} | {r['length']} | {r['batch']} | failed: {r['error']} | | | | | | |")
       continue
-    b = base.get(r["length"])
+    b = base.get((r["length"], r["batch"]))
     share = "–" if r["matmul_share"] is None else f"{r['matmul_share']:.0%}"
     ratio = f"{r['tok_s'] / b['tok_s']:.2f}x" if b else "–"
     print(
-      f"| {r['kind']} | {r['length']} | {r['chunk']} | {r['tok_s']:,.0f} | {ratio} | {r['peak_gib']:.1f} | "
-      f"{r['params_gib']:.2f} | {r['cache_gib']:.2f} | {share} |"
+      f"| {r['kind']} | {r['length']} | {r['batch']} | {r['chunk']} | {r['tok_s']:,.0f} | {ratio} | "
+      f"{r['peak_gib']:.1f} | {r['params_gib']:.2f} | {r['cache_gib']:.2f} | {share} |"
     )
   print_top_kernels(rows, "of one prefill")
 

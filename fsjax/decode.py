@@ -15,7 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from fsjax import kinds
+from fsjax import kinds, memory
 from fsjax.cache import init_cache
 from fsjax.ops import dispatch
 
@@ -54,27 +54,26 @@ def activation_bytes_per_token(config):
 def activation_budget():
   """Bytes one prefill chunk's activations may take: half the memory the first device has left (call it with
   the cache allocated), or `ACTIVATION_BUDGET` where the platform reports no memory size."""
-  stats = jax.devices()[0].memory_stats() or {}
-  if "bytes_limit" not in stats:
-    return ACTIVATION_BUDGET
-  return (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) // 2
+  free = memory.free_bytes()
+  return ACTIVATION_BUDGET if free is None else free // 2
 
 
-def prefill_chunk(config, prompt_len):
-  """Tokens per prefill chunk for `prompt_len`-token prompts: a performance choice, never a semantic one.
+def prefill_chunk(config, prompt_len, batch=1):
+  """Tokens per row per prefill chunk for a batch of `prompt_len`-token prompts: a performance choice, never a
+  semantic one.
 
   Where the kind's training operator runs fused on this platform (`fsjax.kinds.Kind.prefill_op`: cuDNN or the
-  Pallas kernels, whose memory grows linearly with the chunk), as few chunks as `activation_budget` allows, of
-  equal size; otherwise `DEFAULT_CHUNK`. Rounded up to whole query blocks (the FS-L bounded cache needs them) and
-  to a multiple of an eighth of its power of two, so prompts of nearby lengths share a compiled program at most
-  12.5% padding.
+  Pallas kernels, whose memory grows linearly with the chunk), as few chunks as `activation_budget` allows for
+  `batch` rows, of equal size; otherwise `DEFAULT_CHUNK`. Rounded up to whole query blocks (the FS-L bounded
+  cache needs them) and to a multiple of an eighth of its power of two, so prompts of nearby lengths share a
+  compiled program at most 12.5% padding. `prefill` halves it where the compiled chunk does not fit.
   """
   att = config.attention
   tokens = DEFAULT_CHUNK
   op = kinds.get(att.kind).prefill_op
   facts = dict(cell=att.cell, head_dim=config.head_dim, dtype=jnp.dtype(config.dtype))
   if op is not None and dispatch.resolve(op, dispatch.for_op(op, att.impl), **facts) != "reference":
-    tokens = max(DEFAULT_CHUNK, activation_budget() // activation_bytes_per_token(config))
+    tokens = max(DEFAULT_CHUNK, activation_budget() // (batch * activation_bytes_per_token(config)))
   prompt_len = max(1, prompt_len)
   chunk = -(-prompt_len // -(-prompt_len // tokens))  # the prompt in equal shares of at most `tokens`
   unit = math.lcm(att.block, max(1, 2 ** (chunk.bit_length() - 4)))
@@ -86,14 +85,16 @@ def prefill(model, variables, tokens, lengths, cache, chunk=None, all_logits=Tru
 
   The first chunk runs each layer's training operator and writes the caches in bulk (`first_chunk`); later
   chunks attend through the caches. Either way the logits equal the full forward's (the tests hold every kind
-  to it), so the chunk size only trades memory for speed.
+  to it), so the chunk size only trades memory for speed. Each chunk program is compiled ahead and halved until
+  its temporaries fit the device memory left beside the cache (`fsjax.memory.fitted_program`), so any batch
+  whose cache fits is prefilled; `fsjax.memory.DeviceMemoryError` says so when not even one block fits.
 
   Args:
     tokens: `[batch, P]` int32; lengths: `[batch]` real prompt lengths (>= 1).
     cache: empty, from `fsjax.cache.init_cache`.
-    chunk: tokens per forward call (one compile for all chunks), rounded up to whole query blocks; None chooses
-      the first chunk from the prompt length (`prefill_chunk`) and the later ones from the cache: as long as the
-      first where the kind's cache path is bounded (`fsjax.kinds.Kind.bounded_chunks`), else `DEFAULT_CHUNK`.
+    chunk: tokens per row per forward call, rounded up to whole query blocks; None chooses the first chunk from
+      the prompt length and batch (`prefill_chunk`) and the later ones from the cache: as long as the first
+      where the kind's cache path is bounded (`fsjax.kinds.Kind.bounded_chunks`), else `DEFAULT_CHUNK`.
     all_logits: return every position's logits; False computes only each row's last prompt position.
 
   Returns:
@@ -104,28 +105,28 @@ def prefill(model, variables, tokens, lengths, cache, chunk=None, all_logits=Tru
   block = config.attention.block
   whole_blocks = lambda n: -(-n // block) * block
   if chunk is None:
-    first = prefill_chunk(config, prompt_len)
+    first = prefill_chunk(config, prompt_len, batch)
     later = first if kinds.get(config.attention.kind).bounded_chunks else min(first, whole_blocks(DEFAULT_CHUNK))
   else:
     first = later = whole_blocks(min(chunk, prompt_len))
+  first, run_first = _chunk_program(model, variables, cache, batch, first, True, all_logits)
+  if prompt_len > first:
+    later, run_later = _chunk_program(
+      model, variables, cache, batch, min(later, whole_blocks(prompt_len - first)), False, all_logits
+    )
+  else:
+    later, run_later = first, run_first
   padded = first + -(-max(prompt_len - first, 0) // later) * later
   tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (0, padded - prompt_len)))
   lengths = jnp.asarray(lengths, jnp.int32)
   outputs, last = [], None
   start = 0
   while start < padded:
-    size = first if start == 0 else later
+    size, run = (first, run_first) if start == 0 else (later, run_later)
     positions = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32), (batch, size))
     offset = None if all_logits else jnp.clip(lengths - 1 - start, 0, size - 1)
-    logits, cache, _ = extend(
-      model,
-      variables,
-      tokens[:, start : start + size],
-      cache,
-      positions,
-      positions < lengths[:, None],
-      first_chunk=start == 0,
-      logits_at=offset,
+    logits, cache, _ = run(
+      variables, tokens[:, start : start + size], cache, positions, positions < lengths[:, None], logits_at=offset
     )
     if all_logits:
       outputs.append(logits)
@@ -134,6 +135,21 @@ def prefill(model, variables, tokens, lengths, cache, chunk=None, all_logits=Tru
       last = logits if last is None else jnp.where(in_chunk, logits, last)
     start += size
   return (jnp.concatenate(outputs, axis=1)[:, :prompt_len] if all_logits else last), cache
+
+
+def _chunk_program(model, variables, cache, batch, size, first_chunk, all_logits):
+  """`(size, compiled extend)` for chunks of at most `size` tokens per row that fit the free device memory."""
+
+  def lower_args(size):
+    ints = jax.ShapeDtypeStruct((batch, size), jnp.int32)
+    logits_at = None if all_logits else jax.ShapeDtypeStruct((batch,), jnp.int32)
+    valid = jax.ShapeDtypeStruct((batch, size), jnp.bool_)
+    args = (model, variables, ints, cache, ints, valid)  # lowering reads shapes: the cache is not donated
+    return args, dict(first_chunk=first_chunk, logits_at=logits_at)
+
+  key = (model, memory.signature(variables), memory.signature(cache), batch, first_chunk, all_logits)
+  what = f"prefill of {model.config.attention.kind} at batch {batch} ({'first' if first_chunk else 'later'} chunk)"
+  return memory.fitted_program(extend, key, size, model.config.attention.block, lower_args, what)
 
 
 def sample(logits, rng, temperature=0.0, top_p=1.0):
@@ -270,7 +286,8 @@ def generate(
   max_len=None,
   return_cells=False,
 ):
-  """Prefill right-padded prompts, then decode on device.
+  """Prefill right-padded prompts, then decode on device. A cache larger than the free device memory is refused
+  with `fsjax.memory.DeviceMemoryError` before anything is compiled.
 
   Returns:
     `[batch, max_new_tokens]` int32 tokens; with `return_cells` (FreeSolo models) also the selected cells
@@ -285,7 +302,12 @@ def generate(
     raise ValueError(
       f"max_len ({max_len}) must hold the prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens})"
     )
-  cache = init_cache(model.config, tokens.shape[0], max_len)
+  make_cache = lambda: init_cache(model.config, tokens.shape[0], max_len)
+  memory.check_fits(
+    f"the {model.config.attention.kind} cache for {tokens.shape[0]} rows of {max_len} tokens",
+    memory.tree_bytes(jax.eval_shape(make_cache)),
+  )
+  cache = make_cache()
   last, cache = prefill(model, variables, tokens, lengths, cache, chunk, all_logits=False)
   rng, key = jax.random.split(jax.random.PRNGKey(seed))
   first = sample(last, key, temperature, top_p)

@@ -1,5 +1,6 @@
 """Prefill + decode through the caches equals the full forward pass (teacher forcing), for every kind."""
 
+import collections
 import dataclasses
 import functools
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsjax import calibrate, decode, kinds, loading, ops
+from fsjax import calibrate, decode, kinds, loading, memory, ops
 from fsjax.cache import init_cache
 from fsjax.config import MoBAConfig, ZHAConfig, model_preset
 from fsjax.decode import extend, generate, prefill, sample
@@ -185,14 +186,28 @@ def test_prefill_chunk_size_does_not_change_logits(rng, kind):
   assert_close(small, large, np.float32, scale=5)
 
 
+def _record_chunk_sizes(monkeypatch):
+  """A list that collects the tokens per row of every chunk prefill runs from now on."""
+  sizes, chunk_program = [], decode._chunk_program
+
+  def recording(*args, **kwargs):
+    size, run = chunk_program(*args, **kwargs)
+    return (
+      size,
+      lambda variables, tokens, *rest, **kw: sizes.append(tokens.shape[1]) or run(variables, tokens, *rest, **kw),
+    )
+
+  monkeypatch.setattr(decode, "_chunk_program", recording)
+  return sizes
+
+
 def test_later_chunks_stay_short_unless_the_cache_path_is_bounded(rng, monkeypatch):
   """With the chunk left to prefill, a long first chunk is followed by DEFAULT_CHUNK-sized ones where the cache
   path attends to every cached slot at once (SWA), and by chunks as long as the first through FS-L's bounded
   cache; the logits equal those of even 32-token chunks."""
-  monkeypatch.setattr(decode, "prefill_chunk", lambda config, prompt_len: 64)
+  monkeypatch.setattr(decode, "prefill_chunk", lambda config, prompt_len, batch: 64)
   monkeypatch.setattr(decode, "DEFAULT_CHUNK", 32)
-  sizes, extend = [], decode.extend
-  monkeypatch.setattr(decode, "extend", lambda *args, **kw: sizes.append(args[2].shape[1]) or extend(*args, **kw))
+  sizes = _record_chunk_sizes(monkeypatch)
   for kind, expected_sizes in (("swa", [64, 32, 32]), ("fsl", [64, 64])):
     config, model, variables = _setup(kind)
     tokens = _distinct_tokens(rng, config.vocab_size, 1, 120)
@@ -201,6 +216,48 @@ def test_later_chunks_stay_short_unless_the_cache_path_is_bounded(rng, monkeypat
     assert sizes == expected_sizes, kind
     even, _ = prefill(model, variables, tokens, jnp.array([120]), init_cache(config, 1, 128), chunk=32)
     assert_close(chosen, even, np.float32, scale=5)
+
+
+def test_prefill_halves_a_chunk_until_its_compiled_temporaries_fit_the_free_memory(rng, monkeypatch):
+  """With the device's free memory set between what XLA's buffer assignment gives a 64- and a 128-token chunk of
+  MoBA's first chunk (its reference operator's temporaries grow with the square of the chunk), a 128-token chunk
+  asked for runs as two of 64 with the logits of 64-token chunks; with too little for one block, prefill raises
+  DeviceMemoryError naming the kind and batch, before running anything."""
+  config, model, variables = _setup("moba")
+  batch, length = 2, 128
+  tokens = _distinct_tokens(rng, config.vocab_size, batch, length)
+  lengths = jnp.array([length, 77])
+  cache = init_cache(config, batch, length)
+
+  def program_bytes(size):
+    ints, valid = jax.ShapeDtypeStruct((batch, size), jnp.int32), jax.ShapeDtypeStruct((batch, size), bool)
+    lowered = extend.lower(model, variables, ints, cache, ints, valid, first_chunk=True)
+    return memory.program_bytes(lowered.compile())
+
+  small, large = program_bytes(64), program_bytes(128)
+  assert large > small
+  monkeypatch.setattr(memory, "_PROGRAMS", collections.OrderedDict())
+  monkeypatch.setattr(memory, "free_bytes", lambda: int(small / memory.FIT_MARGIN) + 1)
+  sizes = _record_chunk_sizes(monkeypatch)
+  fitted, _ = prefill(model, variables, tokens, lengths, init_cache(config, batch, length), chunk=128)
+  assert sizes == [64, 64]
+  expected, _ = prefill(model, variables, tokens, lengths, init_cache(config, batch, length), chunk=64)
+  np.testing.assert_array_equal(np.asarray(fitted), np.asarray(expected))
+  monkeypatch.setattr(memory, "free_bytes", lambda: 1)
+  sizes.clear()
+  with pytest.raises(memory.DeviceMemoryError, match="prefill of moba at batch 2"):
+    prefill(model, variables, tokens, lengths, init_cache(config, batch, length), chunk=96)
+  assert sizes == []
+
+
+def test_generate_refuses_a_cache_larger_than_the_free_memory_before_compiling(rng, monkeypatch):
+  config, model, variables = _setup("tfpp")
+  tokens = _distinct_tokens(rng, config.vocab_size, 3, 40)
+  cache_bytes = memory.tree_bytes(jax.eval_shape(lambda: init_cache(config, 3, 48)))
+  monkeypatch.setattr(memory, "free_bytes", lambda: cache_bytes - 1)
+  monkeypatch.setattr(decode, "_chunk_program", lambda *args: pytest.fail("compiled a chunk"))
+  with pytest.raises(memory.DeviceMemoryError, match="the tfpp cache for 3 rows of 48 tokens needs"):
+    generate(model, variables, tokens, [40, 40, 40], max_new_tokens=8, eos_id=0, max_len=48)
 
 
 def test_prefill_can_keep_only_each_rows_last_logits(rng):

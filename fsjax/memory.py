@@ -1,0 +1,97 @@
+"""Device memory for prefill and generation: what is free, what a cache takes, and chunk programs sized to fit.
+
+A prefill chunk's temporaries grow with batch × chunk, and for the operators that are references (MoBA, ZHA,
+FS-B's forests, a later chunk attending a dense cache) with the keys each query sees as well. The size that
+`fsjax.decode.prefill_chunk` estimates is therefore checked against XLA's own buffer assignment of the compiled
+program, and halved until the program's temporaries fit what the device has free. XLA's GPU autotuner needs
+memory while it compiles; when too little is left it reports "All configs failed during profiling", which this
+module treats as not fitting, like RESOURCE_EXHAUSTED.
+"""
+
+import collections
+
+import jax
+
+# What a user can do when a batch does not fit, besides a smaller batch or max_len.
+MEMORY_HINT = (
+  "XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) sets how much of the GPU XLA may take; "
+  "XLA_PYTHON_CLIENT_PREALLOCATE=false lets other processes share it"
+)
+FIT_MARGIN = 0.9  # of the free bytes a program's temporaries may take: the allocator fragments
+_ALLOCATION_FAILURES = ("RESOURCE_EXHAUSTED", "All configs failed")
+_PROGRAMS = collections.OrderedDict()  # (key, size) -> (fitted size, compiled program), most recent last
+_MAX_PROGRAMS = 32
+
+
+class DeviceMemoryError(MemoryError):
+  """A cache or a prefill chunk that cannot fit in the device memory left; the message names the sizes."""
+
+
+def free_bytes():
+  """Bytes the first device has left to XLA, or None where the platform reports no memory size (CPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if "bytes_limit" not in stats:
+    return None
+  return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
+def tree_bytes(tree):
+  """Bytes of the arrays (or `jax.ShapeDtypeStruct`s) in a pytree."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def gib(n):
+  return f"{n / 2**30:.2f} GiB"
+
+
+def check_fits(what, need):
+  """Raises `DeviceMemoryError` naming `what` when `need` bytes exceed what the device has free."""
+  free = free_bytes()
+  if free is not None and need > free:
+    raise DeviceMemoryError(f"{what} needs {gib(need)}, but the device has {gib(free)} free; {MEMORY_HINT}")
+
+
+def program_bytes(compiled):
+  """Bytes a compiled program allocates beyond its arguments: temporaries and outputs not aliased to inputs."""
+  stats = compiled.memory_analysis()
+  return stats.temp_size_in_bytes + max(stats.output_size_in_bytes - stats.alias_size_in_bytes, 0)
+
+
+def signature(tree):
+  """A hashable description of a pytree of arrays: structure, shapes, dtypes and shardings."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
+
+
+def fitted_program(jitted, key, size, unit, lower_args, what):
+  """The largest chunk size `<= size` (halved, whole `unit`s, at least one) whose compiled `jitted` fits the free
+  device memory, and that compiled program: `(size, compiled)`. Remembered per `(key, size)`.
+
+  Args:
+    jitted: a `jax.jit` function; `lower_args(size)` → `(args, kwargs)` to lower it for a chunk of `size`.
+    key: hashable; equal keys must mean equal programs for equal sizes.
+    what: names the work in the error raised when not even `unit` fits.
+  """
+  if (key, size) in _PROGRAMS:
+    _PROGRAMS.move_to_end((key, size))
+    return _PROGRAMS[(key, size)]
+  free, asked = free_bytes(), size
+  while True:
+    args, kwargs = lower_args(size)
+    try:
+      compiled = jitted.lower(*args, **kwargs).compile()
+      need = program_bytes(compiled)
+    except jax.errors.JaxRuntimeError as error:
+      if free is None or not any(failure in str(error) for failure in _ALLOCATION_FAILURES):
+        raise
+      compiled, need = None, None
+    if compiled is not None and (free is None or need <= FIT_MARGIN * free):
+      break
+    if size <= unit:
+      needs = "more than is free" if need is None else gib(need)
+      raise DeviceMemoryError(f"{what}: a chunk of {size} tokens needs {needs} of the {gib(free)} free; {MEMORY_HINT}")
+    size = max(unit, size // 2 // unit * unit)
+  _PROGRAMS[(key, asked)] = (size, compiled)
+  while len(_PROGRAMS) > _MAX_PROGRAMS:
+    _PROGRAMS.popitem(last=False)
+  return size, compiled
