@@ -20,7 +20,7 @@ MEMORY_HINT = (
 FIT_MARGIN = 0.9  # of the free bytes a program's temporaries may take: the allocator fragments
 _ALLOCATION_FAILURES = ("RESOURCE_EXHAUSTED", "All configs failed")
 _PROGRAMS = collections.OrderedDict()  # (key, size) -> (fitted size, compiled program), most recent last
-_MAX_PROGRAMS = 32
+_MAX_PROGRAMS = 128  # compiled programs are small beside the caches they serve
 
 
 class DeviceMemoryError(MemoryError):
