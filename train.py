@@ -12,6 +12,7 @@ import signal
 import sys
 
 from fsjax.config import ConfigError, load_config
+from fsjax.data.pipeline import DataError
 from fsjax.eval.runner import niah_scores
 from fsjax.train.checkpoint import CheckpointError
 from fsjax.train.loop import TrainingInterrupted, TrainingStopped, train
@@ -46,7 +47,7 @@ def main(argv=None):
     except TrainingStopped as e:
       print(f"error: {e}", file=sys.stderr)
       return 1
-  except (ConfigError, CheckpointError, FileNotFoundError) as e:
+  except (ConfigError, CheckpointError, DataError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsjax.config import FREESOLO_KINDS, ConfigError
-from fsjax.data.pipeline import default_corpus_path, make_eval_batches
+from fsjax.data.pipeline import DataError, default_corpus_path, make_eval_batches
 from fsjax.loading import attention_entries, calibration_path, load_model
 from fsjax.train.checkpoint import CheckpointError
 
@@ -78,7 +78,7 @@ def main(argv=None):
       raise ConfigError(f"the held-out text holds no full batch of {args.batch_size} x {args.length} tokens")
     tau = calibrate(loaded.model, loaded.variables, [b[:, :-1] for b in batches])
     path, step = calibration_path(args.checkpoint)
-  except (ConfigError, CheckpointError, FileNotFoundError) as e:
+  except (ConfigError, CheckpointError, DataError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   with open(path + ".tmp", "w") as f:

@@ -62,6 +62,31 @@ def test_cli_errors_are_one_clear_line(capsys, tmp_path, args, message):
   assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+  "field,content,message",
+  [
+    ("data.train_path", "", "holds no documents"),
+    ("data.train_path", '{"text": ""}\n\n', "holds no documents"),
+    ("data.train_path", '{"text": "one"}\n{"text": oops}\n', "docs.jsonl:2: not JSON"),
+    ("data.train_path", '{"text": "one"}\n\n{"body": "two"}\n', 'docs.jsonl:3: no "text" field'),
+    ("data.train_path", '{"text": 3}\n', 'docs.jsonl:1: "text" must be a string'),
+    ("data.eval_path", "", "too short for one eval batch"),
+    ("data.eval_path", '{"text": "The sea was calm."}\n', "too short for one eval batch (eval.batch_size 8 rows"),
+    ("data.eval_path", "[1, 2]\n", 'docs.jsonl:1: no "text" field'),
+  ],
+)
+def test_bad_data_files_are_one_clear_line_before_anything_compiles(capsys, tmp_path, field, content, message):
+  """Each data file problem the issue found (tracebacks, a ZeroDivisionError after training) is one line that names
+  the file, and the run stops before its workdir is made, so before any compile."""
+  path = tmp_path / "docs.jsonl"
+  path.write_text(content)
+  workdir = tmp_path / "w"
+  assert train_cli.main(["--config", MICRO, "--set", f"{field}={path}", "--workdir", str(workdir)]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and message in err and str(path) in err and err.count("\n") == 1, err
+  assert not workdir.exists()
+
+
 def test_random_rows_do_not_need_a_train_path():
   """Random rows read no documents, so a config inherited from a text run may name a corpus that is not there."""
   missing = "data.train_path=/no/such/corpus.jsonl"

@@ -53,25 +53,58 @@ def document_files(path):
   return [path]
 
 
+class DataError(ValueError):
+  """A document file that cannot be read as documents; the message names the file, the line and the rule."""
+
+
+def _jsonl_texts(file):
+  """The `text` of every non-blank line of a `.jsonl` / `.jsonl.gz` file, or DataError at the first bad line."""
+  opener = gzip.open if file.name.endswith(".gz") else open
+  lineno = 0
+  try:
+    with opener(file, "rt", encoding="utf-8") as f:
+      for lineno, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError as error:
+          raise DataError(f"{file}:{lineno}: not JSON ({error.msg} at column {error.colno})") from None
+        if not isinstance(record, dict) or "text" not in record:
+          raise DataError(f'{file}:{lineno}: no "text" field (each line must be a JSON object with one)')
+        if not isinstance(record["text"], str):
+          raise DataError(f'{file}:{lineno}: "text" must be a string, got {type(record["text"]).__name__}')
+        yield record["text"]
+  except UnicodeDecodeError:
+    raise DataError(f"{file}:{lineno + 1}: not UTF-8 text") from None
+  except (gzip.BadGzipFile, EOFError) as error:
+    raise DataError(f"{file}: not a complete gzip file ({error})") from None
+
+
 def read_documents(path):
   """Iterator over the text of every document at `path`, in file order.
 
   `.jsonl` / `.jsonl.gz` files hold one JSON object per line with the text in field `text`; a `.txt` file is one
-  document. Empty documents are skipped. The path is checked now, not on the first `next`.
+  document. Empty documents are skipped. The path is checked now, not on the first `next`; a malformed line
+  raises DataError naming the file and the line when it is reached.
   """
   files = document_files(path)
 
   def texts():
     for file in files:
-      if file.name.endswith(".txt"):
-        docs = [file.read_text(encoding="utf-8")]
-      else:
-        opener = gzip.open if file.name.endswith(".gz") else open
-        with opener(file, "rt", encoding="utf-8") as f:
-          docs = [json.loads(line)["text"] for line in f if line.strip()]
+      docs = [file.read_text(encoding="utf-8")] if file.name.endswith(".txt") else _jsonl_texts(file)
       yield from (doc for doc in docs if doc)
 
   return texts()
+
+
+def check_documents(path, field):
+  """Reads every document at `path` (the config field `field` names it) and returns how many there are; raises
+  DataError at the first malformed line, or when there is no non-empty document at all."""
+  count = sum(1 for _ in read_documents(path))
+  if count == 0:
+    raise DataError(f"{field}: {path} holds no documents (every file is empty or has only empty texts)")
+  return count
 
 
 class Encode:

@@ -18,7 +18,7 @@ import jax
 
 from fsjax.config import Config, ConfigError, to_dict
 from fsjax.data.mixture import RowMixture
-from fsjax.data.pipeline import default_corpus_path, make_eval_batches, make_train_iterator
+from fsjax.data.pipeline import DataError, check_documents, default_corpus_path, make_eval_batches, make_train_iterator
 from fsjax.data.random_rows import make_random_iterator
 from fsjax.data.tokenizer import load_tokenizer
 from fsjax.model import Transformer, init_variables, param_counts
@@ -132,14 +132,28 @@ def _train_iterator(config: Config):
   return RowMixture(main, tiled)
 
 
+def check_train_documents(config: Config):
+  """Reads a configured `data.train_path` once, so a malformed or empty corpus stops the run before anything
+  compiles (DataError naming the file and line), not in the data loader mid-run."""
+  if config.data.source == "text" and config.data.train_path is not None:
+    check_documents(config.data.train_path, "data.train_path")
+
+
 def _eval_batches(config: Config):
+  """The held-out batches; DataError when the eval documents do not fill one."""
+  path = config.data.eval_path or default_corpus_path("valid")
   batches = make_eval_batches(
-    path=config.data.eval_path or default_corpus_path("valid"),
+    path=path,
     tokenizer_path=config.data.tokenizer,
     seq_len=config.data.seq_len,
     batch_size=config.eval.batch_size,
     max_batches=config.eval.batches,
   )
+  if not batches:
+    raise DataError(
+      f"data.eval_path: {path} is too short for one eval batch (eval.batch_size {config.eval.batch_size} rows "
+      f"of data.seq_len + 1 = {config.data.seq_len + 1} tokens)"
+    )
   rows = _local_rows(config.eval.batch_size)
   start = jax.process_index() * rows
   return [b[start : start + rows] for b in batches]  # each process feeds its share of every batch
@@ -187,7 +201,9 @@ def train(config: Config, workdir, final_evals=()):
   """
   check_paths(config)
   check_vocabulary(config)
+  check_train_documents(config)
   sharding.initialize_distributed()
+  eval_batches = _eval_batches(config)  # before anything compiles: a too-short eval set stops the run here
   mesh = sharding.make_mesh(config.mesh)
   _check_divisible(config, mesh)
   os.makedirs(workdir, exist_ok=True)
@@ -249,7 +265,6 @@ def train(config: Config, workdir, final_evals=()):
     out_shardings=(state_shardings, None),
     donate_argnums=0,
   )
-  eval_batches = _eval_batches(config)
   step = int(state.step)
   tokens_per_step = config.train.batch_size * config.data.seq_len
   last_time, last_step = time.perf_counter(), step
