@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from fsjax.config import ConfigError, load_config
+from fsjax.config import ConfigError, add_set_argument, load_config
 from fsjax.data.pipeline import DataError
 from fsjax.eval.runner import niah_scores
 from fsjax.train.checkpoint import CheckpointError
@@ -21,13 +21,7 @@ from fsjax.train.loop import TrainingInterrupted, TrainingStopped, train
 def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
-  parser.add_argument(
-    "--set",
-    action="append",
-    default=[],
-    metavar="KEY=VALUE",
-    help="override a config field, e.g. --set train.steps=100 (repeatable)",
-  )
+  add_set_argument(parser, "override config fields, e.g. --set train.steps=100 mesh.data=4 (or --set repeated)")
   parser.add_argument(
     "--workdir", help="checkpoints, metrics.jsonl and eval.json go here (default: runs/<config name>)"
   )

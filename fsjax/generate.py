@@ -13,7 +13,7 @@ import warnings
 
 import jax.numpy as jnp
 
-from fsjax.config import ConfigError
+from fsjax.config import ConfigError, add_set_argument
 from fsjax.data.tokenizer import eos_id, load_tokenizer
 from fsjax.decode import generate
 from fsjax.loading import load_model
@@ -33,12 +33,9 @@ def parse_args(argv):
   parser.add_argument(
     "--chunk", type=int, default=None, help="prefill chunk in tokens (default: chosen from the prompt length)"
   )
-  parser.add_argument(
-    "--set",
-    action="append",
-    default=[],
-    metavar="KEY=VALUE",
-    help="override a model config field, e.g. --set attention.kind=fsb (FS-B on an FS "
+  add_set_argument(
+    parser,
+    "override a model config field, e.g. --set attention.kind=fsb (FS-B on an FS "
     "checkpoint, after python -m fsjax.calibrate)",
   )
   return parser.parse_args(argv)

@@ -87,6 +87,21 @@ def test_bad_data_files_are_one_clear_line_before_anything_compiles(capsys, tmp_
   assert not workdir.exists()
 
 
+def test_set_takes_several_pairs_and_repeats_as_the_readme_shows():
+  """README: `--set mesh.data=4 mesh.fsdp=2`; an argparse error before. Every CLI shares the option."""
+  from fsjax import generate
+  from fsjax.eval import perplexity, ruler
+
+  pairs = ["--set", "mesh.data=4", "mesh.fsdp=2", "--set", "train.steps=3"]
+  assert train_cli.parse_args(["--config", MICRO, *pairs]).set == ["mesh.data=4", "mesh.fsdp=2", "train.steps=3"]
+  config = load_config(MICRO, train_cli.parse_args(["--config", MICRO, *pairs]).set)
+  assert (config.mesh.data, config.mesh.fsdp, config.train.steps) == (4, 2, 3)
+  models = ["--set", "attention.kind=fsb", "attention.top_k=3"]
+  assert generate.parse_args(["--checkpoint", "w", "--prompt", "x", *models]).set == models[1:]
+  assert ruler.parse_args(["--checkpoint", "a", "b", *models, "--tasks", "niah_single_1"]).set == models[1:]
+  assert perplexity.parse_args(["--checkpoint", "w", "--length", "64", *models]).set == models[1:]
+
+
 def test_random_rows_do_not_need_a_train_path():
   """Random rows read no documents, so a config inherited from a text run may name a corpus that is not there."""
   missing = "data.train_path=/no/such/corpus.jsonl"

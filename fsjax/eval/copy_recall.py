@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fsjax.config import ConfigError, ModelConfig, override_model
+from fsjax.config import ConfigError, ModelConfig, add_set_argument, override_model
 from fsjax.data.pipeline import default_corpus_path, read_documents
 from fsjax.data.tokenizer import eos_id, load_tokenizer
 from fsjax.loading import load_model
@@ -145,13 +145,7 @@ def parse_args(argv):
     help="MIN,MAX: held-out text whose copied span is random ids in [MIN, MAX) (a needle)",
   )
   parser.add_argument("--out", default=None, help="CSV path, rewritten after every length (default: none)")
-  parser.add_argument(
-    "--set",
-    action="append",
-    default=[],
-    metavar="KEY=VALUE",
-    help="override a model config field of every checkpoint, e.g. --set attention.kind=fsb",
-  )
+  add_set_argument(parser, "override a model config field of every checkpoint, e.g. --set attention.kind=fsb")
   return parser.parse_args(argv)
 
 

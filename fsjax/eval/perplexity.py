@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import optax
 
-from fsjax.config import ConfigError, ModelConfig, override_model
+from fsjax.config import ConfigError, ModelConfig, add_set_argument, override_model
 from fsjax.data.pipeline import default_corpus_path, make_eval_batches
 from fsjax.loading import load_model
 from fsjax.train.checkpoint import CheckpointError
@@ -76,13 +76,7 @@ def parse_args(argv):
   parser.add_argument("--batch-size", type=int, default=2)
   parser.add_argument("--data", default=None, help="held-out jsonl/txt file or directory (default: packaged)")
   parser.add_argument("--out", default=None, help="CSV path (default: none)")
-  parser.add_argument(
-    "--set",
-    action="append",
-    default=[],
-    metavar="KEY=VALUE",
-    help="override a model config field of every checkpoint, e.g. --set attention.kind=fsb",
-  )
+  add_set_argument(parser, "override a model config field of every checkpoint, e.g. --set attention.kind=fsb")
   return parser.parse_args(argv)
 
 

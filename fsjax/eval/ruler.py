@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from fsjax.config import ConfigError, ModelConfig, override_model
+from fsjax.config import ConfigError, ModelConfig, add_set_argument, override_model
 from fsjax.data.tokenizer import eos_id, load_tokenizer
 from fsjax.eval import records, scoring, tasks
 from fsjax.eval.runner import run_task
@@ -44,12 +44,9 @@ def parse_args(argv):
   parser.add_argument(
     "--chunk", type=int, default=None, help="prefill chunk in tokens (default: chosen from the prompt length)"
   )
-  parser.add_argument(
-    "--set",
-    action="append",
-    default=[],
-    metavar="KEY=VALUE",
-    help="override a model config field of every checkpoint, e.g. --set attention.zha.top_p=0.8 "
+  add_set_argument(
+    parser,
+    "override a model config field of every checkpoint, e.g. --set attention.zha.top_p=0.8 "
     "(repeatable; the model's name in the results records it)",
   )
   return parser.parse_args(argv)
