@@ -33,3 +33,11 @@ def test_generates_from_a_training_workdir_and_a_step_directory(micro_workdir, c
 def test_missing_checkpoint_is_one_clear_error(capsys, tmp_path):
   assert generate.main(["--checkpoint", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
   assert "checkpoint path does not exist" in capsys.readouterr().err
+
+
+def test_a_file_given_as_checkpoint_is_called_a_file_not_missing(capsys, tmp_path):
+  """`generate --checkpoint README.md` said "checkpoint path does not exist" of a file that exists."""
+  (tmp_path / "README.md").write_text("# not a checkpoint\n")
+  assert generate.main(["--checkpoint", str(tmp_path / "README.md"), "--prompt", "x"]) == 2
+  err = capsys.readouterr().err
+  assert "not a checkpoint" in err and "README.md is a file" in err and err.count("\n") == 1

@@ -88,8 +88,10 @@ def check_shapes(saved, expected, where):
 def resolve(path):
   """(checkpoint directory, step) for a training workdir (its latest step) or one step's directory."""
   path = os.path.abspath(path)
-  if not os.path.isdir(path):
+  if not os.path.exists(path):
     raise CheckpointError(f"checkpoint path does not exist: {path}")
+  if not os.path.isdir(path):
+    raise CheckpointError(f"not a checkpoint: {path} is a file (expected a training workdir or a step directory)")
   if os.path.isdir(os.path.join(path, CHECKPOINT_SUBDIR)):
     path = os.path.join(path, CHECKPOINT_SUBDIR)
   name = os.path.basename(path)
