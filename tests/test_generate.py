@@ -41,3 +41,11 @@ def test_a_file_given_as_checkpoint_is_called_a_file_not_missing(capsys, tmp_pat
   assert generate.main(["--checkpoint", str(tmp_path / "README.md"), "--prompt", "x"]) == 2
   err = capsys.readouterr().err
   assert "not a checkpoint" in err and "README.md is a file" in err and err.count("\n") == 1
+
+
+def test_loading_a_checkpoint_logs_no_orbax_warnings(micro_workdir, caplog):
+  """Each load printed three `WARNING:absl ... read_only` lines, cutting through progress bars."""
+  with caplog.at_level("WARNING"):
+    assert generate.main(["--checkpoint", str(micro_workdir), "--prompt", "The sea", "--max-new-tokens", "2"]) == 0
+  read_only = [r.getMessage() for r in caplog.records if "read only" in r.getMessage() or "read_only" in r.getMessage()]
+  assert read_only == []

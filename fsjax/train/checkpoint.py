@@ -6,6 +6,7 @@ a temporary directory and renames it when complete, so a killed or failed run ne
 overwritten checkpoint behind.
 """
 
+import logging
 import os
 
 import jax
@@ -18,11 +19,33 @@ CHECKPOINT_SUBDIR = "checkpoints"
 
 
 def _manager(directory, **options):
-  """A CheckpointManager that knows how each item is stored, so a fresh process can read metadata."""
+  """A CheckpointManager that knows how each item is stored, so a fresh process can read metadata.
+
+  A `read_only` one gets the options Orbax would otherwise force with a warning each, and its remaining
+  "Given directory is read only" warning is dropped: loading a checkpoint to run it is not worth three lines
+  through a progress bar."""
   handlers = dict(
     state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler(), config=ocp.JsonCheckpointHandler()
   )
-  return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(**options), item_handlers=handlers)
+  if options.get("read_only"):
+    options = dict(save_interval_steps=0, create=False, **options)
+  quiet = _DropMessage("Given directory is read only")
+  logging.getLogger("absl").addFilter(quiet)
+  try:
+    return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(**options), item_handlers=handlers)
+  finally:
+    logging.getLogger("absl").removeFilter(quiet)
+
+
+class _DropMessage(logging.Filter):
+  """Drops log records whose message starts with `prefix`."""
+
+  def __init__(self, prefix):
+    super().__init__()
+    self.prefix = prefix
+
+  def filter(self, record):
+    return not record.getMessage().startswith(self.prefix)
 
 
 class CheckpointError(ValueError):
