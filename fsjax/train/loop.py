@@ -235,6 +235,7 @@ def train(config: Config, workdir, final_evals=()):
     log.truncate_after(latest)
     print(f"resumed from {checkpoints.directory}/{latest}", flush=True)
   else:
+    log.truncate_after(0)  # a run killed before its first checkpoint starts over: so do its records
     parent = (
       _parent_variables(config, objective, abstract_state.params, abstract_state.frozen)
       if config.train.init_from

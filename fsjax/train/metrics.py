@@ -14,13 +14,15 @@ class MetricsLog:
     self.tensorboard = _tensorboard_writer(os.path.join(workdir, "tensorboard"))
 
   def truncate_after(self, step):
-    """Drops entries past `step`, so after a resume the file describes the trajectory actually kept."""
+    """Drops entries past `step` (all of them for 0: a run that starts over), so after a restart the file
+    describes the trajectory actually kept. A line torn by a kill mid-write is dropped too. Rewritten atomically."""
     if not os.path.exists(self.path):
       return
     with open(self.path) as f:
-      kept = [line for line in f if json.loads(line)["step"] <= step]
-    with open(self.path, "w") as f:
+      kept = [line for line in f if (record := _parse(line)) is not None and record["step"] <= step]
+    with open(self.path + ".tmp", "w") as f:
       f.writelines(kept)
+    os.replace(self.path + ".tmp", self.path)
 
   def write(self, step, metrics):
     record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -34,6 +36,16 @@ class MetricsLog:
       f"{record['tokens_per_s']:,.0f} tok/s | skipped {int(record['skipped'])}",
       flush=True,
     )
+
+
+def _parse(line):
+  """A metrics line as a dict, or None for a torn line (no newline, or not JSON)."""
+  if not line.endswith("\n"):
+    return None
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError:
+    return None
 
 
 def _tensorboard_writer(logdir):
