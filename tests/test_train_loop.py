@@ -241,3 +241,43 @@ def test_consecutive_non_finite_steps_stop_without_touching_the_last_good_checkp
   _, params, _, step = ckpt_lib.load(str(tmp_path / "run"))
   assert step == 2
   assert all(np.all(np.isfinite(p)) for p in jax.tree_util.tree_leaves(params))
+
+
+def _poisoned_step(monkeypatch, poison):
+  """Makes every train step pass its output through `poison(new_state)` (a traced function of the state)."""
+  real = loop.make_train_step
+
+  def poisoned(*args, **kwargs):
+    step_fn = real(*args, **kwargs)
+
+    def step(state, batch):
+      new_state, metrics = step_fn(state, batch)
+      return poison(new_state), metrics
+
+    return step
+
+  monkeypatch.setattr(loop, "make_train_step", poisoned)
+
+
+def test_non_finite_parameters_are_never_saved(tmp_path, monkeypatch):
+  """Parameters that turn infinite while the loss stays finite (bad_steps stays 0) are refused before the save:
+  the run stops at that step and the checkpoint before it is the newest and finite."""
+  _poisoned_step(
+    monkeypatch,
+    lambda s: s.replace(params=jax.tree_util.tree_map(lambda p: p * jnp.where(s.step >= 3, jnp.inf, 1.0), s.params)),
+  )
+  config = load_config(MICRO, ["checkpoint.every=1", "checkpoint.async_save=false"])
+  with pytest.raises(
+    loop.TrainingStopped, match="step 3: non-finite parameters, not saved; the last good checkpoint \\(step 2\\)"
+  ):
+    loop.train(config, str(tmp_path / "run"))
+  _, params, _, step = ckpt_lib.load(str(tmp_path / "run"))
+  assert step == 2 and all(np.all(np.isfinite(p)) for p in jax.tree_util.tree_leaves(params))
+
+
+def test_a_run_that_stops_before_any_checkpoint_says_so(tmp_path, monkeypatch):
+  """The stop message said "the last good checkpoint (step None)" when there was none."""
+  _poisoned_step(monkeypatch, lambda s: s.replace(bad_steps=jnp.full_like(s.bad_steps, 2)))
+  config = load_config(MICRO, ["train.max_bad_steps=2", "checkpoint.every=100"])
+  with pytest.raises(loop.TrainingStopped, match="no checkpoint was saved before it, so a rerun starts over"):
+    loop.train(config, str(tmp_path / "run"))

@@ -15,6 +15,7 @@ import time
 
 import flax.traverse_util
 import jax
+import jax.numpy as jnp
 
 from fsjax.config import Config, ConfigError, to_dict
 from fsjax.data.mixture import RowMixture
@@ -52,6 +53,22 @@ def _stop_on_sigterm():
     yield lambda: bool(received)
   finally:
     signal.signal(signal.SIGTERM, previous)
+
+
+@jax.jit
+def _all_finite(tree):
+  """True when every floating-point array of `tree` is finite everywhere."""
+  leaves = [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _last_good(checkpoints):
+  """Where a stopped run can resume from, once every pending save has finished."""
+  checkpoints.wait()
+  latest = checkpoints.latest_step()
+  if latest is None:
+    return "no checkpoint was saved before it, so a rerun starts over"
+  return f"the last good checkpoint (step {latest}) is kept unchanged"
 
 
 def check_paths(config: Config):
@@ -277,14 +294,14 @@ def train(config: Config, workdir, final_evals=()):
       metrics = jax.device_get(metrics)
       bad_steps = int(state.bad_steps)
       if bad_steps >= config.train.max_bad_steps:
-        checkpoints.wait()
         raise TrainingStopped(
           f"stopped at step {step}: {bad_steps} consecutive non-finite losses or gradients "
-          f"(train.max_bad_steps={config.train.max_bad_steps}); the last good checkpoint "
-          f"(step {checkpoints.latest_step()}) is kept unchanged"
+          f"(train.max_bad_steps={config.train.max_bad_steps}); {_last_good(checkpoints)}"
         )
       stopping = stop_requested()
       if bad_steps == 0 and (step % config.checkpoint.every == 0 or step == config.train.steps or stopping):
+        if not bool(_all_finite(state.params)):
+          raise TrainingStopped(f"stopped at step {step}: non-finite parameters, not saved; {_last_good(checkpoints)}")
         checkpoints.save(step, state, data.get_state(), config)
       if step % config.log.every == 0 or step == config.train.steps or stopping:
         now = time.perf_counter()
