@@ -25,6 +25,12 @@ def parse_args(argv):
   parser.add_argument(
     "--workdir", help="checkpoints, metrics.jsonl and eval.json go here (default: runs/<config name>)"
   )
+  parser.add_argument(
+    "--allow-config-change",
+    action="store_true",
+    help="resume a workdir whose checkpoint was trained with other model, data or optimizer settings "
+    "(refused by default; the change is recorded in <workdir>/config_changes.jsonl)",
+  )
   return parser.parse_args(argv)
 
 
@@ -34,7 +40,7 @@ def main(argv=None):
     config = load_config(args.config, args.set)
     workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
     try:
-      train(config, workdir, final_evals=(niah_scores,))
+      train(config, workdir, final_evals=(niah_scores,), allow_config_change=args.allow_config_change)
     except TrainingInterrupted as e:
       print(e, file=sys.stderr)
       return 128 + signal.SIGTERM  # the shell's status for a process ended by SIGTERM

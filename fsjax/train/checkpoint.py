@@ -62,25 +62,30 @@ class Checkpointer:
   def latest_step(self):
     return self.manager.latest_step()
 
-  def save(self, step, state, data_state, config: Config):
-    """Starts writing step `step` (asynchronously when configured)."""
+  def save(self, step, state, data_state, config: Config, tokens_seen):
+    """Starts writing step `step` (asynchronously when configured), with the tokens trained on up to it."""
     self.manager.save(
       step,
       args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        data=ocp.args.JsonSave({"iterator": data_state}),
+        data=ocp.args.JsonSave({"iterator": data_state, "tokens_seen": int(tokens_seen)}),
         config=ocp.args.JsonSave(to_dict(config)),
       ),
       force=True,
     )
 
+  def saved_config(self, step):
+    """The config dict step `step` was trained with (`to_dict` form)."""
+    return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
   def restore(self, step, abstract_state):
-    """(state laid out like `abstract_state`, data iterator state). Shapes are checked first."""
+    """(state laid out like `abstract_state`, data iterator state, tokens trained on up to `step` or None for a
+    checkpoint written before they were recorded). Shapes are checked first."""
     check_shapes(self.manager.item_metadata(step)["state"], abstract_state, f"{self.directory}/{step}")
     restored = self.manager.restore(
       step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
     )
-    return restored["state"], restored["data"]["iterator"]
+    return restored["state"], restored["data"]["iterator"], restored["data"].get("tokens_seen")
 
   def wait(self):
     self.manager.wait_until_finished()

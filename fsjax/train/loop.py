@@ -71,6 +71,40 @@ def _last_good(checkpoints):
   return f"the last good checkpoint (step {latest}) is kept unchanged"
 
 
+# Fields a resumed run may change without --allow-config-change: how long it runs, how it logs, saves and
+# evaluates, and how it is laid out over devices. Every other field changes what is trained.
+FREELY_RESUMABLE = ("train.steps", "train.max_bad_steps", "log.", "checkpoint.", "eval.", "mesh.")
+CONFIG_CHANGES = "config_changes.jsonl"
+
+
+def config_changes(saved, config: Config):
+  """`{field: (saved value, new value)}` for the fields outside FREELY_RESUMABLE that differ between a
+  checkpoint's config dict and `config`."""
+  flat = lambda tree: flax.traverse_util.flatten_dict(tree, sep=".")
+  old, new = flat(saved), flat(to_dict(config))
+  return {
+    name: (old.get(name), new.get(name))
+    for name in sorted(set(old) | set(new))
+    if old.get(name) != new.get(name) and not name.startswith(FREELY_RESUMABLE)
+  }
+
+
+def _check_resumable(saved, config: Config, workdir, step, allow_config_change):
+  """Refuses to resume step `step` of `workdir` under a config that trains something else, naming the fields,
+  unless `allow_config_change`; then the change is appended to `<workdir>/config_changes.jsonl`."""
+  changes = config_changes(saved, config)
+  if not changes:
+    return
+  if not allow_config_change:
+    listed = "; ".join(f"{name}: {old!r} -> {new!r}" for name, (old, new) in changes.items())
+    raise ConfigError(
+      f"{workdir} was trained to step {step} with another config ({listed}); use another --workdir, or "
+      "--allow-config-change to continue it under this one (recorded in config_changes.jsonl)"
+    )
+  with open(os.path.join(workdir, CONFIG_CHANGES), "a") as f:
+    f.write(json.dumps({"step": step, "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
+
+
 def check_paths(config: Config):
   """Raises ConfigError for a data, tokenizer or parent-checkpoint path that does not exist. `data.train_path` is
   checked only when training reads it (not with `data.source: random`)."""
@@ -204,7 +238,7 @@ def evaluate(model, params, frozen, batches, mesh):
   return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 
-def train(config: Config, workdir, final_evals=()):
+def train(config: Config, workdir, final_evals=(), allow_config_change=False):
   """Trains (or resumes) in `workdir` up to `config.train.steps`; returns the final evaluation dict.
 
   Args:
@@ -212,6 +246,8 @@ def train(config: Config, workdir, final_evals=()):
     workdir: checkpoints, metrics.jsonl, config.json and eval.json go here.
     final_evals: callables `(config, model, variables) -> {name: value}` run on the final model after the held-out
       loss; their entries extend the summary (eval.json and the printed table) in order.
+    allow_config_change: resume a checkpoint written under a config that differs outside FREELY_RESUMABLE
+      (otherwise ConfigError names the fields); the change is recorded in `config_changes.jsonl`.
 
   Returns:
     The summary written to eval.json.
@@ -246,8 +282,14 @@ def train(config: Config, workdir, final_evals=()):
   log = MetricsLog(workdir, config.train.steps)
   data = _train_iterator(config)
   latest = checkpoints.latest_step()
-  if latest is not None:  # resume: shapes are checked before anything compiles
-    state, data_state = checkpoints.restore(latest, abstract_state)
+  tokens_per_step = config.train.batch_size * config.data.seq_len
+  tokens_seen = 0
+  if latest is not None:  # resume: config and shapes are checked before anything compiles
+    saved = checkpoints.saved_config(latest)
+    _check_resumable(saved, config, workdir, latest, allow_config_change)
+    state, data_state, tokens_seen = checkpoints.restore(latest, abstract_state)
+    if tokens_seen is None:  # written before checkpoints recorded it: every step had the saved config's size
+      tokens_seen = latest * saved["train"]["batch_size"] * saved["data"]["seq_len"]
     data.set_state(data_state)
     log.truncate_after(latest)
     print(f"resumed from {checkpoints.directory}/{latest}", flush=True)
@@ -284,13 +326,13 @@ def train(config: Config, workdir, final_evals=()):
     donate_argnums=0,
   )
   step = int(state.step)
-  tokens_per_step = config.train.batch_size * config.data.seq_len
   last_time, last_step = time.perf_counter(), step
   with _stop_on_sigterm() as stop_requested:
     while step < config.train.steps:
       batch = sharding.global_batch(next(data), mesh)
       state, metrics = train_step(state, batch)
       step += 1
+      tokens_seen += tokens_per_step
       metrics = jax.device_get(metrics)
       bad_steps = int(state.bad_steps)
       if bad_steps >= config.train.max_bad_steps:
@@ -302,7 +344,7 @@ def train(config: Config, workdir, final_evals=()):
       if bad_steps == 0 and (step % config.checkpoint.every == 0 or step == config.train.steps or stopping):
         if not bool(_all_finite(state.params)):
           raise TrainingStopped(f"stopped at step {step}: non-finite parameters, not saved; {_last_good(checkpoints)}")
-        checkpoints.save(step, state, data.get_state(), config)
+        checkpoints.save(step, state, data.get_state(), config, tokens_seen)
       if step % config.log.every == 0 or step == config.train.steps or stopping:
         now = time.perf_counter()
         extra = {name: metrics[name] for name in objective.metric_names(config.model)}
@@ -337,7 +379,7 @@ def train(config: Config, workdir, final_evals=()):
     model=config.model.attention.kind,
     parameters=counts["total"],
     steps=step,
-    tokens_seen=step * tokens_per_step,
+    tokens_seen=tokens_seen,
     heldout_loss=result["loss"],
     heldout_perplexity=result["perplexity"],
   )
