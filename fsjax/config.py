@@ -496,6 +496,13 @@ class Config:
       raise ConfigError(f"train.objective zha_kl needs model.attention.kind zha, got {self.model.attention.kind!r}")
     if self.train.recall_beta + self.train.recall_switch_beta > 0 and not self.data.recall_masks:
       raise ConfigError("data.recall_masks must be true when train.recall_beta or train.recall_switch_beta > 0")
+    att = self.model.attention
+    if kinds.get(att.kind).family == "freesolo" and att.top_k > self.data.seq_len // att.cell:
+      raise ConfigError(
+        f"model.attention.top_k ({att.top_k}) exceeds the {self.data.seq_len // att.cell} cells a training context "
+        f"holds (data.seq_len {self.data.seq_len} / attention.cell {att.cell}): every query would pay for cells "
+        "that do not exist"
+      )
     if self.eval.niah_samples and self.data.seq_len < NIAH_MIN_LENGTH:
       raise ConfigError(
         f"eval.niah_samples needs data.seq_len >= {NIAH_MIN_LENGTH} (S-NIAH's 128-token "

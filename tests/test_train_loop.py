@@ -54,6 +54,7 @@ def _losses(workdir):
     (["--config", MICRO, "--set", "data.train_path=/no/such/corpus.jsonl"], "data.train_path: path does not exist"),
     (["--config", MICRO, "--set", "train.init_from=/no/such/run"], "train.init_from: path does not exist"),
     (["--config", MICRO, "--set", "model.vocab_size=512"], "model.vocab_size (512) must hold every id"),
+    (["--config", MICRO, "--set", "model.attention.top_k=1000"], "top_k (1000) exceeds the 8 cells a training"),
   ],
 )
 def test_cli_errors_are_one_clear_line(capsys, tmp_path, args, message):
