@@ -6,12 +6,12 @@ At the end the held-out loss and perplexity, and with `eval.niah_samples` RULER'
 training length, are printed and written to `<workdir>/eval.json`.
 """
 
-import argparse
 import os
 import signal
 import sys
 
-from fsjax.config import ConfigError, add_set_argument, load_config
+from fsjax import cli
+from fsjax.config import ConfigError, load_config
 from fsjax.data.pipeline import DataError
 from fsjax.eval.runner import niah_scores
 from fsjax.train.checkpoint import CheckpointError
@@ -19,9 +19,9 @@ from fsjax.train.loop import TrainingInterrupted, TrainingStopped, train
 
 
 def parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.parser(__doc__)
   parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
-  add_set_argument(parser, "override config fields, e.g. --set train.steps=100 mesh.data=4 (or --set repeated)")
+  cli.add_set_argument(parser, "override config fields, e.g. --set train.steps=100 mesh.data=4 (or --set repeated)")
   parser.add_argument(
     "--workdir", help="checkpoints, metrics.jsonl and eval.json go here (default: runs/<config name>)"
   )

@@ -14,7 +14,6 @@ the training pipeline reads). The norms come from the checkpoint's own forward p
 needs τ itself, and the first layer's keys do not depend on the variant at all.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsjax import cli
 from fsjax.config import FREESOLO_KINDS, ConfigError
 from fsjax.data.pipeline import DataError, default_corpus_path, make_eval_batches
 from fsjax.loading import attention_entries, calibration_path, load_model
@@ -45,10 +45,10 @@ def calibrate(model, variables, batches):
 
 
 def parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.parser(__doc__)
   parser.add_argument("--checkpoint", required=True, help="training workdir or step directory (FS or FS-L)")
-  parser.add_argument("--batches", type=int, default=8)
-  parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--batches", type=int, default=8, help="held-out batches whose cell norms set τ")
+  parser.add_argument("--batch-size", type=int, default=8, help="windows per batch")
   parser.add_argument("--length", type=int, default=4096, help="window length in tokens")
   parser.add_argument("--data", default=None, help="held-out text (default: the packaged held-out books)")
   return parser.parse_args(argv)

@@ -675,12 +675,6 @@ MODEL_PRESETS = {
 }
 
 
-def add_set_argument(parser, help):
-  """Adds `--set KEY=VALUE [KEY=VALUE ...]` to an argparse parser: several pairs after one `--set`, or `--set`
-  repeated; every pair lands in `args.set` in the order given (`load_config` and `fsjax.loading` apply them)."""
-  parser.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE", help=help)
-
-
 def model_preset(name, kind=None, **overrides):
   """A `ModelConfig` for a preset in MODEL_PRESETS, its attention switched to `kind`, fields overridden."""
   if name not in MODEL_PRESETS:

@@ -7,13 +7,13 @@
 --temperature > 0 samples, with --top-p nucleus filtering.
 """
 
-import argparse
 import sys
 import warnings
 
 import jax.numpy as jnp
 
-from fsjax.config import ConfigError, add_set_argument
+from fsjax import cli
+from fsjax.config import ConfigError
 from fsjax.data.tokenizer import eos_id, load_tokenizer
 from fsjax.decode import generate
 from fsjax.loading import load_model
@@ -21,19 +21,19 @@ from fsjax.train.checkpoint import CheckpointError
 
 
 def parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.parser(__doc__)
   parser.add_argument("--checkpoint", required=True, help="training workdir or step directory")
   source = parser.add_mutually_exclusive_group(required=True)
   source.add_argument("--prompt", help="prompt text")
   source.add_argument("--prompt-file", help="file whose whole text is the prompt")
-  parser.add_argument("--max-new-tokens", type=int, default=64)
+  parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate after the prompt")
   parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-  parser.add_argument("--top-p", type=float, default=1.0)
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+  parser.add_argument("--seed", type=int, default=0, help="sampling seed")
   parser.add_argument(
     "--chunk", type=int, default=None, help="prefill chunk in tokens (default: chosen from the prompt length)"
   )
-  add_set_argument(
+  cli.add_set_argument(
     parser,
     "override a model config field, e.g. --set attention.kind=fsb (FS-B on an FS "
     "checkpoint, after python -m fsjax.calibrate)",

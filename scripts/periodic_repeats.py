@@ -10,7 +10,6 @@ content-based induction (train with `data.source: random` for that). The optimiz
 (`fsjax.train.optim.make_optimizer`); fresh rows every step from a fixed seed.
 """
 
-import argparse
 import time
 
 import jax
@@ -18,15 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fsjax.config import add_set_argument, load_config
+from fsjax import cli
+from fsjax.config import load_config
 from fsjax.model import Transformer
 from fsjax.train.optim import make_optimizer
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.parser(__doc__)
   parser.add_argument("--config", default="configs/repro/repro_tfpp.yaml")
-  add_set_argument(parser, "config overrides, e.g. --set train.steps=100 data.seq_len=512")
+  cli.add_set_argument(parser, "config overrides, e.g. --set train.steps=100 data.seq_len=512")
   parser.add_argument("--ids", type=int, default=512, help="rows draw ids from [0, ids)")
   parser.add_argument("--batch-size", type=int, default=16)
   parser.add_argument("--every", type=int, default=50, help="print every this many steps")

@@ -28,7 +28,6 @@ Prints a table (model x length: recall, copy and control accuracy); writes a CSV
 random ids or needle ids).
 """
 
-import argparse
 import csv
 import sys
 from pathlib import Path
@@ -38,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fsjax.config import ConfigError, ModelConfig, add_set_argument, override_model
+from fsjax import cli
+from fsjax.config import ConfigError, ModelConfig, override_model
 from fsjax.data.pipeline import default_corpus_path, read_documents
 from fsjax.data.tokenizer import eos_id, load_tokenizer
 from fsjax.loading import load_model
@@ -123,14 +123,16 @@ def score_copies(model, variables, tokens, span, cue, batch_size):
 
 
 def parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.parser(__doc__)
   parser.add_argument("--checkpoint", nargs="+", required=True, help="training workdirs or step directories")
-  parser.add_argument("--lengths", required=True, type=lambda s: [int(n) for n in s.split(",") if n])
-  parser.add_argument("--samples", type=int, default=50)
+  parser.add_argument(
+    "--lengths", required=True, type=lambda s: [int(n) for n in s.split(",") if n], help="comma-separated tokens"
+  )
+  parser.add_argument("--samples", type=int, default=50, help="sequences per length")
   parser.add_argument("--span", type=int, default=24, help="tokens per copy")
   parser.add_argument("--cue", type=int, default=4, help="leading copy tokens left unscored")
-  parser.add_argument("--batch-size", type=int, default=2)
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--batch-size", type=int, default=2, help="sequences per forward pass")
+  parser.add_argument("--seed", type=int, default=0, help="seed of the copy positions and ids")
   parser.add_argument("--data", default=None, help="held-out jsonl/txt file or directory (default: packaged)")
   parser.add_argument(
     "--random-ids",
@@ -145,7 +147,7 @@ def parse_args(argv):
     help="MIN,MAX: held-out text whose copied span is random ids in [MIN, MAX) (a needle)",
   )
   parser.add_argument("--out", default=None, help="CSV path, rewritten after every length (default: none)")
-  add_set_argument(parser, "override a model config field of every checkpoint, e.g. --set attention.kind=fsb")
+  cli.add_set_argument(parser, "override a model config field of every checkpoint, e.g. --set attention.kind=fsb")
   return parser.parse_args(argv)
 
 

@@ -7,26 +7,29 @@ Writes `<out>/<length>/<task>/validation.jsonl` (the layout `python -m fsjax.eva
 The tokenizer (default: the packaged one) decides how much haystack fits each length.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
+from fsjax import cli
 from fsjax.data.tokenizer import load_tokenizer
 from fsjax.eval import records, tasks
 
 
 def parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.parser(__doc__)
   parser.add_argument(
     "--tasks",
     default=",".join(t for t in tasks.TASKS if not t.startswith("qa")),
     type=lambda s: [t for t in s.split(",") if t],
+    help="comma-separated RULER task names",
   )
-  parser.add_argument("--lengths", default="4096", type=lambda s: [int(n) for n in s.split(",") if n])
-  parser.add_argument("--num-samples", type=int, default=100)
+  parser.add_argument(
+    "--lengths", default="4096", type=lambda s: [int(n) for n in s.split(",") if n], help="comma-separated tokens"
+  )
+  parser.add_argument("--num-samples", type=int, default=100, help="samples per task and length")
   parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the packaged one)")
   tasks.add_source_arguments(parser)
-  parser.add_argument("--out", required=True)
+  parser.add_argument("--out", required=True, help="directory for the JSONL files, one per task and length")
   return parser.parse_args(argv)
 
 

@@ -9,7 +9,6 @@ through the full forward pass, and the next-token loss is averaged per position 
 models the table also gives the mean fraction of visible keys the queries of each bucket attended.
 """
 
-import argparse
 import csv
 import math
 import sys
@@ -19,7 +18,8 @@ import jax
 import numpy as np
 import optax
 
-from fsjax.config import ConfigError, ModelConfig, add_set_argument, override_model
+from fsjax import cli
+from fsjax.config import ConfigError, ModelConfig, override_model
 from fsjax.data.pipeline import default_corpus_path, make_eval_batches
 from fsjax.loading import load_model
 from fsjax.train.checkpoint import CheckpointError
@@ -68,15 +68,15 @@ def buckets(values, count):
 
 
 def parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.parser(__doc__)
   parser.add_argument("--checkpoint", nargs="+", required=True, help="training workdirs or step directories")
   parser.add_argument("--length", type=int, required=True, help="tokens per sequence")
-  parser.add_argument("--buckets", type=int, default=8)
-  parser.add_argument("--batches", type=int, default=4)
-  parser.add_argument("--batch-size", type=int, default=2)
+  parser.add_argument("--buckets", type=int, default=8, help="position buckets the loss is reported in")
+  parser.add_argument("--batches", type=int, default=4, help="held-out batches")
+  parser.add_argument("--batch-size", type=int, default=2, help="sequences per batch")
   parser.add_argument("--data", default=None, help="held-out jsonl/txt file or directory (default: packaged)")
   parser.add_argument("--out", default=None, help="CSV path (default: none)")
-  add_set_argument(parser, "override a model config field of every checkpoint, e.g. --set attention.kind=fsb")
+  cli.add_set_argument(parser, "override a model config field of every checkpoint, e.g. --set attention.kind=fsb")
   return parser.parse_args(argv)
 
 

@@ -20,7 +20,6 @@ against the same cells in the control twins, where the source is replaced and on
 The rates per layer and head, and per offset and layer, go to `copies.json`.
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsjax import cli
 from fsjax.cache import init_cache
 from fsjax.config import ConfigError
 from fsjax.data.pipeline import default_corpus_path
@@ -282,13 +282,13 @@ def plot(out, distance, cell):
 
 
 def parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.parser(__doc__)
   parser.add_argument("--checkpoint", required=True, help="training workdir or step directory")
   parser.add_argument("--length", type=int, required=True, help="prompt + generation budget, in tokens")
   parser.add_argument("--task", default="niah_single_2", help="a NIAH task (the first answer is the needle)")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--chunk", type=int, default=2048)
-  parser.add_argument("--out", default="runs/probe")
+  parser.add_argument("--seed", type=int, default=0, help="seed of the haystack sample")
+  parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens")
+  parser.add_argument("--out", default="runs/probe", help="directory for the probe's JSON")
   parser.add_argument(
     "--copies",
     type=int,

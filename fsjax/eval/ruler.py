@@ -14,14 +14,14 @@ Writes `<out>/<model>/<length>/<task>.jsonl` (records with `pred`), `<out>/score
 (accuracy vs length per task, a line per model) and prints the table.
 """
 
-import argparse
 import csv
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
-from fsjax.config import ConfigError, ModelConfig, add_set_argument, override_model
+from fsjax import cli
+from fsjax.config import ConfigError, ModelConfig, override_model
 from fsjax.data.tokenizer import eos_id, load_tokenizer
 from fsjax.eval import records, scoring, tasks
 from fsjax.eval.runner import run_task
@@ -30,21 +30,26 @@ from fsjax.train.checkpoint import CheckpointError
 
 
 def parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.parser(__doc__)
   parser.add_argument("--checkpoint", nargs="+", required=True, help="training workdirs or step directories")
   parser.add_argument(
-    "--tasks", default="niah_single_1,niah_single_2,niah_single_3", type=lambda s: [t for t in s.split(",") if t]
+    "--tasks",
+    default="niah_single_1,niah_single_2,niah_single_3",
+    type=lambda s: [t for t in s.split(",") if t],
+    help="comma-separated RULER task names",
   )
-  parser.add_argument("--lengths", default="4096", type=lambda s: [int(n) for n in s.split(",") if n])
-  parser.add_argument("--num-samples", type=int, default=50)
-  parser.add_argument("--batch-size", type=int, default=1)
+  parser.add_argument(
+    "--lengths", default="4096", type=lambda s: [int(n) for n in s.split(",") if n], help="comma-separated tokens"
+  )
+  parser.add_argument("--num-samples", type=int, default=50, help="samples per task and length")
+  parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call")
   tasks.add_source_arguments(parser)
   parser.add_argument("--ruler-data", default=None, help="read RULER-generated files instead of generating")
-  parser.add_argument("--out", default="runs/ruler")
+  parser.add_argument("--out", default="runs/ruler", help="directory for predictions, scores and the table")
   parser.add_argument(
     "--chunk", type=int, default=None, help="prefill chunk in tokens (default: chosen from the prompt length)"
   )
-  add_set_argument(
+  cli.add_set_argument(
     parser,
     "override a model config field of every checkpoint, e.g. --set attention.zha.top_p=0.8 "
     "(repeatable; the model's name in the results records it)",
