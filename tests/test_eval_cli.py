@@ -42,6 +42,8 @@ def test_two_tasks_at_two_lengths_write_predictions_scores_and_plot(micro_workdi
   assert (out / "scores.png").stat().st_size > 0
   predictions = records.read_jsonl(out / f"{workdir.name}@2" / "512" / "niah_multivalue.jsonl")
   assert len(predictions) == 3 and all(isinstance(p["pred"], str) for p in predictions)
+  # RULER's evaluate.py reads `others` (a KeyError on files without it) beside `pred`, as its call_api.py writes
+  assert all(p["others"] == {} and p["truncation"] == -1 for p in predictions)
   assert "| niah_multivalue |" in capsys.readouterr().out
 
 

@@ -3,13 +3,20 @@
 A task record has `index`, `input`, `outputs` (expected strings), `length` and `answer_prefix`; the model's prompt
 is `input + answer_prefix` (files from RULER versions that keep the prefix inside `input` have no
 `answer_prefix`, which then reads as empty). In RULER's NIAH files `index` is not a sample number, so records keep
-file order and carry `index` through unchanged. A prediction record adds `pred` to the task record (RULER's field).
+file order and carry `index` through unchanged. A prediction record (`prediction`) adds RULER's prediction fields
+to the task record: `pred`, and `others` and `truncation` as RULER's `call_api.py` writes them (the task's own or
+`{}` and -1), which RULER's `evaluate.py` reads.
 """
 
 import json
 from pathlib import Path
 
 REQUIRED = ("index", "input", "outputs")
+
+
+def prediction(record, pred):
+  """The prediction record of a task record: RULER's fields added (module docstring)."""
+  return {**record, "pred": pred, "others": record.get("others", {}), "truncation": record.get("truncation", -1)}
 
 
 def read_jsonl(path):

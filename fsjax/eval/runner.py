@@ -7,7 +7,7 @@ import numpy as np
 
 from fsjax.data.tokenizer import eos_id, load_tokenizer
 from fsjax.decode import generate
-from fsjax.eval import scoring, tasks
+from fsjax.eval import records, scoring, tasks
 from fsjax.eval.records import prompt
 
 
@@ -104,7 +104,7 @@ def run_task(
     progress=progress,
   )
   score = scoring.score(task, predictions, [r["outputs"] for r in task_records])
-  return score, [{**r, "pred": p} for r, p in zip(task_records, predictions)]
+  return score, [records.prediction(r, p) for r, p in zip(task_records, predictions)]
 
 
 def niah_scores(config, model, variables):
