@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -311,3 +312,58 @@ def test_resuming_under_another_config_is_refused_unless_allowed_then_recorded(t
   changes = [json.loads(line) for line in (workdir / "config_changes.jsonl").read_text().splitlines()]
   assert changes == [{"step": 3, "changes": {"train.batch_size": [8, 16]}}]
   assert json.loads((workdir / "config.json").read_text())["train"]["batch_size"] == 16
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+  """A micro run with checkpoints at steps 2 and 4."""
+  workdir = tmp_path_factory.mktemp("four_steps") / "w"
+  sets = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep=3", "checkpoint.async_save=false"]
+  assert train_cli.main(["--config", MICRO, "--workdir", str(workdir), "--set", *sets]) == 0
+  return workdir
+
+
+def _damage(workdir, step, how):
+  """Damages one step as a full disk, a bad copy or a stray `rm` would."""
+  root = workdir / "checkpoints" / str(step)
+  if how == "state metadata deleted":
+    (root / "state" / "_METADATA").unlink()
+  elif how == "config deleted":
+    (root / "config" / "metadata").unlink()
+  elif how == "array file truncated":
+    largest = max((p for p in (root / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:1000])
+
+
+@pytest.mark.parametrize("how", ["state metadata deleted", "array file truncated"])
+def test_training_resumes_from_the_newest_intact_checkpoint(four_steps, tmp_path, capfd, how):
+  """A damaged latest checkpoint gave 150-685-line tracebacks, or "config mismatch" for a missing _METADATA. Now
+  one line names the step and the damaged item, the step is moved aside (kept), and training resumes from the
+  step before, its records kept once."""
+  workdir = tmp_path / "w"
+  shutil.copytree(four_steps, workdir)
+  _damage(workdir, 4, how)
+  capfd.readouterr()
+  assert train_cli.main(["--config", MICRO, "--workdir", str(workdir), "--set", "train.steps=6"]) == 0
+  out, err = capfd.readouterr()
+  warnings = [line for line in err.splitlines() if line.startswith("warning: checkpoint")]
+  assert len(warnings) == 1 and f"{workdir}/checkpoints/4 is damaged (state: " in warnings[0], err
+  assert "mismatch" not in err and f"resumed from {workdir}/checkpoints/2" in out
+  assert (workdir / "checkpoints" / "4.damaged" / "state").is_dir()
+  assert [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()] == [*range(1, 7)]
+
+
+def test_loaders_skip_a_damaged_step_without_changing_it_and_name_it_when_none_is_left(four_steps, tmp_path, capsys):
+  workdir = tmp_path / "w"
+  shutil.copytree(four_steps, workdir)
+  _damage(workdir, 4, "config deleted")
+  assert ckpt_lib.load(str(workdir))[3] == 2
+  assert "checkpoints/4 is damaged (config: " in capsys.readouterr().err
+  assert (workdir / "checkpoints" / "4" / "state").is_dir()  # a loader only reads
+  with pytest.raises(ckpt_lib.CheckpointError, match="checkpoints/4 holds|no intact checkpoint"):
+    ckpt_lib.load(str(workdir / "checkpoints" / "4"))
+  _damage(workdir, 2, "state metadata deleted")
+  with pytest.raises(
+    ckpt_lib.CheckpointError, match=r"no intact checkpoint in .*: damaged steps 4 \(config: .*\), 2 \(state: "
+  ):
+    ckpt_lib.load(str(workdir))

@@ -8,6 +8,7 @@ overwritten checkpoint behind.
 
 import logging
 import os
+import sys
 
 import jax
 import orbax.checkpoint as ocp
@@ -74,24 +75,73 @@ class Checkpointer:
       force=True,
     )
 
-  def saved_config(self, step):
-    """The config dict step `step` was trained with (`to_dict` form)."""
-    return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+  def restore_newest(self, abstract_state, check_config=lambda saved, step: None):
+    """Restores the newest intact step: `(step, saved config dict, state laid out like abstract_state, data
+    iterator state, tokens trained on or None where the checkpoint predates that record)`, or None when the
+    directory holds no step.
 
-  def restore(self, step, abstract_state):
-    """(state laid out like `abstract_state`, data iterator state, tokens trained on up to `step` or None for a
-    checkpoint written before they were recorded). Shapes are checked first."""
-    check_shapes(self.manager.item_metadata(step)["state"], abstract_state, f"{self.directory}/{step}")
-    restored = self.manager.restore(
-      step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
-    )
-    return restored["state"], restored["data"]["iterator"], restored["data"].get("tokens_seen")
+    A damaged step (an item that cannot be read) is reported in one line on stderr, moved aside to
+    `<step>.damaged` (never deleted: a later save of the same step needs its name) and the step before is tried;
+    CheckpointError when none is intact. `check_config(saved, step)` may refuse a step's config (ConfigError);
+    arrays whose shapes differ from `abstract_state` raise CheckpointError: both are mismatches, not damage.
+    """
+    failures = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        saved = _read_item(self.manager, step, "config", ocp.args.JsonRestore())
+        check_config(saved, step)
+        metadata = _read_item(self.manager, step, "state", None, metadata=True)
+        check_shapes(metadata, abstract_state, f"{self.directory}/{step}")
+        state = _read_item(self.manager, step, "state", ocp.args.StandardRestore(abstract_state))
+        data = _read_item(self.manager, step, "data", ocp.args.JsonRestore())
+      except DamagedCheckpoint as damage:
+        failures.append(f"{step} ({damage})")
+        aside = _move_aside(os.path.join(self.directory, str(step)))
+        print(f"warning: checkpoint {self.directory}/{step} is damaged ({damage}); moved to {aside}", file=sys.stderr)
+        self.manager.reload()
+        continue
+      return step, saved, state, data["iterator"], data.get("tokens_seen")
+    if failures:
+      raise CheckpointError(f"no intact checkpoint in {self.directory}: damaged steps {', '.join(failures)}")
+    return None
 
   def wait(self):
     self.manager.wait_until_finished()
 
   def close(self):
     self.manager.close()
+
+
+class DamagedCheckpoint(Exception):
+  """An item of a checkpoint step that cannot be read; the message names the item and the cause."""
+
+
+def _read_item(manager, step, item, args, metadata=False):
+  """One item of a step (or its metadata), or DamagedCheckpoint naming the item and the first line of the cause."""
+  quiet = _DropMessage("Item ")  # Orbax warns of each item a partial restore leaves unread
+  logging.getLogger("absl").addFilter(quiet)
+  try:
+    if metadata:
+      found = manager.item_metadata(step)[item]
+      if found is None:
+        raise FileNotFoundError("its metadata is missing")
+      return found
+    return manager.restore(step, args=ocp.args.Composite(**{item: args}))[item]
+  except Exception as error:  # Orbax, TensorStore and the file system fail in many types; all mean unreadable
+    cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+    raise DamagedCheckpoint(f"{item}: {cause}") from None
+  finally:
+    logging.getLogger("absl").removeFilter(quiet)
+
+
+def _move_aside(path):
+  """Renames a damaged step directory to `<path>.damaged` (or `.damaged.2`, ...) and returns the new path."""
+  target, n = f"{path}.damaged", 1
+  while os.path.exists(target):
+    n += 1
+    target = f"{path}.damaged.{n}"
+  os.rename(path, target)
+  return target
 
 
 def _shapes(tree):
@@ -114,7 +164,13 @@ def check_shapes(saved, expected, where):
 
 
 def resolve(path):
-  """(checkpoint directory, step) for a training workdir (its latest step) or one step's directory."""
+  """(checkpoint directory, newest step) for a training workdir or one step's directory."""
+  directory, steps, _ = _steps(path)
+  return directory, steps[0]
+
+
+def _steps(path):
+  """(checkpoint directory, its steps newest first, whether `path` named one step)."""
   path = os.path.abspath(path)
   if not os.path.exists(path):
     raise CheckpointError(f"checkpoint path does not exist: {path}")
@@ -124,31 +180,41 @@ def resolve(path):
     path = os.path.join(path, CHECKPOINT_SUBDIR)
   name = os.path.basename(path)
   if name.isdigit() and os.path.isdir(os.path.join(path, "state")):
-    return os.path.dirname(path), int(name)
-  steps = [int(d) for d in os.listdir(path) if d.isdigit() and os.path.isdir(os.path.join(path, d, "state"))]
+    return os.path.dirname(path), [int(name)], True
+  steps = [int(d) for d in os.listdir(path) if d.isdigit() and os.path.isdir(os.path.join(path, d))]
   if not steps:
     raise CheckpointError(f"no checkpoint found in {path} (expected a training workdir or a step directory)")
-  return path, max(steps)
+  return path, sorted(steps, reverse=True), False
 
 
 def load(path):
   """Loads a checkpoint for inference or continued pretraining.
 
   Args:
-    path: a training workdir (its latest step) or one step's directory.
+    path: a training workdir (its newest intact step: a damaged newer one is reported on stderr and skipped,
+      never changed) or one step's directory (CheckpointError if it is damaged).
 
   Returns:
     (Config it was trained with, params, frozen collections such as "routing", step).
   """
-  directory, step = resolve(path)
+  directory, steps, one_step = _steps(path)
   manager = _manager(directory, read_only=True)
-  restored = manager.restore(
-    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(), config=ocp.args.JsonRestore())
-  )
-  manager.close()
+  failures = []
   try:
-    config = from_dict(Config, restored["config"])
-  except ConfigError as e:
-    raise CheckpointError(f"checkpoint {directory}/{step} holds an invalid config: {e}") from None
-  state = restored["state"]
-  return config, state["params"], state.get("frozen") or {}, step
+    for step in steps:
+      try:
+        saved = _read_item(manager, step, "config", ocp.args.JsonRestore())
+        state = _read_item(manager, step, "state", ocp.args.StandardRestore())
+      except DamagedCheckpoint as damage:
+        failures.append(f"{step} ({damage})")
+        if not one_step:
+          print(f"warning: checkpoint {directory}/{step} is damaged ({damage}); trying the one before", file=sys.stderr)
+        continue
+      try:
+        config = from_dict(Config, saved)
+      except ConfigError as e:
+        raise CheckpointError(f"checkpoint {directory}/{step} holds an invalid config: {e}") from None
+      return config, state["params"], state.get("frozen") or {}, step
+  finally:
+    manager.close()
+  raise CheckpointError(f"no intact checkpoint in {directory}: damaged steps {', '.join(failures)}")

@@ -281,13 +281,12 @@ def train(config: Config, workdir, final_evals=(), allow_config_change=False):
   )
   log = MetricsLog(workdir, config.train.steps)
   data = _train_iterator(config)
-  latest = checkpoints.latest_step()
   tokens_per_step = config.train.batch_size * config.data.seq_len
   tokens_seen = 0
-  if latest is not None:  # resume: config and shapes are checked before anything compiles
-    saved = checkpoints.saved_config(latest)
-    _check_resumable(saved, config, workdir, latest, allow_config_change)
-    state, data_state, tokens_seen = checkpoints.restore(latest, abstract_state)
+  check_config = lambda saved, step: _check_resumable(saved, config, workdir, step, allow_config_change)
+  restored = checkpoints.restore_newest(abstract_state, check_config)  # before anything compiles
+  if restored is not None:  # resume from the newest intact step
+    latest, saved, state, data_state, tokens_seen = restored
     if tokens_seen is None:  # written before checkpoints recorded it: every step had the saved config's size
       tokens_seen = latest * saved["train"]["batch_size"] * saved["data"]["seq_len"]
     data.set_state(data_state)
