@@ -3,9 +3,9 @@
 A prefill chunk's temporaries grow with batch × chunk, and for the operators that are references (MoBA, ZHA,
 FS-B's forests, a later chunk attending a dense cache) with the keys each query sees as well. The size that
 `fsjax.decode.prefill_chunk` estimates is therefore checked against XLA's own buffer assignment of the compiled
-program, and halved until the program's temporaries fit what the device has free. XLA's GPU autotuner needs
-memory while it compiles; when too little is left it reports "All configs failed during profiling", which this
-module treats as not fitting, like RESOURCE_EXHAUSTED.
+program, and halved until the program's temporaries fit what the device has free. XLA's GPU autotuner compiles
+candidate kernels into whatever memory is left, so a failed allocation while compiling may surface as
+RESOURCE_EXHAUSTED or as "All configs failed during profiling"; both count as not fitting.
 """
 
 import collections
@@ -71,6 +71,8 @@ def fitted_program(jitted, key, size, unit, lower_args, what):
     jitted: a `jax.jit` function; `lower_args(size)` → `(args, kwargs)` to lower it for a chunk of `size`.
     key: hashable; equal keys must mean equal programs for equal sizes.
     what: names the work in the error raised when not even `unit` fits.
+
+  The fit is decided once per `(key, size)` and process, against the memory free at that time.
   """
   if (key, size) in _PROGRAMS:
     _PROGRAMS.move_to_end((key, size))

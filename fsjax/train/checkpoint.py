@@ -96,6 +96,10 @@ class Checkpointer:
         data = _read_item(self.manager, step, "data", ocp.args.JsonRestore())
       except DamagedCheckpoint as damage:
         failures.append(f"{step} ({damage})")
+        if jax.process_count() > 1:  # the processes would have to agree on the rename first
+          raise CheckpointError(
+            f"checkpoint {self.directory}/{step} is damaged ({damage}); move it aside by hand and rerun"
+          ) from None
         aside = _move_aside(os.path.join(self.directory, str(step)))
         print(f"warning: checkpoint {self.directory}/{step} is damaged ({damage}); moved to {aside}", file=sys.stderr)
         self.manager.reload()
