@@ -8,15 +8,18 @@
 """
 
 import sys
+import time
 import warnings
 
 import jax.numpy as jnp
+import numpy as np
 
 from fsjax import cli
 from fsjax.config import ConfigError
 from fsjax.data.tokenizer import eos_id, load_tokenizer
 from fsjax.decode import generate
 from fsjax.loading import load_model
+from fsjax.memory import DeviceMemoryError
 from fsjax.train.checkpoint import CheckpointError
 
 
@@ -58,6 +61,8 @@ def main(argv=None):
     ids = tokenizer.encode(args.prompt).ids
     if not ids:
       raise ConfigError("the prompt encodes to no tokens")
+    clock = time.perf_counter()
+    print(f"prefill of {len(ids)} tokens, then up to {args.max_new_tokens} new (compiling first) ...", file=sys.stderr)
     out = generate(
       loaded.model,
       loaded.variables,
@@ -70,7 +75,9 @@ def main(argv=None):
       seed=args.seed,
       chunk=args.chunk,
     )
-  except (ConfigError, CheckpointError, FileNotFoundError) as e:
+    out = np.asarray(out)
+    print(f"generated in {time.perf_counter() - clock:.1f} s", file=sys.stderr)
+  except (ConfigError, CheckpointError, DeviceMemoryError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   new = [int(t) for t in out[0]]

@@ -6,7 +6,9 @@ from fsjax import generate
 def test_generates_from_a_training_workdir_and_a_step_directory(micro_workdir, capsys, tmp_path):
   workdir = micro_workdir
   assert generate.main(["--checkpoint", str(workdir), "--prompt", "The sea was", "--max-new-tokens", "5"]) == 0
-  assert capsys.readouterr().out.startswith("The sea was")
+  out, err = capsys.readouterr()
+  assert out.startswith("The sea was")
+  assert "prefill of 3 tokens, then up to 5 new" in err and "generated in" in err  # the compile is not silent
   prompt_file = tmp_path / "prompt.txt"
   prompt_file.write_text("In 1842 the")
   step_dir = workdir / "checkpoints" / "2"

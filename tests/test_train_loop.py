@@ -130,7 +130,7 @@ def test_kill_after_checkpoint_then_resume_equals_uninterrupted_run(tmp_path):
   assert [actual[s] for s in range(1, 9)] == [expected[s] for s in range(1, 9)]  # bit-exact
 
 
-def test_a_run_killed_before_its_first_checkpoint_does_not_keep_its_records_twice(tmp_path):
+def test_a_run_killed_before_its_first_checkpoint_does_not_keep_its_records_twice(tmp_path, capsys):
   """kill -9 while the first checkpoint was written left steps 1-10 in metrics.jsonl, and the rerun, which starts
   over, appended steps 1-10 again. Here the state such a kill leaves: records of steps 1-3, the last one torn by
   the kill, and no checkpoint."""
@@ -140,6 +140,9 @@ def test_a_run_killed_before_its_first_checkpoint_does_not_keep_its_records_twic
   assert train_cli.main(["--config", MICRO, "--workdir", str(workdir), "--set", "train.steps=2"]) == 0
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == [1, 2] and all(r["loss"] < 20 for r in records)
+  out = capsys.readouterr().out  # the silent stretches (compile, evaluations) say what they are doing
+  assert "compiling the train step (step 1 includes it)" in out and "held-out evaluation done in" in out
+  assert "final evaluation niah_scores done in" in out
 
 
 def test_sigterm_saves_the_step_in_flight_and_resuming_equals_the_uninterrupted_run(tmp_path, monkeypatch):

@@ -326,6 +326,8 @@ def train(config: Config, workdir, final_evals=(), allow_config_change=False):
   )
   step = int(state.step)
   last_time, last_step = time.perf_counter(), step
+  if step < config.train.steps:
+    print(f"compiling the train step (step {step + 1} includes it) ...", flush=True)
   with _stop_on_sigterm() as stop_requested:
     while step < config.train.steps:
       batch = sharding.global_batch(next(data), mesh)
@@ -373,7 +375,10 @@ def train(config: Config, workdir, final_evals=(), allow_config_change=False):
   checkpoints.wait()
   checkpoints.close()
 
+  clock = time.perf_counter()
+  print(f"held-out evaluation: {len(eval_batches)} batches of {config.eval.batch_size} rows ...", flush=True)
   result = evaluate(model, state.params, state.frozen, eval_batches, mesh)
+  print(f"held-out evaluation done in {time.perf_counter() - clock:.1f} s", flush=True)
   summary = dict(
     model=config.model.attention.kind,
     parameters=counts["total"],
@@ -383,7 +388,10 @@ def train(config: Config, workdir, final_evals=(), allow_config_change=False):
     heldout_perplexity=result["perplexity"],
   )
   for final_eval in final_evals:
+    clock = time.perf_counter()
+    print(f"final evaluation {final_eval.__name__} ...", flush=True)
     summary.update(final_eval(config, model, {"params": state.params, **state.frozen}))
+    print(f"final evaluation {final_eval.__name__} done in {time.perf_counter() - clock:.1f} s", flush=True)
   with open(os.path.join(workdir, "eval.json"), "w") as f:
     json.dump(summary, f, indent=2)
   if jax.process_index() == 0:
