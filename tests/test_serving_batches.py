@@ -1,9 +1,9 @@
 """Every kind prefills and decodes at serving batches on a GPU: 128 prompts of 4k and 32 of 32k tokens, 341M
 shape, bf16 parameters and caches, scanned layers, random weights (issue #40). The prompts are ragged, and two rows
 hold the same prompt: their logits must agree, so no row reads another's state at these batch sizes. A case
-whose cache alone exceeds the memory XLA may take is skipped with both sizes named: the dense caches at 32 × 32k
-take 94 GiB, which fits with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 and not at XLA's default 0.75 (`fsjax.generate`
-refuses it in one line). Skipped without a GPU: the shapes are the point."""
+whose cache alone exceeds the free device memory is skipped with both sizes named (the dense caches at 32 × 32k
+take 94 GiB; XLA's default share of an H200 is 105 GiB, XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 gives 133).
+Skipped without a GPU: the shapes are the point."""
 
 import dataclasses
 
