@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 import train as train_cli
+from fsjax import generate
 from fsjax.config import ConfigError, load_config
+from fsjax.eval import perplexity, ruler
 from fsjax.train import checkpoint as ckpt_lib
 from fsjax.train import loop
 
@@ -91,9 +93,6 @@ def test_bad_data_files_are_one_clear_line_before_anything_compiles(capsys, tmp_
 
 def test_set_takes_several_pairs_and_repeats_as_the_readme_shows():
   """README: `--set mesh.data=4 mesh.fsdp=2`; an argparse error before. Every CLI shares the option."""
-  from fsjax import generate
-  from fsjax.eval import perplexity, ruler
-
   pairs = ["--set", "mesh.data=4", "mesh.fsdp=2", "--set", "train.steps=3"]
   assert train_cli.parse_args(["--config", MICRO, *pairs]).set == ["mesh.data=4", "mesh.fsdp=2", "train.steps=3"]
   config = load_config(MICRO, train_cli.parse_args(["--config", MICRO, *pairs]).set)
