@@ -116,7 +116,7 @@ def generate(task, length, num_samples, count_tokens, *, seed=42, tokens_to_gene
 
 def add_source_arguments(parser):
   """The options every command that generates tasks shares: --seed, --corpus, --squad, --hotpotqa."""
-  parser.add_argument("--seed", type=int, default=42, help="seed of the generated samples (RULER's default)")
+  parser.add_argument("--seed", type=int, default=42, help="seed of the generated samples")
   parser.add_argument("--corpus", default=None, help="essay haystack jsonl/txt (default: packaged held-out books)")
   parser.add_argument("--squad", default=None, help="SQuAD v2 dev json, for qa_1")
   parser.add_argument("--hotpotqa", default=None, help="HotpotQA distractor dev json, for qa_2")
