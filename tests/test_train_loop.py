@@ -221,9 +221,13 @@ def test_continued_pretraining_switches_variant_with_fresh_optimizer(tmp_path):
 def test_checkpoint_with_other_shapes_is_rejected_before_compiling(tmp_path, capsys):
   workdir = tmp_path / "run"
   _run(workdir, "train.steps=2")
-  code = train_cli.main(["--config", MICRO, "--workdir", str(workdir), "--set", "model.d_model=48"])
+  args = ["--config", MICRO, "--workdir", str(workdir), "--set", "model.d_model=48"]
+  assert train_cli.main(args) == 2
+  assert "model.d_model: 32 -> 48" in capsys.readouterr().err  # the config check comes first
+  assert train_cli.main([*args, "--allow-config-change"]) == 2
   err = capsys.readouterr().err
-  assert code == 2 and "has shape" in err and "but the config gives" in err
+  assert "has shape" in err and "but the config gives" in err
+  assert not (workdir / "config_changes.jsonl").exists()  # a resume that failed records no change
 
 
 def test_consecutive_non_finite_steps_stop_without_touching_the_last_good_checkpoint(tmp_path, monkeypatch):

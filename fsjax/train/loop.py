@@ -91,18 +91,22 @@ def config_changes(saved, config: Config):
 
 def _check_resumable(saved, config: Config, workdir, step, allow_config_change):
   """Refuses to resume step `step` of `workdir` under a config that trains something else, naming the fields,
-  unless `allow_config_change`; then the change is appended to `<workdir>/config_changes.jsonl`."""
+  unless `allow_config_change`."""
   changes = config_changes(saved, config)
-  if not changes:
-    return
-  if not allow_config_change:
+  if changes and not allow_config_change:
     listed = "; ".join(f"{name}: {old!r} -> {new!r}" for name, (old, new) in changes.items())
     raise ConfigError(
       f"{workdir} was trained to step {step} with another config ({listed}); use another --workdir, or "
       "--allow-config-change to continue it under this one (recorded in config_changes.jsonl)"
     )
-  with open(os.path.join(workdir, CONFIG_CHANGES), "a") as f:
-    f.write(json.dumps({"step": step, "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
+
+
+def _record_config_changes(saved, config: Config, workdir, step):
+  """Appends the fields a resume changed to `<workdir>/config_changes.jsonl` (once the resume has succeeded)."""
+  changes = config_changes(saved, config)
+  if changes:
+    with open(os.path.join(workdir, CONFIG_CHANGES), "a") as f:
+      f.write(json.dumps({"step": step, "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
 
 
 def check_paths(config: Config):
@@ -247,7 +251,8 @@ def train(config: Config, workdir, final_evals=(), allow_config_change=False):
     final_evals: callables `(config, model, variables) -> {name: value}` run on the final model after the held-out
       loss; their entries extend the summary (eval.json and the printed table) in order.
     allow_config_change: resume a checkpoint written under a config that differs outside FREELY_RESUMABLE
-      (otherwise ConfigError names the fields); the change is recorded in `config_changes.jsonl`.
+      (otherwise ConfigError names the fields); a resume that succeeds records the change in
+      `config_changes.jsonl`.
 
   Returns:
     The summary written to eval.json.
@@ -287,6 +292,7 @@ def train(config: Config, workdir, final_evals=(), allow_config_change=False):
   restored = checkpoints.restore_newest(abstract_state, check_config)  # before anything compiles
   if restored is not None:  # resume from the newest intact step
     latest, saved, state, data_state, tokens_seen = restored
+    _record_config_changes(saved, config, workdir, latest)
     if tokens_seen is None:  # written before checkpoints recorded it: every step had the saved config's size
       tokens_seen = latest * saved["train"]["batch_size"] * saved["data"]["seq_len"]
     data.set_state(data_state)
