@@ -8,8 +8,9 @@ and caches, scanned layers. Each (kind, length, batch) runs in its own subproces
 counter belongs to that case. A case prefills once to compile, then times a second prefill of the same prompts
 into a fresh cache, keeping only the last position's logits (what generation asks). `--chunk` fixes the chunk
 (default: `fsjax.decode.prefill_chunk`, the whole prompt where the kind's training operator runs fused and the
-batch's activations fit). Peak memory is the device's high-water mark over the case, compile included; the
-parameters and the filled cache are printed beside it. `--profile` traces one more prefill and splits its device
+batch's activations fit; prefill halves a chunk that does not fit, and the table prints the sizes it ran). Peak
+memory is the device's high-water mark over the case, compile included; the parameters and the filled cache are
+printed beside it. `--profile` traces one more prefill and splits its device
 time into matrix products (the dense layers: projections, MLP, logits) and everything else (attention, its
 routing and the cache writes), then lists the costliest kernels.
 FS-B's τ is calibrated on the first 4096 tokens, as `benchmarks/decode.py` does.
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from fsjax import calibrate, loading
 from fsjax.cache import init_cache
 from fsjax.config import model_preset
-from fsjax.decode import prefill, prefill_chunk
+from fsjax.decode import chunk_sizes, prefill
 from fsjax.model import Transformer, init_variables
 
 from cases import case_parser, run_cases
@@ -64,6 +65,7 @@ def run_case(kind, length, batch, preset, chunk, profile):
   logits, cache = run()
   jax.block_until_ready(logits)
   seconds = time.perf_counter() - start
+  first, later = chunk_sizes(model, variables, cache, batch, length, chunk, all_logits=False)  # as run, no compile
   kernels = traced_kernels(lambda: run()[0], 1, count=100_000) if profile else []
   total_ms = sum(ms for _, ms, _ in kernels)
   matmul_ms = sum(ms for name, ms, _ in kernels if MATMUL.search(name))
@@ -73,7 +75,7 @@ def run_case(kind, length, batch, preset, chunk, profile):
     kind=kind,
     length=length,
     batch=batch,
-    chunk=chunk or prefill_chunk(config, length, batch),
+    chunk=first if later == first else f"{first}, then {later}",
     tok_s=batch * length / seconds,
     first_call_s=compile_s,
     peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,

@@ -101,21 +101,9 @@ def prefill(model, variables, tokens, lengths, cache, chunk=None, all_logits=Tru
     (logits `[batch, P, vocab]` (padding positions hold garbage) or `[batch, vocab]`, cache).
   """
   batch, prompt_len = tokens.shape
-  config = model.config
-  block = config.attention.block
-  whole_blocks = lambda n: -(-n // block) * block
-  if chunk is None:
-    first = prefill_chunk(config, prompt_len, batch)
-    later = first if kinds.get(config.attention.kind).bounded_chunks else min(first, whole_blocks(DEFAULT_CHUNK))
-  else:
-    first = later = whole_blocks(min(chunk, prompt_len))
-  first, run_first = _chunk_program(model, variables, cache, batch, first, True, all_logits)
-  if prompt_len > first:
-    later, run_later = _chunk_program(
-      model, variables, cache, batch, min(later, whole_blocks(prompt_len - first)), False, all_logits
-    )
-  else:
-    later, run_later = first, run_first
+  (first, run_first), (later, run_later) = _chunk_programs(
+    model, variables, cache, batch, prompt_len, chunk, all_logits
+  )
   padded = first + -(-max(prompt_len - first, 0) // later) * later
   tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (0, padded - prompt_len)))
   lengths = jnp.asarray(lengths, jnp.int32)
@@ -135,6 +123,31 @@ def prefill(model, variables, tokens, lengths, cache, chunk=None, all_logits=Tru
       last = logits if last is None else jnp.where(in_chunk, logits, last)
     start += size
   return (jnp.concatenate(outputs, axis=1)[:, :prompt_len] if all_logits else last), cache
+
+
+def chunk_sizes(model, variables, cache, batch, prompt_len, chunk=None, all_logits=True):
+  """`(first, later)`: the tokens per row of the chunks `prefill` runs for these arguments, after fitting them to
+  the free memory (what a benchmark should report; the programs are compiled once and shared with `prefill`)."""
+  (first, _), (later, _) = _chunk_programs(model, variables, cache, batch, prompt_len, chunk, all_logits)
+  return first, later
+
+
+def _chunk_programs(model, variables, cache, batch, prompt_len, chunk, all_logits):
+  """`((first size, its program), (later size, its program))` for `prefill` (its docstring says how sizes are
+  chosen); the later pair repeats the first where one chunk holds the prompt."""
+  block = model.config.attention.block
+  whole_blocks = lambda n: -(-n // block) * block
+  if chunk is None:
+    first = prefill_chunk(model.config, prompt_len, batch)
+    bounded = kinds.get(model.config.attention.kind).bounded_chunks
+    later = first if bounded else min(first, whole_blocks(DEFAULT_CHUNK))
+  else:
+    first = later = whole_blocks(min(chunk, prompt_len))
+  first_program = _chunk_program(model, variables, cache, batch, first, True, all_logits)
+  if prompt_len <= first_program[0]:
+    return first_program, first_program
+  later = min(later, whole_blocks(prompt_len - first_program[0]))
+  return first_program, _chunk_program(model, variables, cache, batch, later, False, all_logits)
 
 
 def _chunk_program(model, variables, cache, batch, size, first_chunk, all_logits):

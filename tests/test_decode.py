@@ -241,6 +241,7 @@ def test_prefill_halves_a_chunk_until_its_compiled_temporaries_fit_the_free_memo
   sizes = _record_chunk_sizes(monkeypatch)
   fitted, _ = prefill(model, variables, tokens, lengths, init_cache(config, batch, length), chunk=128)
   assert sizes == [64, 64]
+  assert decode.chunk_sizes(model, variables, cache, batch, length, chunk=128) == (64, 64)  # what benchmarks print
   expected, _ = prefill(model, variables, tokens, lengths, init_cache(config, batch, length), chunk=64)
   np.testing.assert_array_equal(np.asarray(fitted), np.asarray(expected))
   monkeypatch.setattr(memory, "free_bytes", lambda: 1)
