@@ -7,8 +7,9 @@ import re
 import pytest
 
 from fsjax.data.tokenizer import load_tokenizer
-from fsjax.eval import niah, records, scoring, tasks
-from fsjax.eval.haystack import NEEDLE, split_sentences
+from fsjax.eval import fitting, niah, records, scoring, tasks
+from fsjax.eval.haystack import NEEDLE, NOISE, split_sentences
+from fsjax.eval.synthetic import VT_EXAMPLE_LENGTH
 
 _TOKENIZER = load_tokenizer()
 TOKENIZERS = {
@@ -35,10 +36,10 @@ def test_generation_is_a_function_of_the_seed():
   "task", ["niah_single_1", "niah_single_2", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe"]
 )
 @pytest.mark.parametrize("length", [1024, 4096])
-def test_haystack_fills_the_token_budget_exactly(task, length, tokenizer):
+def test_exact_fit_fills_the_token_budget(task, length, tokenizer):
   """Prompt + generation budget fits the length, and one more haystack unit would not."""
   count = TOKENIZERS[tokenizer]
-  for record in tasks.generate(task, length, 2, count):
+  for record in tasks.generate(task, length, 2, count, fit="exact"):
     cap = scoring.TOKENS_TO_GENERATE[scoring.task_family(task)]
     assert record["length"] == count(records.prompt(record)) + cap <= length
     seed = tasks.sample_seed(42, task, length, record["index"])
@@ -48,8 +49,47 @@ def test_haystack_fills_the_token_budget_exactly(task, length, tokenizer):
       assert count(larger[0] + larger[1]) + cap > length
 
 
+@pytest.mark.parametrize("task", ["niah_single_1", "niah_single_2", "niah_multikey_2", "vt", "cwe", "fwe"])
+@pytest.mark.parametrize("length", [1024, 4096])
+def test_ruler_fit_starts_every_sample_from_one_size_and_backs_off_by_rulers_step(task, length):
+  """RULER's prepare.py: one size per (task, length), found on a draw of its own; a sample that does not fit it
+  backs off by the task's step, so it holds the first size on that grid that fits."""
+  count = TOKENIZERS["packaged-bpe"]
+  cap = scoring.TOKENS_TO_GENERATE[scoring.task_family(task)]
+  budget, (make, smallest, _) = length - cap, tasks.sampler(task)
+  step = tasks.ruler_step(task, length, budget)
+  tokens = lambda size, seed: count("".join(make(size, seed, length, count)[:2]))
+  fit_seed = tasks.sample_seed(42, task, length, "fit")
+  found = tasks.generate(task, length, 4, count)
+  start = max(r["haystack_size"] for r in found)
+  if task == "fwe":  # the last of RULER's grid from budget/6 words whose prompt is below the budget
+    assert (start - budget // 6) % step == 0 and tokens(start, fit_seed) < budget <= tokens(start + step, fit_seed)
+  else:  # the largest size the sizing draw holds
+    assert tokens(start, fit_seed) <= budget < tokens(start + 1, fit_seed)
+  for record in found:
+    seed = tasks.sample_seed(42, task, length, record["index"])
+    size = record["haystack_size"]
+    assert record["length"] == count(records.prompt(record)) + cap <= length and size >= smallest
+    if size - step >= smallest or tokens(start, seed) <= budget:
+      assert (start - size) % step == 0 and (size == start or tokens(size + step, seed) > budget)
+    else:  # a step would overshoot: the largest size that fits
+      assert tokens(size + 1, seed) > budget
+  assert found == tasks.generate(task, length, 4, count, fit="ruler")  # the default
+
+
+def test_ruler_fit_leaves_prompts_shorter_than_exact_fit():
+  count = TOKENIZERS["packaged-bpe"]
+  ruler = tasks.generate("niah_single_2", 4096, 4, count)
+  exact = tasks.generate("niah_single_2", 4096, 4, count, fit="exact")
+  assert all(4096 - 64 <= r["length"] for r in exact)
+  assert sum(r["length"] for r in ruler) < sum(r["length"] for r in exact)
+  assert all(0.8 * 4096 <= r["length"] <= 4096 for r in ruler)
+  with pytest.raises(ValueError, match="fit must be one of ruler, exact"):
+    tasks.generate("vt", 4096, 1, count, fit="snug")
+
+
 def test_64k_prompt_fits_under_the_packaged_tokenizer():
-  (record,) = tasks.generate("niah_single_2", 65536, 1, TOKENIZERS["packaged-bpe"])
+  (record,) = tasks.generate("niah_single_2", 65536, 1, TOKENIZERS["packaged-bpe"], fit="exact")
   assert 65536 - 64 <= record["length"] <= 65536
 
 
@@ -114,8 +154,9 @@ def test_ruler_jsonl_round_trip_keeps_order_and_index(tmp_path):
 
 @pytest.mark.parametrize("length", [1024, 4096])
 def test_variable_tracking_answers_are_the_chain_of_the_asked_value(length):
-  for record in tasks.generate("vt", length, 2, TOKENIZERS["packaged-bpe"]):
-    main = record["input"].split("\n\n\n\n")[-1]  # after the one-shot example
+  count = TOKENIZERS["packaged-bpe"]
+  for record in tasks.generate("vt", length, 2, count):
+    example, main = record["input"].rsplit("\n\nMemorize", 1)  # RULER: the one-shot example, "\n", the task
     value = re.search(r"assigned the value (\d+) in the text above", main).group(1)
     assigned = dict(re.findall(r"VAR (\w+) = (VAR \w+|\d+)", main))
     chain, frontier = set(), {value}
@@ -124,7 +165,16 @@ def test_variable_tracking_answers_are_the_chain_of_the_asked_value(length):
       chain |= new
       frontier = new
     assert chain == set(record["outputs"]) and len(chain) == 5
-    assert record["answer_prefix"].endswith(f"the value {value}, they are: ")
+    assert record["answer_prefix"].endswith(f"variables are assigned the value {value}, they are: ")
+    # RULER c3f5e3b's layout: one noise sentence or statement per line, after the question's header.
+    lines = main.split("\n")[2:-1]
+    assert all(line == NOISE or re.fullmatch(r"VAR [A-Z]{5} = (VAR [A-Z]{5} |\d{5})", line) for line in lines)
+    assert sum(line != NOISE for line in lines) == 5
+    # The one-shot example: 3-letter names, answered, as many noise lines as fit its 500 tokens.
+    prompt, answer = example.rsplit("they are: ", 1)
+    assert re.fullmatch(r" [A-Z]{3}( [A-Z]{3}){4}", answer)  # RULER joins prompt and answer with one more space
+    example_tokens = count(prompt + "they are: ")
+    assert VT_EXAMPLE_LENGTH - count("\n" + NOISE) < example_tokens <= VT_EXAMPLE_LENGTH
 
 
 @pytest.mark.parametrize("length,common,uncommon", [(1024, 6, 1), (4096, 30, 3)])
@@ -184,8 +234,8 @@ def test_qa_reads_squad_and_hotpotqa_files_and_hides_the_gold_document(tmp_path)
 def test_largest_fitting_finds_the_boundary_from_any_guess(limit):
   boundary = 37
   for guess in (0, 1, 36, 37, 38, 500):
-    found = tasks.largest_fitting(lambda n: n <= boundary, guess, smallest=0, largest=limit)
+    found = fitting.largest_fitting(lambda n: n <= boundary, guess, smallest=0, largest=limit)
     assert found == boundary
-  assert tasks.largest_fitting(lambda n: True, 3, smallest=0, largest=40) == 40
+  assert fitting.largest_fitting(lambda n: True, 3, smallest=0, largest=40) == 40
   with pytest.raises(ValueError, match="cannot hold the smallest prompt"):
-    tasks.largest_fitting(lambda n: n < 5, 10, smallest=5)
+    fitting.largest_fitting(lambda n: n < 5, 10, smallest=5)

@@ -49,6 +49,7 @@ def main(argv=None):
           args.num_samples,
           count,
           seed=args.seed,
+          fit=args.fit,
           corpus=args.corpus,
           squad=args.squad,
           hotpotqa=args.hotpotqa,

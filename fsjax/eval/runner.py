@@ -73,6 +73,7 @@ def run_task(
   num_samples=None,
   task_records=None,
   seed=42,
+  fit="ruler",
   batch_size=1,
   chunk=None,
   progress=None,
@@ -81,7 +82,8 @@ def run_task(
   """Generates (or takes) one task's records at one length, predicts and scores them.
 
   Args:
-    task_records: RULER records to use as given; None generates `num_samples` samples offline.
+    task_records: RULER records to use as given; None generates `num_samples` samples offline, their haystacks
+      sized by `fit` (`fsjax.eval.tasks.generate`).
     sources: `corpus`, `squad`, `hotpotqa` for `tasks.generate`.
 
   Returns:
@@ -90,7 +92,9 @@ def run_task(
   cap = scoring.TOKENS_TO_GENERATE[scoring.task_family(task)]
   if task_records is None:
     count_tokens = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
-    task_records = tasks.generate(task, length, num_samples, count_tokens, seed=seed, tokens_to_generate=cap, **sources)
+    task_records = tasks.generate(
+      task, length, num_samples, count_tokens, seed=seed, tokens_to_generate=cap, fit=fit, **sources
+    )
   predictions = predict(
     model,
     variables,

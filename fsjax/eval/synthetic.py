@@ -2,7 +2,7 @@
 common-word extraction (cwe) and frequent-word extraction (fwe), with RULER's templates, answer prefixes and task
 arguments (vt: 1 chain of 4 hops over the noise haystack, with a one-shot example; cwe: 10 common words x 30
 against uncommon x 3, x6 / x1 below 4k tokens, with a one-shot example; fwe: zeta(2) over a coded vocabulary of
-length/50 six-letter words, the top word replaced by '...').
+(length - 50)/50 six-letter words, the top word replaced by '...').
 
 A sampler is `(size, seed, length, count_tokens) -> (input, answer_prefix, outputs)`, a pure function of its
 arguments and growing with `size` (noise sentences, listed words, coded words), so `tasks.generate` can fit
@@ -16,6 +16,7 @@ import string
 import numpy as np
 import scipy.special
 
+from fsjax.eval import fitting
 from fsjax.eval.haystack import NOISE, wonderwords_list
 from fsjax.eval.scoring import TOKENS_TO_GENERATE
 
@@ -23,10 +24,9 @@ VT_TEMPLATE = (
   "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
   "Question: Find all variables that are assigned the value {query} in the text above."
 )
-# "assgined" is RULER's own spelling; models are scored against its prompts verbatim.
 VT_PREFIX = (
   " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are "
-  "assgined the value {query}, they are: "
+  "assigned the value {query}, they are: "
 )
 CWE_TEMPLATE = (
   "Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
@@ -73,40 +73,42 @@ def _chains(rng, example):
 
 
 def _vt_text(size, rng, example):
+  """The prompt (template + answer prefix) over `size` noise sentences, one per line, with the chain statements
+  inserted among them at random (RULER's noise layout), and the chain's names."""
   groups, chains = _chains(rng, example)
-  sentences = [NOISE + "\n"] * size
+  sentences = [NOISE] * size
   for chain in chains:
     slots = sorted(rng.sample(range(len(sentences)), len(chain)))
     for offset, (slot, statement) in enumerate(zip(slots, chain)):
       sentences.insert(slot + offset, statement)
-  context = " ".join(sentences).replace(". \n", ".\n")
+  context = "\n".join(sentences).replace(". \n", ".\n")
   value = chains[0][0].split("=")[-1].strip()
   text = (VT_TEMPLATE + VT_PREFIX).format(context=context, query=value, num_v=VT_HOPS + 1)
   return text, groups[0]
 
 
 def _vt_example(rng, count_tokens):
-  """RULER's one-shot example: the largest noise count fitting VT_EXAMPLE_LENGTH tokens, answered."""
+  """RULER's one-shot example: the most noise sentences whose prompt stays within VT_EXAMPLE_LENGTH tokens (no
+  generation budget, as RULER sizes it), answered, ending in a newline."""
   state = rng.getstate()
 
-  def text(size):
+  def drawn(size):
     rng.setstate(state)
-    prompt, answer = _vt_text(size, rng, example=True)
-    return prompt + " " + " ".join(answer)
+    return _vt_text(size, rng, example=True)
 
-  size = VT_HOPS + 1
-  while count_tokens(text(size + 5)) + TOKENS_TO_GENERATE["vt"] <= VT_EXAMPLE_LENGTH:
-    size += 5
-  return text(size) + "\n\n\n\n"  # RULER ends the example with two newlines and joins with two more
+  fits = lambda size: count_tokens(drawn(size)[0]) <= VT_EXAMPLE_LENGTH
+  prompt, answer = drawn(fitting.largest_fitting(fits, VT_EXAMPLE_LENGTH // 40, VT_HOPS + 1))
+  return prompt + " " + " ".join(answer) + "\n"
 
 
 def vt_sample(size, seed, length, count_tokens):
-  """Variable tracking with `size` noise sentences (at least VT_HOPS + 1)."""
+  """Variable tracking with `size` noise sentences (at least VT_HOPS + 1), after the one-shot example and a
+  newline (RULER: example, "\\n", then the task)."""
   del length
   rng = random.Random(seed)
   example = _vt_example(rng, count_tokens)
   text, answer = _vt_text(size, random.Random(rng.getrandbits(64)), example=False)
-  return (*split_prefix(example + text, VT_PREFIX), answer)
+  return (*split_prefix(example + "\n" + text, VT_PREFIX), answer)
 
 
 # Common-word extraction ------------------------------------------------------------------------------------------
@@ -155,7 +157,7 @@ def fwe_sample(size, seed, length, count_tokens):
   """Frequent-word extraction over about `size` coded words drawn by a zeta(2) law."""
   del count_tokens
   rng = random.Random(seed)
-  vocab_size = max(length // 50, 4)
+  vocab_size = max((length - TOKENS_TO_GENERATE["fwe"]) // 50, 4)  # RULER: a 50th of the prompt budget
   vocab = set()
   while len(vocab) < vocab_size:
     vocab.add("".join(rng.choices(string.ascii_lowercase, k=FWE_WORD_LENGTH)))
