@@ -8,7 +8,6 @@
 """
 
 import sys
-import time
 import warnings
 
 import jax.numpy as jnp
@@ -61,22 +60,20 @@ def main(argv=None):
     ids = tokenizer.encode(args.prompt).ids
     if not ids:
       raise ConfigError("the prompt encodes to no tokens")
-    clock = time.perf_counter()
-    print(f"prefill of {len(ids)} tokens, then up to {args.max_new_tokens} new (compiling first) ...", file=sys.stderr)
-    out = generate(
-      loaded.model,
-      loaded.variables,
-      jnp.asarray([ids]),
-      [len(ids)],
-      max_new_tokens=args.max_new_tokens,
-      eos_id=eos_id(tokenizer),
-      temperature=args.temperature,
-      top_p=args.top_p,
-      seed=args.seed,
-      chunk=args.chunk,
-    )
-    out = np.asarray(out)
-    print(f"generated in {time.perf_counter() - clock:.1f} s", file=sys.stderr)
+    with cli.stage(f"prefill of {len(ids)} tokens, then up to {args.max_new_tokens} new (compiling first)"):
+      out = generate(
+        loaded.model,
+        loaded.variables,
+        jnp.asarray([ids]),
+        [len(ids)],
+        max_new_tokens=args.max_new_tokens,
+        eos_id=eos_id(tokenizer),
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        chunk=args.chunk,
+      )
+      out = np.asarray(out)
   except (ConfigError, CheckpointError, DeviceMemoryError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

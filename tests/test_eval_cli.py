@@ -3,12 +3,14 @@ the pipeline — generation, predictions, RULER scores, CSV, plot — not the sc
 
 import csv
 import json
+import re
 
 import pytest
 from conftest import MICRO_CONFIG
 
 import train as train_cli
-from fsjax.eval import make_data, records, ruler
+from fsjax.data.tokenizer import load_tokenizer
+from fsjax.eval import make_data, records, ruler, tasks
 
 
 def test_two_tasks_at_two_lengths_write_predictions_scores_and_plot(micro_workdir, tmp_path, capsys):
@@ -44,7 +46,9 @@ def test_two_tasks_at_two_lengths_write_predictions_scores_and_plot(micro_workdi
   assert len(predictions) == 3 and all(isinstance(p["pred"], str) for p in predictions)
   # RULER's evaluate.py reads `others` (a KeyError on files without it) beside `pred`, as its call_api.py writes
   assert all(p["others"] == {} and p["truncation"] == -1 for p in predictions)
-  assert "| niah_multivalue |" in capsys.readouterr().out
+  captured = capsys.readouterr()
+  assert "| niah_multivalue |" in captured.out
+  assert re.search(rf"{workdir.name}@2: niah_multivalue at 512 tokens: [\d.]+ s", captured.err)  # cli.stage
 
 
 def test_ruler_files_are_read_and_scored(micro_workdir, tmp_path):
@@ -147,6 +151,13 @@ def test_task_files_written_offline_are_read_back_by_the_evaluator(micro_workdir
   )
   written = records.read_jsonl(data / "1024" / "cwe" / "validation.jsonl")
   assert len(written) == 2 and all(r["length"] <= 1024 for r in written)
+  count = lambda text: len(load_tokenizer().encode(text, add_special_tokens=False).ids)
+  assert written == tasks.generate("cwe", 1024, 2, count, fit="ruler")  # RULER's sizing is the default
+  exact = ["--tasks", "cwe", "--lengths", "1024", "--num-samples", "2", "--fit", "exact", "--out", str(tmp_path / "e")]
+  assert make_data.main(exact) == 0
+  assert records.read_jsonl(tmp_path / "e" / "1024" / "cwe" / "validation.jsonl") == tasks.generate(
+    "cwe", 1024, 2, count, fit="exact"
+  )
   assert (
     ruler.main(
       [

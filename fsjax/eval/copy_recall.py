@@ -216,9 +216,10 @@ def main(argv=None):
         stream = streams[key] if args.random_ids is None else random_stream(args.random_ids, length, args.seed)
         copies, controls, sources = make_samples(stream, length, args.samples, args.span, args.seed, args.needle_ids)
         # Copies and controls in one call: `score_copies` compiles once per call and length.
-        hits, losses = score_copies(
-          loaded.model, loaded.variables, np.concatenate([copies, controls]), args.span, args.cue, args.batch_size
-        )
+        with cli.stage(f"{loaded.name}: {args.samples} copies and controls at {length} tokens"):
+          hits, losses = score_copies(
+            loaded.model, loaded.variables, np.concatenate([copies, controls]), args.span, args.cue, args.batch_size
+          )
         (copy_hits, control_hits), copy_losses = np.split(hits, 2), losses[: args.samples]
         rows.append(
           dict(

@@ -99,7 +99,8 @@ def main(argv=None):
       )
       if not batches:
         raise ConfigError(f"--data holds fewer than {args.batch_size} sequences of {args.length} tokens")
-      losses, attended = position_losses(loaded.model, loaded.variables, batches)
+      with cli.stage(f"{loaded.name}: loss by position at {args.length} tokens, {len(batches)} batches"):
+        losses, attended = position_losses(loaded.model, loaded.variables, batches)
       attended = [None] * args.buckets if attended is None else [f for _, _, f in buckets(attended, args.buckets)]
       rows += [
         dict(

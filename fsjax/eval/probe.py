@@ -373,28 +373,30 @@ def main(argv=None):
         stream = copy_recall.random_stream(args.random_ids, args.length, args.seed)
       else:
         stream = copy_recall.heldout_stream(args.data or default_corpus_path("valid"), config.data.tokenizer)
-      summary = probe_copies(
-        model,
-        variables,
-        stream,
-        length=args.length,
-        count=args.copies,
-        span=args.span,
-        cue=args.cue,
-        seed=args.seed,
-        chunk=args.chunk,
-        needle_ids=args.needle_ids,
-      )
+      with cli.stage(f"{loaded.name}: copy probe, {args.copies} samples at {args.length} tokens"):
+        summary = probe_copies(
+          model,
+          variables,
+          stream,
+          length=args.length,
+          count=args.copies,
+          span=args.span,
+          cue=args.cue,
+          seed=args.seed,
+          chunk=args.chunk,
+          needle_ids=args.needle_ids,
+        )
     else:
-      summary, distance = probe(
-        model,
-        variables,
-        load_tokenizer(config.data.tokenizer),
-        task=args.task,
-        length=args.length,
-        seed=args.seed,
-        chunk=args.chunk,
-      )
+      with cli.stage(f"{loaded.name}: {args.task} probe at {args.length} tokens"):
+        summary, distance = probe(
+          model,
+          variables,
+          load_tokenizer(config.data.tokenizer),
+          task=args.task,
+          length=args.length,
+          seed=args.seed,
+          chunk=args.chunk,
+        )
   except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -98,23 +98,25 @@ def evaluate_checkpoint(args, path, progress, scored=None):
       if args.ruler_data is not None:
         given = records.read_jsonl(Path(args.ruler_data) / str(length) / task / "validation.jsonl")
         given = given[: args.num_samples]
-      score, predicted = run_task(
-        loaded.model,
-        loaded.variables,
-        tokenizer,
-        task,
-        length,
-        eos_id=eos_id(tokenizer),
-        num_samples=args.num_samples,
-        task_records=given,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        chunk=args.chunk,
-        progress=progress,
-        corpus=args.corpus,
-        squad=args.squad,
-        hotpotqa=args.hotpotqa,
-      )
+      with cli.stage(f"{loaded.name}: {task} at {length} tokens"):
+        score, predicted = run_task(
+          loaded.model,
+          loaded.variables,
+          tokenizer,
+          task,
+          length,
+          eos_id=eos_id(tokenizer),
+          num_samples=args.num_samples,
+          task_records=given,
+          seed=args.seed,
+          fit=args.fit,
+          batch_size=args.batch_size,
+          chunk=args.chunk,
+          progress=progress,
+          corpus=args.corpus,
+          squad=args.squad,
+          hotpotqa=args.hotpotqa,
+        )
       records.write_jsonl(Path(args.out) / loaded.name / str(length) / f"{task}.jsonl", predicted)
       rows.append(dict(model=loaded.name, task=task, length=length, samples=len(predicted), score=score))
       if scored is not None:
