@@ -39,6 +39,8 @@ def main(argv=None):
   try:
     config = load_config(args.config, args.set)
     workdir = args.workdir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
+    for line in config.warnings():
+      print(f"warning: {line}", file=sys.stderr)
     try:
       train(config, workdir, final_evals=(niah_scores,), allow_config_change=args.allow_config_change)
     except TrainingInterrupted as e:

@@ -140,6 +140,11 @@ class AttentionConfig:
       raise ConfigError(f"{p}bound_c must be >= 1 (U_v then bounds Eq. 7 for every cell below), got {self.bound_c}")
     if self.lam < 0:
       raise ConfigError(f"{p}lam must be >= 0, got {self.lam}")
+    if self.kind == "fsb" and self.top_k > 2 * self.beam:
+      raise ConfigError(
+        f"{p}top_k ({self.top_k}) exceeds the {2 * self.beam} candidate cells FS-B's two beams of {p}beam "
+        f"({self.beam}) can offer"
+      )
     if self.zha.distill and self.kind != "zha":
       raise ConfigError(f"{p}zha.distill needs {p}kind zha, got {self.kind!r}")
     try:
@@ -508,6 +513,25 @@ class Config:
         f"eval.niah_samples needs data.seq_len >= {NIAH_MIN_LENGTH} (S-NIAH's 128-token "
         f"generation budget plus its prompt), got {self.data.seq_len}"
       )
+
+  def warnings(self):
+    """One line per setting that is legal but buys nothing at the training length (`train.py` prints them): an
+    FS-L pool or an FS-B beam that holds every cell of a training context prunes nothing while training."""
+    att = self.model.attention
+    cells = self.data.seq_len // att.cell
+    context = f"the {cells} cells of a training context (data.seq_len {self.data.seq_len} / attention.cell {att.cell})"
+    lines = []
+    if att.kind == "fsl" and att.retain_top + att.retain_recent >= cells:
+      lines.append(
+        f"model.attention.retain_top + retain_recent ({att.retain_top} + {att.retain_recent}) hold all {context}: "
+        "FS-L prunes nothing while training, so it trains as FS"
+      )
+    if att.kind == "fsb" and att.beam >= cells:
+      lines.append(
+        f"model.attention.beam ({att.beam}) reaches all {context}: the beam search prunes nothing while training, "
+        "at FS-B's cost"
+      )
+    return lines
 
 
 def _check_type(value, annotation, path):

@@ -58,12 +58,36 @@ def _losses(workdir):
     (["--config", MICRO, "--set", "train.init_from=/no/such/run"], "train.init_from: path does not exist"),
     (["--config", MICRO, "--set", "model.vocab_size=512"], "model.vocab_size (512) must hold every id"),
     (["--config", MICRO, "--set", "model.attention.top_k=1000"], "top_k (1000) exceeds the 8 cells a training"),
+    (
+      ["--config", MICRO, "--set", "model.attention.kind=fsb", "model.attention.beam=1", "model.attention.top_k=3"],
+      "top_k (3) exceeds the 2 candidate cells FS-B's two beams",
+    ),
   ],
 )
 def test_cli_errors_are_one_clear_line(capsys, tmp_path, args, message):
   assert train_cli.main(args + ["--workdir", str(tmp_path / "w")]) == 2
   err = capsys.readouterr().err
   assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+  "settings,warning",
+  [
+    (["model.attention.kind=fsl", "model.attention.retain_top=7"], "(7 + 1) hold all the 8 cells"),
+    (["model.attention.kind=fsb", "model.attention.beam=8"], "beam (8) reaches all the 8 cells"),
+    (["model.attention.kind=fsl"], None),  # a pool of 2 + 1 of 8 cells prunes
+  ],
+)
+def test_a_pool_or_beam_that_holds_every_training_cell_is_one_warning_line(
+  monkeypatch, capsys, tmp_path, settings, warning
+):
+  monkeypatch.setattr(train_cli, "train", lambda *args, **kwargs: None)
+  assert train_cli.main(["--config", MICRO, "--workdir", str(tmp_path / "w"), "--set", *settings]) == 0
+  err = capsys.readouterr().err
+  if warning is None:
+    assert err == ""
+  else:
+    assert err.startswith("warning: model.attention.") and warning in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize(
