@@ -350,6 +350,9 @@ class TrainConfig:
     clip_norm: global gradient-norm clip.
     recall_beta, recall_switch_beta: β and β_sw of the recall-weighted loss (FS Eq. 13); 0 = plain loss.
     max_bad_steps: consecutive non-finite steps (skipped) after which the run stops.
+    max_abs_param: the largest parameter magnitude a checkpoint may hold: a run whose parameters grow beyond it
+      has diverged, so it stops without saving, and loaders warn about a checkpoint beyond it. Trained LLM weights
+      stay within about 10^2; the default leaves two orders of magnitude.
     init_from: parent checkpoint (workdir or step dir) whose params start this run with a fresh optimizer and
       schedule (continued pretraining, FS Sec. 3.3); null = random init. A ZHA model may start from a TF++
       checkpoint: its reference queries are the only arrays the parent lacks.
@@ -374,13 +377,14 @@ class TrainConfig:
   recall_beta: float = 0.0
   recall_switch_beta: float = 0.0
   max_bad_steps: int = 5
+  max_abs_param: float = 1e4
   init_from: str | None = None
   objective: str = "lm"
 
   def __post_init__(self):
     p = "train."
     _one_of(self, p, "objective", OBJECTIVES)
-    _positive(self, p, "steps", "batch_size", "learning_rate", "clip_norm", "max_bad_steps", "eps")
+    _positive(self, p, "steps", "batch_size", "learning_rate", "clip_norm", "max_bad_steps", "eps", "max_abs_param")
     _one_of(self, p, "schedule", SCHEDULES)
     if self.decay_steps is not None:
       _positive(self, p, "decay_steps")

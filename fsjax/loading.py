@@ -8,13 +8,14 @@ One entry point, `load_model`, serves generation, the evaluation CLIs, the routi
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
 
 from fsjax.config import Config, override_model
 from fsjax.model import Transformer
-from fsjax.train.checkpoint import CHECKPOINT_SUBDIR, CheckpointError, load, resolve
+from fsjax.train.checkpoint import CHECKPOINT_SUBDIR, CheckpointError, load, parameter_fault, resolve
 
 CALIBRATION_FILE = "calibration.json"
 
@@ -60,6 +61,9 @@ def load_model(checkpoint, overrides=()):
     ConfigError: an override names an unknown field or breaks a config rule.
   """
   config, params, frozen, step = load(checkpoint)
+  fault = parameter_fault(params, config.train.max_abs_param)
+  if fault:
+    print(f"warning: {checkpoint} (step {step}) holds {fault}", file=sys.stderr)
   model_config = override_model(config.model, list(overrides))
   variables = {"params": params, **attach_tau(model_config, frozen, checkpoint)}
   name = f"{Path(checkpoint).name}@{step}" + "".join(

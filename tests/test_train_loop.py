@@ -1,7 +1,9 @@
 """train.py end to end on CPU: CLI errors, kill-and-resume equality, 8-device equality, CPT, stopping."""
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 import train as train_cli
-from fsjax import generate
+from fsjax import generate, loading
 from fsjax.config import ConfigError, load_config
 from fsjax.eval import perplexity, ruler
 from fsjax.train import checkpoint as ckpt_lib
@@ -305,6 +307,32 @@ def test_non_finite_parameters_are_never_saved(tmp_path, monkeypatch):
     loop.train(config, str(tmp_path / "run"))
   _, params, _, step = ckpt_lib.load(str(tmp_path / "run"))
   assert step == 2 and all(np.all(np.isfinite(p)) for p in jax.tree_util.tree_leaves(params))
+
+
+def test_blown_up_parameters_stop_the_run_unsaved_and_loaders_warn_about_them(tmp_path, monkeypatch, capsys):
+  """A diverging run kept a finite but blown-up checkpoint (max |p| ~ 1e6) that generated without a warning.
+  Now the run stops before saving it; a checkpoint beyond the limit that was written anyway (by an fsjax without
+  the limit, simulated by removing it from the saved config) loads with one warning line."""
+  blow_up = lambda s: s.replace(params=jax.tree_util.tree_map(lambda p: p * jnp.where(s.step >= 3, 1e6, 1.0), s.params))
+  _poisoned_step(monkeypatch, blow_up)
+  config = load_config(MICRO, ["checkpoint.every=1", "checkpoint.async_save=false"])
+  with pytest.raises(
+    loop.TrainingStopped,
+    match=r"step 3: parameters of magnitude [\d.e+]+, beyond train.max_abs_param 10000 \(the run diverged\), not "
+    r"saved; the last good checkpoint \(step 2\)",
+  ):
+    loop.train(config, str(tmp_path / "run"))
+  assert ckpt_lib.load(str(tmp_path / "run"))[3] == 2
+  allowed = load_config(MICRO, ["checkpoint.every=1", "checkpoint.async_save=false", "train.max_abs_param=1e12"])
+  loop.train(dataclasses.replace(allowed, train=dataclasses.replace(allowed.train, steps=3)), str(tmp_path / "old"))
+  (saved,) = (tmp_path / "old" / "checkpoints" / "3" / "config").glob("*metadata")
+  written = json.loads(saved.read_text())
+  del written["train"]["max_abs_param"]
+  saved.write_text(json.dumps(written))
+  capsys.readouterr()
+  loading.load_model(str(tmp_path / "old"))
+  err = capsys.readouterr().err
+  assert re.fullmatch(r"warning: \S+ \(step 3\) holds parameters of magnitude [\d.e+]+, beyond .*diverged\)\n", err)
 
 
 def test_a_run_that_stops_before_any_checkpoint_says_so(tmp_path, monkeypatch):

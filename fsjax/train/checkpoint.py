@@ -11,6 +11,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from fsjax.config import Config, ConfigError, from_dict, to_dict
@@ -47,6 +48,26 @@ class _DropMessage(logging.Filter):
 
   def filter(self, record):
     return not record.getMessage().startswith(self.prefix)
+
+
+@jax.jit
+def _magnitude(tree):
+  """(every floating-point element of `tree` is finite, the largest magnitude among them)."""
+  leaves = [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+  largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x)).astype(jnp.float32) for x in leaves]))
+  return finite, largest
+
+
+def parameter_fault(params, max_abs):
+  """What makes `params` unfit to save or run, or "" when nothing does: a non-finite element, or a magnitude
+  beyond `max_abs` (`train.max_abs_param`: the run diverged)."""
+  finite, largest = (x.item() for x in jax.device_get(_magnitude(params)))
+  if not finite:
+    return "non-finite parameters"
+  if largest > max_abs:
+    return f"parameters of magnitude {largest:.3g}, beyond train.max_abs_param {max_abs:g} (the run diverged)"
+  return ""
 
 
 class CheckpointError(ValueError):

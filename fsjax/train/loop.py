@@ -15,7 +15,6 @@ import time
 
 import flax.traverse_util
 import jax
-import jax.numpy as jnp
 
 from fsjax.config import Config, ConfigError, to_dict
 from fsjax.data.mixture import RowMixture
@@ -55,13 +54,6 @@ def _stop_on_sigterm():
     signal.signal(signal.SIGTERM, previous)
 
 
-@jax.jit
-def _all_finite(tree):
-  """True when every floating-point array of `tree` is finite everywhere."""
-  leaves = [x for x in jax.tree_util.tree_leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-
 def _last_good(checkpoints):
   """Where a stopped run can resume from, once every pending save has finished."""
   checkpoints.wait()
@@ -73,7 +65,15 @@ def _last_good(checkpoints):
 
 # Fields a resumed run may change without --allow-config-change: how long it runs, how it logs, saves and
 # evaluates, and how it is laid out over devices. Every other field changes what is trained.
-FREELY_RESUMABLE = ("train.steps", "train.max_bad_steps", "log.", "checkpoint.", "eval.", "mesh.")
+FREELY_RESUMABLE = (
+  "train.steps",
+  "train.max_bad_steps",
+  "train.max_abs_param",
+  "log.",
+  "checkpoint.",
+  "eval.",
+  "mesh.",
+)
 CONFIG_CHANGES = "config_changes.jsonl"
 
 
@@ -349,8 +349,9 @@ def train(config: Config, workdir, final_evals=(), allow_config_change=False):
         )
       stopping = stop_requested()
       if bad_steps == 0 and (step % config.checkpoint.every == 0 or step == config.train.steps or stopping):
-        if not bool(_all_finite(state.params)):
-          raise TrainingStopped(f"stopped at step {step}: non-finite parameters, not saved; {_last_good(checkpoints)}")
+        fault = ckpt_lib.parameter_fault(state.params, config.train.max_abs_param)
+        if fault:
+          raise TrainingStopped(f"stopped at step {step}: {fault}, not saved; {_last_good(checkpoints)}")
         checkpoints.save(step, state, data.get_state(), config, tokens_seen)
       if step % config.log.every == 0 or step == config.train.steps or stopping:
         now = time.perf_counter()
