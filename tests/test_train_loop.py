@@ -411,6 +411,23 @@ def test_training_resumes_from_the_newest_intact_checkpoint(four_steps, tmp_path
   assert [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()] == [*range(1, 7)]
 
 
+def test_a_truncated_array_file_costs_one_line_not_a_thousand(four_steps, tmp_path):
+  """Loading past a truncated array file printed 300-3,000 lines: TensorStore's abandoned reads reporting into
+  Orbax's closed event loop. Now stderr holds the damage line (naming the array TensorStore could not read) and
+  generate's own progress lines; the process also exits without a report."""
+  workdir = tmp_path / "w"
+  shutil.copytree(four_steps, workdir)
+  _damage(workdir, 4, "array file truncated")
+  cmd = [sys.executable, "-m", "fsjax.generate", "--checkpoint", str(workdir), "--prompt", "The sea"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+  run = subprocess.run([*cmd, "--max-new-tokens", "2"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  lines = run.stderr.splitlines()
+  assert len(lines) == 3, run.stderr[-3000:]
+  assert lines[0].startswith(f"warning: checkpoint {workdir}/checkpoints/4 is damaged (state: OUT_OF_RANGE: Error")
+  assert lines[0].endswith("trying the one before") and lines[1].startswith("prefill of 2 tokens")
+
+
 def test_loaders_skip_a_damaged_step_without_changing_it_and_name_it_when_none_is_left(four_steps, tmp_path, capsys):
   workdir = tmp_path / "w"
   shutil.copytree(four_steps, workdir)

@@ -145,6 +145,7 @@ def _read_item(manager, step, item, args, metadata=False):
   """One item of a step (or its metadata), or DamagedCheckpoint naming the item and the first line of the cause."""
   quiet = _DropMessage("Item ")  # Orbax warns of each item a partial restore leaves unread
   logging.getLogger("absl").addFilter(quiet)
+  _silence_abandoned_reads()  # before reading: some reports arrive while the failing restore unwinds
   try:
     if metadata:
       found = manager.item_metadata(step)[item]
@@ -153,10 +154,63 @@ def _read_item(manager, step, item, args, metadata=False):
       return found
     return manager.restore(step, args=ocp.args.Composite(**{item: args}))[item]
   except Exception as error:  # Orbax, TensorStore and the file system fail in many types; all mean unreadable
-    cause = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
-    raise DamagedCheckpoint(f"{item}: {cause}") from None
+    raise DamagedCheckpoint(f"{item}: {_innermost_cause(error)}") from None
   finally:
     logging.getLogger("absl").removeFilter(quiet)
+
+
+def _innermost_cause(error):
+  """The first line of the innermost exception behind `error` (at most 200 characters): Orbax wraps TensorStore's
+  precise message, e.g. which array's byte range a truncated file lacks, in a generic one."""
+  for _ in range(10):
+    inner = error.__cause__ or error.__context__
+    if inner is None:
+      break
+    error = inner
+  return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+class _AbandonedReads(logging.Filter):
+  """Drops asyncio's "... exception was never retrieved" records of Orbax's and TensorStore's reads."""
+
+  def filter(self, record):
+    error = record.exc_info[1] if record.exc_info else None
+    text = f"{record.getMessage()} {error}"
+    return not ("was never retrieved" in text and any(mark in text for mark in _READ_MARKS))
+
+
+_ORBAX = f"{os.sep}orbax{os.sep}checkpoint{os.sep}"
+_READ_MARKS = (_ORBAX, "OCDBT", "TensorStore")
+
+
+def _closed_loop(kind, value):
+  return kind is RuntimeError and str(value) == "Event loop is closed"
+
+
+def _silence_abandoned_reads():
+  """When one array of a restore fails (a truncated file), Orbax raises at once and closes its event loop while
+  TensorStore still completes the other reads on its own threads: each then reports through `sys.excepthook`
+  (`RuntimeError: Event loop is closed`), `sys.unraisablehook` (an Orbax read coroutine never awaited) or
+  asyncio's logger (a read task's exception never retrieved), a hundred lines apiece, after the damage has
+  been reported in one line. Installs, once per process, filters that drop exactly these reports; anything else
+  still reaches the previous hooks."""
+  if getattr(sys.excepthook, "fsjax_drops_abandoned_reads", False):
+    return
+  except_hook, unraisable_hook = sys.excepthook, sys.unraisablehook
+
+  def excepthook(kind, value, traceback):
+    if not _closed_loop(kind, value):
+      except_hook(kind, value, traceback)
+
+  def unraisablehook(unraisable):
+    code = getattr(unraisable.object, "cr_code", None)
+    orbax_read = code is not None and _ORBAX in code.co_filename
+    if not (orbax_read or _closed_loop(unraisable.exc_type, unraisable.exc_value)):
+      unraisable_hook(unraisable)
+
+  excepthook.fsjax_drops_abandoned_reads = True
+  sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+  logging.getLogger("asyncio").addFilter(_AbandonedReads())
 
 
 def _move_aside(path):
