@@ -63,6 +63,18 @@ def signature(tree):
   return treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
 
 
+def _next_size(size, unit, need, budget):
+  """The next chunk size worth compiling after `size` needed `need` bytes (None: unknown) of `budget`: halved
+  (whole `unit`s, at least one), and halved again while even a quadratic shrink cannot fit. A chunk's bytes are
+  a constant plus terms linear in it (activations, logits) plus at most one quadratic (a reference operator's
+  scores), all non-negative, so a size r times smaller needs at least r² times fewer; the sizes skipped this way
+  could not have fit, and the compiles they would cost are saved."""
+  smaller = max(unit, size // 2 // unit * unit)
+  while need is not None and smaller > unit and need * (smaller / size) ** 2 > budget:
+    smaller = max(unit, smaller // 2 // unit * unit)
+  return smaller
+
+
 def fitted_program(jitted, key, size, unit, lower_args, what):
   """The largest chunk size `<= size` (halved, whole `unit`s, at least one) whose compiled `jitted` fits the free
   device memory, and that compiled program: `(size, compiled)`. Remembered per `(key, size)`.
@@ -92,7 +104,7 @@ def fitted_program(jitted, key, size, unit, lower_args, what):
     if size <= unit:
       needs = "more than is free" if need is None else gib(need)
       raise DeviceMemoryError(f"{what}: a chunk of {size} tokens needs {needs} of the {gib(free)} free; {MEMORY_HINT}")
-    size = max(unit, size // 2 // unit * unit)
+    size = _next_size(size, unit, need, FIT_MARGIN * free)
   _PROGRAMS[(key, asked)] = (size, compiled)
   while len(_PROGRAMS) > _MAX_PROGRAMS:
     _PROGRAMS.popitem(last=False)
