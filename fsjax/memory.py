@@ -17,7 +17,7 @@ MEMORY_HINT = (
   "XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) sets how much of the GPU XLA may take; "
   "XLA_PYTHON_CLIENT_PREALLOCATE=false lets other processes share it"
 )
-FIT_MARGIN = 0.9  # of the free bytes a program's temporaries may take: the allocator fragments
+FIT_MARGIN = 0.75  # of the largest free block a program's temporaries may take: inputs and outputs move around it
 _ALLOCATION_FAILURES = ("RESOURCE_EXHAUSTED", "All configs failed")
 _PROGRAMS = collections.OrderedDict()  # (key, size) -> (fitted size, compiled program), most recent last
 _MAX_PROGRAMS = 128  # compiled programs are small beside the caches they serve
@@ -33,6 +33,15 @@ def free_bytes():
   if "bytes_limit" not in stats:
     return None
   return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
+def free_block_bytes():
+  """The largest contiguous free block of the first device's allocator (a program's temporaries are one
+  buffer), where reported; else `free_bytes()`."""
+  stats = jax.devices()[0].memory_stats() or {}
+  free = free_bytes()
+  block = stats.get("largest_free_block_bytes")
+  return free if free is None or block is None else min(free, block)
 
 
 def tree_bytes(tree):
@@ -89,7 +98,7 @@ def fitted_program(jitted, key, size, unit, lower_args, what):
   if (key, size) in _PROGRAMS:
     _PROGRAMS.move_to_end((key, size))
     return _PROGRAMS[(key, size)]
-  free, asked = free_bytes(), size
+  free, asked, failure = free_block_bytes(), size, ""
   while True:
     args, kwargs = lower_args(size)
     try:
@@ -99,11 +108,14 @@ def fitted_program(jitted, key, size, unit, lower_args, what):
       if free is None or not any(failure in str(error) for failure in _ALLOCATION_FAILURES):
         raise
       compiled, need = None, None
+      failure = f" (compiling: {(str(error).strip().splitlines() or [''])[0][:300]})"
     if compiled is not None and (free is None or need <= FIT_MARGIN * free):
       break
     if size <= unit:
-      needs = "more than is free" if need is None else gib(need)
-      raise DeviceMemoryError(f"{what}: a chunk of {size} tokens needs {needs} of the {gib(free)} free; {MEMORY_HINT}")
+      needs = "more than is free" + failure if need is None else gib(need)
+      raise DeviceMemoryError(
+        f"{what}: a chunk of {size} tokens needs {needs} of the {gib(free)} free in one block; {MEMORY_HINT}"
+      )
     size = _next_size(size, unit, need, FIT_MARGIN * free)
   _PROGRAMS[(key, asked)] = (size, compiled)
   while len(_PROGRAMS) > _MAX_PROGRAMS:
