@@ -54,11 +54,11 @@ def test_every_option_has_help_and_shows_its_default(module, monkeypatch):
 
 def test_stage_says_what_starts_that_it_still_runs_and_how_long_it_took(capsys):
   with cli.stage("prefill of 3 x 4096 tokens", every=0.05):
-    time.sleep(0.13)
+    time.sleep(0.25)
   lines = capsys.readouterr().err.splitlines()
   assert lines[0] == "prefill of 3 x 4096 tokens ..."
-  assert lines[1] == "prefill of 3 x 4096 tokens: still running, 0 s" and 2 <= len(lines) - 2 <= 3
-  assert re.fullmatch(r"prefill of 3 x 4096 tokens: 0\.1 s", lines[-1])
+  assert lines[1:-1] and all(line == "prefill of 3 x 4096 tokens: still running, 0 s" for line in lines[1:-1])
+  assert len(lines) - 2 <= 5 and re.fullmatch(r"prefill of 3 x 4096 tokens: (0\.[2-9]|\d\.\d) s", lines[-1])
   with pytest.raises(KeyError), cli.stage("failing", every=10):
     raise KeyError("x")
   assert capsys.readouterr().err == "failing ...\n"  # the caller's error line says the rest
