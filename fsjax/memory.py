@@ -38,10 +38,9 @@ def free_bytes():
 def free_block_bytes():
   """The largest contiguous free block of the first device's allocator (a program's temporaries are one
   buffer), where reported; else `free_bytes()`."""
-  stats = jax.devices()[0].memory_stats() or {}
   free = free_bytes()
-  block = stats.get("largest_free_block_bytes")
-  return free if free is None or block is None else min(free, block)
+  block = (jax.devices()[0].memory_stats() or {}).get("largest_free_block_bytes") if free is not None else None
+  return free if block is None else min(free, block)
 
 
 def tree_bytes(tree):
