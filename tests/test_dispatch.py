@@ -2,10 +2,14 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from fsjax import kinds, ops
+from fsjax.attention.cached import attend
+from fsjax.attention.dense import by_head_groups
 from fsjax.cache import cache_capacity, init_cache
+from fsjax.cache.layered import LayerSlice
 from fsjax.config import AttentionConfig, ConfigError, ZHAConfig, model_preset
 from fsjax.model import make_attention
 from fsjax.ops import dispatch
@@ -95,3 +99,34 @@ def test_routing_object_is_built_once_from_the_config_and_hashable():
   )
   with pytest.raises(ValueError, match="window must be >= block - 1"):
     Routing(window=8, block=32).validate()
+
+
+def test_cache_head_groups_bound_each_cudnn_copy_and_divide_the_heads():
+  heads, head_dim, dtype = 16, 64, jnp.bfloat16
+  per_head = lambda batch, capacity: 2 * batch * capacity * head_dim * 2
+  for batch, capacity in [(1, 4224), (64, 4224), (128, 4224), (32, 32896), (1, 2**22), (8, 2**22)]:
+    groups = dispatch.cache_head_groups(batch, capacity, heads, head_dim, dtype)
+    assert heads % groups == 0
+    share = per_head(batch, capacity) * heads // groups
+    if groups < heads:  # the fewest such groups: one fewer (divisor) would exceed the bound
+      assert share <= dispatch.CACHE_COPY_BYTES
+      fewer = [g for g in range(1, groups) if heads % g == 0]
+      assert all(per_head(batch, capacity) * heads // g > dispatch.CACHE_COPY_BYTES for g in fewer)
+  assert dispatch.cache_head_groups(1, 4224, heads, head_dim, dtype) == 1
+  assert dispatch.cache_head_groups(32, 32896, heads, head_dim, dtype) == 8  # 4 GiB per layer; 4 heads: 1.004 GiB
+  assert dispatch.cache_head_groups(8, 2**22, heads, head_dim, dtype) == heads  # even one head is over the bound
+  assert dispatch.cache_head_groups(32, 32896, heads, head_dim, dtype, copied=False) == 1
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_attention_by_head_groups_equals_one_call(rng, groups):
+  q, k, v = (jnp.asarray(x) for x in random_qkv(rng, (2, 12, 4, 8), np.float32))
+  positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  attend_heads = lambda q, k, v: attend(q, positions, k, v, positions)  # stands in for cuDNN
+  expected = attend_heads(q, k, v)
+  np.testing.assert_allclose(by_head_groups(attend_heads, groups, q, k, v), expected, rtol=1e-6, atol=1e-6)
+  stacked = [LayerSlice(jnp.stack([jnp.zeros_like(x), x]), jnp.int32(1)) for x in (k, v)]  # a scanned cache's layer
+  grouped = jax.jit(lambda q, k, v: by_head_groups(attend_heads, groups, q, k, v))(q, *stacked)
+  np.testing.assert_allclose(grouped, expected, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="groups must divide the 4 heads, got 3"):
+    by_head_groups(attend_heads, 3, q, k, v)

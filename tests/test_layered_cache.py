@@ -8,7 +8,7 @@ import numpy as np
 from fsjax.attention.cached import attend, attend_one
 from fsjax.cache import layer_of, write_back
 from fsjax.cache import store as kv
-from fsjax.cache.layered import LayerSlice, read, scatter
+from fsjax.cache.layered import LayerSlice, read, row_major, scatter
 from fsjax.cache.store import KVStore
 
 from helpers import assert_close
@@ -61,3 +61,16 @@ def test_one_query_attention_equals_the_chunk_attention(rng):
     assert_close(attend_one(q, q_pos, store.k, store.v, store.pos, window=window), expected, np.float32)
   nothing = jnp.full_like(store.pos, -1)  # a row that sees no key reads zero, as `attend`
   np.testing.assert_array_equal(attend_one(q, q_pos, store.k, store.v, nothing), 0.0)
+
+
+def test_a_layer_read_is_pinned_to_the_row_major_layout_on_a_gpu_only(rng, monkeypatch):
+  """On a GPU `read` constrains the layer it indexes to row-major, so XLA cannot carry a matrix product's
+  preferred layout up to the stack and transpose the whole cache around the scan (the GPU test in
+  test_serving_batches.py checks the compiled programs); elsewhere it is a plain index."""
+  stack = _stacked(rng)["store"].k
+  lowered = lambda: jax.jit(lambda s, i: read(LayerSlice(s, i)) * 2.0).lower(stack, jnp.int32(2)).as_text()
+  assert ("LayoutConstraint" in lowered()) == (jax.default_backend() == "gpu")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert "LayoutConstraint" in lowered()
+  fn = jax.jit(lambda s, i: row_major(s[i]) * 2.0)
+  np.testing.assert_array_equal(fn(stack, jnp.int32(2)), stack[2] * 2.0)

@@ -6,6 +6,7 @@ take 94 GiB; XLA's default share of an H200 is 105 GiB, XLA_PYTHON_CLIENT_MEM_FR
 Skipped without a GPU: the shapes are the point."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import pytest
 from fsjax import calibrate, kinds, loading, memory
 from fsjax.cache import init_cache
 from fsjax.config import model_preset
-from fsjax.decode import decode_loop, prefill, sample
+from fsjax.decode import decode_loop, extend, prefill, sample
 from fsjax.model import Transformer, init_variables
 from fsjax.ops import dispatch
 
@@ -26,12 +27,56 @@ pytestmark = pytest.mark.skipif(not dispatch.on_gpu(), reason="serving batches o
 DECODE_STEPS = 4
 
 
+def _config(kind):
+  return dataclasses.replace(
+    model_preset("fs_341m", kind=kind), dtype="bfloat16", param_dtype="bfloat16", scan_layers=True
+  )
+
+
+def _stacks_in_another_layout(hlo, cache_shapes):
+  """Instructions of optimized HLO whose result is a whole stacked cache array in another layout than the
+  cache's own row-major one: a permutation of its shape, or its shape with a layout that is not descending."""
+  found = []
+  for match in re.finditer(r"= ([a-z0-9]+)\[([0-9,]+)\](?:\{([0-9,]*)\})? ([a-z-]+)\(", hlo):
+    dims = tuple(int(d) for d in match.group(2).split(","))
+    layout = match.group(3)
+    for shape in cache_shapes:
+      if sorted(dims) != sorted(shape):
+        continue
+      descending = layout is None or [int(d) for d in layout.split(",")] == list(range(len(dims)))[::-1]
+      if dims != shape or not descending:
+        found.append(match.group(0))
+  return found
+
+
+@pytest.mark.parametrize("kind", list(kinds.names()))
+def test_chunk_programs_keep_the_stacked_cache_in_its_layout(kind):
+  """A scanned model's chunk programs read and write the stacked cache in place, in its own layout (8 × 4k,
+  chunks of 512). A matrix product's preferred operand layout, carried up to the loop-carried stack, made XLA
+  transpose whole stacks around the scan (MoBA, SWA, FS-L, ZHA): a second cache's worth of memory."""
+  config, batch, size = _config(kind), 8, 512
+  cache = jax.eval_shape(lambda: init_cache(config, batch, 4096, dtype=jnp.bfloat16))
+  variables = jax.eval_shape(lambda: init_variables(config, jax.random.PRNGKey(0), 128))
+  ints, valid = jax.ShapeDtypeStruct((batch, size), jnp.int32), jax.ShapeDtypeStruct((batch, size), jnp.bool_)
+  shapes = {x.shape for x in jax.tree_util.tree_leaves(cache) if x.ndim >= 3}
+  for first_chunk in (True, False):
+    compiled = extend.lower(
+      Transformer(config),
+      variables,
+      ints,
+      cache,
+      ints,
+      valid,
+      first_chunk=first_chunk,
+      logits_at=jax.ShapeDtypeStruct((batch,), jnp.int32),
+    ).compile()
+    assert _stacks_in_another_layout(compiled.as_text(), shapes) == [], first_chunk
+
+
 @pytest.mark.parametrize("batch,length", [(128, 4096), (32, 32768)], ids=["128x4k", "32x32k"])
 @pytest.mark.parametrize("kind", list(kinds.names()))
 def test_kind_prefills_and_decodes_at_a_serving_batch(kind, batch, length):
-  config = dataclasses.replace(
-    model_preset("fs_341m", kind=kind), dtype="bfloat16", param_dtype="bfloat16", scan_layers=True
-  )
+  config = _config(kind)
   make_cache = lambda: init_cache(config, batch, length + DECODE_STEPS, dtype=jnp.bfloat16)
   cache_bytes, free = memory.tree_bytes(jax.eval_shape(make_cache)), memory.free_bytes()
   if cache_bytes > free:

@@ -8,7 +8,7 @@ from fsjax import ops
 from fsjax.attention.cached import attend, attend_one, visible
 from fsjax.attention.projections import project_heads, project_out
 from fsjax.cache import store as kv
-from fsjax.cache.layered import read
+from fsjax.cache.layered import LayerSlice, read
 from fsjax.ops import dispatch
 from fsjax.reference.common import PRECISION, compute_dtype
 from fsjax.reference.rope import apply_rope
@@ -141,9 +141,35 @@ class DenseAttention(nn.Module):
 
   def _extend_cudnn(self, q, k, v, cache, positions, valid):
     """TF++ prefill/decode on cuDNN's fused kernel: the chunk attends the half-precision dense cache through a
-    position mask (the chunk is written first), so a 2048-token chunk at 256k never materializes its logits."""
+    position mask (the chunk is written first), so a 2048-token chunk at 256k never materializes its logits. A
+    scanned model's layer is copied for cuDNN, a group of heads at a time (`dispatch.cache_head_groups`)."""
     q_rot = apply_rope(q, positions, self.rope_theta).astype(cache.k.dtype)
     cache = kv.write(cache, apply_rope(k, positions, self.rope_theta), v, positions, valid)
     mask = visible(positions, read(cache.pos))[:, None]  # [batch, 1, C, N]
-    o = jax.nn.dot_product_attention(q_rot, read(cache.k), read(cache.v), mask=mask, implementation="cudnn")
-    return o, cache
+    batch, capacity, heads, head_dim = cache.k.shape
+    groups = dispatch.cache_head_groups(
+      batch, capacity, heads, head_dim, cache.k.dtype, copied=isinstance(cache.k, LayerSlice)
+    )
+    attend_heads = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+    return by_head_groups(attend_heads, groups, q_rot, cache.k, cache.v), cache
+
+
+def by_head_groups(attend_heads, groups, q, k, v):
+  """`attend_heads(q, k, v)` (`[batch, T, h, d]` arrays → `[batch, T, h, d]`) run on `groups` equal groups of heads
+  in turn and joined: the same result when heads do not interact, with one group's keys and values read at a time.
+
+  q: `[batch, T, heads, d]`; k, v: `[batch, N, heads, d]` arrays or `LayerSlice`s of a scanned model's cache. Each
+  group's slices wait for the previous group's output, so XLA cannot read every group at once (it merges
+  independent slices of one array into one fusion, whose outputs would all be live together).
+  """
+  heads = q.shape[2]
+  if heads % groups:
+    raise ValueError(f"groups must divide the {heads} heads, got {groups}")
+  size = heads // groups
+  outputs = []
+  for start in range(0, heads, size):
+    if outputs:
+      k, v, _ = jax.lax.optimization_barrier((k, v, outputs[-1]))
+    part = slice(start, start + size)
+    outputs.append(attend_heads(q[:, :, part], read(k)[:, :, part], read(v)[:, :, part]))
+  return jnp.concatenate(outputs, axis=2)

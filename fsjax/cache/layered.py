@@ -8,16 +8,19 @@ that grow with the sequence (the KV store's, the FS archive's, FS-B's forests, Z
 chunk's slots straight into the stack. The other cache fields are sliced out and written back whole
 (`layer_view`, `write_back`).
 
-Cache code reads viewed fields with `read` and writes them with `scatter`; with an unstacked cache both act on
-the plain array, so the same code serves unrolled layers. A Pallas kernel or cuDNN given `read(x)` receives a
-copy of the layer's array, so one-token TF++ attention and FS readout take XLA paths, and FS-B's beam-search
-kernel and ZHA's two decode kernels take the stacks and the layer index. Still copied per token, for the kernel
-that reads them: FS's cell summaries (1/s of the keys). FS-L's bounded cache, which does not grow with the
-sequence, is sliced out and written back.
+On a GPU, `read` also pins the layer to the stack's row-major layout. Without the pin, XLA's GPU layout
+assignment hands a matrix product's preferred operand layout (batch dimensions major: `[batch, heads, d, slots]`
+for a `[batch, slots, heads, d]` key store) up through the layer index to the loop-carried stack, and then
+transposes the whole stack on the way into and out of the scan: a second copy of the cache, which does not fit
+beside a cache that fills the device (ZHA's node keys at batch 128 × 4k: 49 GiB). Pinned, a product that wants
+another layout gets a copy of the one layer it reads, and where the layouts agree the pin compiles to nothing.
+XLA's CPU compiler has no such preference, and there the pin would stop a gather from reading the stack in place
+(a copy of the layer instead), so it is left out.
 """
 
 import flax.struct
 import jax
+from jax.experimental.layout import Layout, with_layout_constraint
 
 
 @flax.struct.dataclass
@@ -37,8 +40,16 @@ class LayerSlice:
 
 
 def read(x):
-  """The layer's array: `x` itself, or a `LayerSlice`'s layer of its stack."""
-  return x.stack[x.layer] if isinstance(x, LayerSlice) else x
+  """The layer's array: `x` itself, or a `LayerSlice`'s layer of its stack (pinned to row-major on a GPU)."""
+  if not isinstance(x, LayerSlice):
+    return x
+  layer = x.stack[x.layer]
+  return row_major(layer) if jax.default_backend() == "gpu" else layer
+
+
+def row_major(x):
+  """`x`, constrained to the row-major layout in the compiled program."""
+  return with_layout_constraint(x, Layout(tuple(range(x.ndim))))
 
 
 def scatter(x, index, values, mode=None):

@@ -98,6 +98,25 @@ TABLE = {
 }
 
 
+# Bytes of keys and values one cuDNN call over a scanned model's cache may be handed: cuDNN reads buffers of its
+# own, so it gets a copy of the layer's (`fsjax.cache.layered`), which must fit beside a cache that fills the
+# device (TF++ at 32 × 32k: 4 GiB per layer, with 4 GiB in the largest free block).
+CACHE_COPY_BYTES = 2**30
+
+
+def cache_head_groups(batch, capacity, heads, head_dim, dtype, copied=True):
+  """How many cuDNN calls a chunk's attention over a dense cache is split into, by heads: the fewest (a divisor
+  of `heads`) whose share of the layer's keys and values is at most `CACHE_COPY_BYTES`; 1 where the cache is not
+  `copied` (an unstacked cache is read where it lies)."""
+  if not copied:
+    return 1
+  per_head = 2 * batch * capacity * head_dim * jnp.dtype(dtype).itemsize
+  for groups in range(1, heads):
+    if heads % groups == 0 and per_head * (heads // groups) <= CACHE_COPY_BYTES:
+      return groups
+  return heads
+
+
 def _check_impl(impl):
   if impl not in IMPLS:
     raise UnsupportedImpl(f"impl must be one of {IMPLS}, got {impl!r}")
