@@ -1,11 +1,17 @@
-"""Shared by all tests: the one tolerance table, the closeness helper and random inputs."""
+"""Shared by all tests: the one tolerance table, the closeness helper, random inputs and the tiny model."""
 
+import dataclasses
+import functools
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from fsjax import calibrate, loading
+from fsjax.config import MoBAConfig, ZHAConfig, model_preset
+from fsjax.model import Transformer, init_variables
 
 # RMS-relative tolerance per dtype of the computation under test.
 TOLERANCE = {
@@ -79,3 +85,29 @@ def stack_layers(variables, num_layers):
     layers = [tree[f"layer_{i}"] for i in range(num_layers)]
     stacked[collection] = {**rest, "layers": {"layer": jax.tree_util.tree_map(lambda *x: jnp.stack(x), *layers)}}
   return stacked
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(kind, scan_layers=False, cell=8):
+  """The tiny model; `cell=16` gives a geometry the compiled kernels accept (Triton tiles need cell >= 16).
+  Shared by the tests that ask for the same one (nothing here mutates it)."""
+  config = model_preset("tiny", kind=kind, scan_layers=scan_layers)
+  config = dataclasses.replace(
+    config,
+    attention=dataclasses.replace(
+      config.attention,
+      window=40,
+      cell=cell,
+      retain_top=2,
+      retain_recent=1,
+      moba=MoBAConfig(block=32, top_k=2),
+      zha=ZHAConfig(refs=4, chunk=4, top_p=(0.8,)),
+    ),
+  )
+  variables = init_variables(config, jax.random.PRNGKey(0), 64)
+  if kind == "fsb":
+    # τ as `python -m fsjax.calibrate` finds it, from the FS model's cell norms: both forests hold cells.
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 128), 0, config.vocab_size)
+    fs = Transformer(dataclasses.replace(config, attention=dataclasses.replace(config.attention, kind="fs")))
+    variables = loading.with_tau(config, variables, calibrate.calibrate(fs, variables, [tokens]))
+  return config, Transformer(config), variables

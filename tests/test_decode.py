@@ -2,49 +2,25 @@
 
 import collections
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsjax import calibrate, decode, kinds, loading, memory, ops
+from fsjax import decode, kinds, memory, ops
 from fsjax.cache import init_cache
-from fsjax.config import MoBAConfig, ZHAConfig, model_preset
+from fsjax.config import model_preset
 from fsjax.decode import extend, generate, prefill, sample
-from fsjax.model import Transformer, init_variables
+from fsjax.model import Transformer
 
-from helpers import assert_close, stack_layers
+from helpers import assert_close, stack_layers, tiny_model
 
 KINDS = list(kinds.names())  # every registered kind has a decode cache
 SEQ, PROMPT = 150, 70  # crosses four 32-token query blocks in the prompt and more while decoding
 
 
-@functools.lru_cache(maxsize=None)
-def _setup(kind, scan_layers=False, cell=8):
-  """The tiny model; `cell=16` gives a geometry the compiled kernels accept (Triton tiles need cell >= 16).
-  Shared by the tests that ask for the same one (nothing here mutates it)."""
-  config = model_preset("tiny", kind=kind, scan_layers=scan_layers)
-  config = dataclasses.replace(
-    config,
-    attention=dataclasses.replace(
-      config.attention,
-      window=40,
-      cell=cell,
-      retain_top=2,
-      retain_recent=1,
-      moba=MoBAConfig(block=32, top_k=2),
-      zha=ZHAConfig(refs=4, chunk=4, top_p=(0.8,)),
-    ),
-  )
-  variables = init_variables(config, jax.random.PRNGKey(0), 64)
-  if kind == "fsb":
-    # τ as `python -m fsjax.calibrate` finds it, from the FS model's cell norms: both forests hold cells.
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 128), 0, config.vocab_size)
-    fs = Transformer(dataclasses.replace(config, attention=dataclasses.replace(config.attention, kind="fs")))
-    variables = loading.with_tau(config, variables, calibrate.calibrate(fs, variables, [tokens]))
-  return config, Transformer(config), variables
+_setup = tiny_model
 
 
 def _distinct_tokens(rng, vocab_size, batch, seq):
