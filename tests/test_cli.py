@@ -18,6 +18,7 @@ CLIS = [
   "fsjax.eval.copy_recall",
   "fsjax.eval.probe",
   "fsjax.eval.make_data",
+  "fsjax.eval.harness",
 ]
 
 

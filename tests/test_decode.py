@@ -20,9 +20,6 @@ KINDS = list(kinds.names())  # every registered kind has a decode cache
 SEQ, PROMPT = 150, 70  # crosses four 32-token query blocks in the prompt and more while decoding
 
 
-_setup = tiny_model
-
-
 def _distinct_tokens(rng, vocab_size, batch, seq):
   """Random tokens without repeats in a row. A repeated token has the same layer-0 key, so two cells can tie
   exactly on max key norm; the full forward keeps the tie bit-exact (lower index wins) but a key computed in a
@@ -61,7 +58,7 @@ def test_prefill_and_decode_equal_the_full_forward(rng, kind, scan_layers):
   the suite's slowest (about a minute per case on CPU), and the scanned case runs every cache function the
   unrolled one does, through the layer views as well. Unrolled FS-B decode is checked against one row at a time
   below, and against the full forward through the kernels on a GPU."""
-  config, model, variables = _setup(kind, scan_layers)
+  config, model, variables = tiny_model(kind, scan_layers)
   tokens = _distinct_tokens(rng, config.vocab_size, 2, SEQ)
   full = np.asarray(jax.jit(model.apply)(variables, tokens))
   assert_close(_teacher_forced(model, variables, tokens, PROMPT, chunk=32), full, np.float32, scale=5)
@@ -88,7 +85,7 @@ def test_prefill_and_decode_through_the_kernels_equal_the_reference_forward(rng,
   positions and the readout over the archived keys (a kernel for prefill chunks, XLA's gather for one-token
   steps), against the reference full forward; FS-B through the streaming forest cache and the beam-search
   kernel, which in a scanned model reads its layer of the stacked node tables."""
-  config, _, variables = _setup(kind, scan_layers, cell=16)
+  config, _, variables = tiny_model(kind, scan_layers, cell=16)
   tokens = _distinct_tokens(rng, config.vocab_size, 2, 110)
   full = np.asarray(jax.jit(_with_impl(config, "reference").apply)(variables, tokens))
   assert_close(
@@ -116,7 +113,7 @@ def test_a_prompts_first_chunk_fills_the_cache_in_bulk_as_chunk_by_chunk_does(rn
   96-token chunk). Padding reaches no cache field: every array, empty slots included, agrees. FS-B's forests are
   left current: each row's hold the cells eligible for its next token's block, so a decode step builds only what
   its own block adds (8 cells of 8 tokens below position 64, 4 below 32)."""
-  config, model, variables = _setup(kind)
+  config, model, variables = tiny_model(kind)
   tokens = _distinct_tokens(rng, config.vocab_size, 2, 70)
   lengths = jnp.array([70, 45])
   bulk_logits, bulk = prefill(model, variables, tokens, lengths, init_cache(config, 2, 96))  # chunk: whole prompt
@@ -154,7 +151,7 @@ def test_prefill_chunk_grows_with_the_prompt_only_where_the_fused_operators_run(
 
 @pytest.mark.parametrize("kind", ["fsl", "swa"])
 def test_prefill_chunk_size_does_not_change_logits(rng, kind):
-  config, model, variables = _setup(kind)
+  config, model, variables = tiny_model(kind)
   tokens = _distinct_tokens(rng, config.vocab_size, 1, 96)
   lengths = jnp.array([96])
   small, _ = prefill(model, variables, tokens, lengths, init_cache(config, 1, 96), chunk=16)
@@ -185,7 +182,7 @@ def test_later_chunks_stay_short_unless_the_cache_path_is_bounded(rng, monkeypat
   monkeypatch.setattr(decode, "DEFAULT_CHUNK", 32)
   sizes = _record_chunk_sizes(monkeypatch)
   for kind, expected_sizes in (("swa", [64, 32, 32]), ("fsl", [64, 64])):
-    config, model, variables = _setup(kind)
+    config, model, variables = tiny_model(kind)
     tokens = _distinct_tokens(rng, config.vocab_size, 1, 120)
     sizes.clear()
     chosen, _ = prefill(model, variables, tokens, jnp.array([120]), init_cache(config, 1, 128))
@@ -199,7 +196,7 @@ def test_prefill_halves_a_chunk_until_its_compiled_temporaries_fit_the_free_memo
   MoBA's first chunk (its reference operator's temporaries grow with the square of the chunk), a 128-token chunk
   asked for runs as two of 64 with the logits of 64-token chunks; with too little for one block, prefill raises
   DeviceMemoryError naming the kind and batch, before running anything."""
-  config, model, variables = _setup("moba")
+  config, model, variables = tiny_model("moba")
   batch, length = 2, 128
   tokens = _distinct_tokens(rng, config.vocab_size, batch, length)
   lengths = jnp.array([length, 77])
@@ -228,7 +225,7 @@ def test_prefill_halves_a_chunk_until_its_compiled_temporaries_fit_the_free_memo
 
 
 def test_generate_refuses_a_cache_larger_than_the_free_memory_before_compiling(rng, monkeypatch):
-  config, model, variables = _setup("tfpp")
+  config, model, variables = tiny_model("tfpp")
   tokens = _distinct_tokens(rng, config.vocab_size, 3, 40)
   cache_bytes = memory.tree_bytes(jax.eval_shape(lambda: init_cache(config, 3, 48)))
   monkeypatch.setattr(memory, "free_bytes", lambda: cache_bytes - 1)
@@ -238,7 +235,7 @@ def test_generate_refuses_a_cache_larger_than_the_free_memory_before_compiling(r
 
 
 def test_prefill_can_keep_only_each_rows_last_logits(rng):
-  config, model, variables = _setup("fs")
+  config, model, variables = tiny_model("fs")
   tokens = _distinct_tokens(rng, config.vocab_size, 2, 100)
   lengths = jnp.array([100, 41])
   full, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, 100), chunk=32)
@@ -251,7 +248,7 @@ def test_prefill_can_keep_only_each_rows_last_logits(rng):
 def test_batch_of_different_lengths_equals_each_sequence_alone(rng, kind):
   """Rows of 70 and 45 tokens generate what each does in a batch of its own copies (the same shapes, so the same
   compiled programs: only the other row's length and tokens differ)."""
-  config, model, variables = _setup(kind)
+  config, model, variables = tiny_model(kind)
   lengths = [70, 45]
   tokens = np.zeros((2, 70), np.int32)
   for row, n in enumerate(lengths):
@@ -268,7 +265,7 @@ def test_batch_of_different_lengths_equals_each_sequence_alone(rng, kind):
 def test_the_decode_loop_updates_the_donated_cache_without_copying_it(kind, scan_layers):
   """The compiled loop aliases every cache buffer to an output: a copy into the loop's state would double the
   cache's memory, at 256k tokens 24.6 GB for the 341M shape."""
-  config, model, variables = _setup(kind, scan_layers)
+  config, model, variables = tiny_model(kind, scan_layers)
   cache = init_cache(config, 1, 96)
   compiled = decode._decode_loop.lower(
     model,
@@ -288,7 +285,7 @@ def test_the_decode_loop_updates_the_donated_cache_without_copying_it(kind, scan
 
 
 def test_greedy_generation_follows_the_full_forward_argmax(rng):
-  config, model, variables = _setup("fs")
+  config, model, variables = tiny_model("fs")
   prompt = rng.integers(3, config.vocab_size, (1, 40)).astype(np.int32)
   out = np.asarray(generate(model, variables, prompt, [40], max_new_tokens=8, eos_id=-1, chunk=16))
   sequence = np.concatenate([prompt, out], axis=1)
@@ -308,7 +305,7 @@ def _cache_bytes(cache):
 
 
 def test_fsl_bounded_cache_size_does_not_grow_with_context():
-  config, _, _ = _setup("fsl")
+  config, _, _ = tiny_model("fsl")
   assert _cache_bytes(init_cache(config, 1, 1024)) == _cache_bytes(init_cache(config, 1, 8192))
   # The archive (FS) does grow: the comparison above is not vacuous.
   assert _cache_bytes(init_cache(config, 1, 8192, bounded=False)) > 4 * _cache_bytes(
@@ -318,7 +315,7 @@ def test_fsl_bounded_cache_size_does_not_grow_with_context():
 
 def test_fsl_bounded_cache_selects_the_masked_operators_cells_at_every_step(rng):
   """300 tokens = 37 cells with P=2, W=1: most cells are evicted long before the end."""
-  config, model, variables = _setup("fsl")
+  config, model, variables = tiny_model("fsl")
   att = config.attention
   seq, prompt = 300, 100
   tokens = _distinct_tokens(rng, config.vocab_size, 2, seq)
@@ -357,14 +354,14 @@ def test_fsl_bounded_cache_selects_the_masked_operators_cells_at_every_step(rng)
 
 
 def test_generation_returns_the_cells_each_step_selected(rng):
-  config, model, variables = _setup("fs")
+  config, model, variables = tiny_model("fs")
   prompt = _distinct_tokens(rng, config.vocab_size, 1, 90)
   out, cells = generate(model, variables, prompt, [90], max_new_tokens=6, eos_id=-1, chunk=32, return_cells=True)
   assert cells.shape == (1, 6, config.num_layers, config.num_heads, config.attention.top_k)
   cells = np.asarray(cells)
   # Consuming generated token j (position 90 + j, block 2) may read the 8 cells before position 64.
   assert np.all((cells[:, :5] >= 0) & (cells[:, :5] < 8)) and np.all(cells[:, 5] == -1)
-  _, scanned, _ = _setup("fs", scan_layers=True)
+  _, scanned, _ = tiny_model("fs", scan_layers=True)
   _, scanned_cells = generate(
     scanned,
     stack_layers(variables, config.num_layers),
@@ -377,7 +374,7 @@ def test_generation_returns_the_cells_each_step_selected(rng):
   )
   np.testing.assert_array_equal(np.asarray(scanned_cells), cells)
   with pytest.raises(ValueError, match="return_cells needs a FreeSolo model"):
-    generate(*_setup("tfpp")[1:], prompt, [90], max_new_tokens=2, eos_id=-1, return_cells=True)
+    generate(*tiny_model("tfpp")[1:], prompt, [90], max_new_tokens=2, eos_id=-1, return_cells=True)
 
 
 def test_a_prompts_first_chunk_writes_the_stacked_cache_in_place():
@@ -386,7 +383,7 @@ def test_a_prompts_first_chunk_writes_the_stacked_cache_in_place():
   cache is sliced out and written back whole. (The later-chunk path of TF++ and ZHA needs temporaries larger
   than the cache here: it materializes the chunk's logits over every cached slot.)"""
   for kind in ("tfpp", "fs", "zha"):
-    config, model, variables = _setup(kind, scan_layers=True)
+    config, model, variables = tiny_model(kind, scan_layers=True)
     cache = init_cache(config, 1, 8192)
     positions = jnp.arange(64)[None]
     compiled = decode.extend.lower(

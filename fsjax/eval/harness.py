@@ -30,7 +30,7 @@ from lm_eval import simple_evaluate
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from lm_eval.tasks import TaskManager, get_task_dict
+from lm_eval.tasks import TaskManager
 
 from fsjax import cli
 from fsjax.cache import init_cache
@@ -93,7 +93,8 @@ class FsjaxLM(LM):
 
   @classmethod
   def create_from_arg_string(cls, arg_string, additional_config=None):
-    """`lm_eval --model fsjax --model_args checkpoint=DIR[,batch_size=8,max_length=2048,set=a=1;b=2]`."""
+    """The adapter for `lm_eval.simple_evaluate(model="fsjax", model_args=...)` once this module is imported:
+    `checkpoint=DIR[,batch_size=8][,max_length=N][,set=KEY=VALUE;KEY=VALUE]` (max_length: data.seq_len)."""
     args = dict(arg.split("=", 1) for arg in arg_string.split(",") if arg)
     if "checkpoint" not in args:
       raise ValueError("--model_args needs checkpoint=DIR")
@@ -212,24 +213,24 @@ class FsjaxLM(LM):
     return out
 
 
-def load_tasks(names, include_path=None):
-  """`{name: task}` for the tasks whose definitions and data are at hand, and `{name: reason}` for the others
-  (a task lm_eval does not know, or data not in the local cache)."""
-  manager = TaskManager(include_path=include_path)
-  found, missing = {}, {}
+def loadable_tasks(names, manager):
+  """The task names whose definitions and data are at hand (`manager` a `lm_eval.tasks.TaskManager`), and
+  `{name: reason}` for the others (a task lm_eval does not know, or data not in the local cache)."""
+  found, missing = [], {}
   for name in names:
     try:
-      found.update(get_task_dict([name], manager))
+      manager.load(name)
+      found.append(name)
     except Exception as error:  # lm_eval and datasets raise many types; each is one line and the task is left out
       missing[name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
   return found, missing
 
 
-def evaluate(lm, tasks, *, num_fewshot=0, limit=None):
-  """lm_eval's results for `lm` on the loaded `tasks` (`{name: task}`): `{task: {metric: value}}`."""
-  if not tasks:
+def evaluate(lm, names, manager, *, num_fewshot=0, limit=None):
+  """lm_eval's results for `lm` on the tasks `names`: `{task: {metric: value}}`."""
+  if not names:
     return {}
-  results = simple_evaluate(model=lm, tasks=list(tasks.values()), num_fewshot=num_fewshot, limit=limit)
+  results = simple_evaluate(model=lm, tasks=names, num_fewshot=num_fewshot, limit=limit, task_manager=manager)
   table = {}
   for task, metrics in results["results"].items():
     table[task] = {
@@ -279,7 +280,8 @@ def parse_args(argv):
 def main(argv=None):
   args = parse_args(argv)
   names = [t for t in args.tasks.split(",") if t]
-  tasks, missing = load_tasks(names, args.include_path)
+  manager = TaskManager(include_path=args.include_path)
+  tasks, missing = loadable_tasks(names, manager)
   for name, reason in missing.items():
     print(f"{name}: left out, its definition or data is not available offline ({reason})", file=sys.stderr)
   if not tasks:
@@ -302,7 +304,7 @@ def main(argv=None):
       max_length=args.max_length or loaded.config.data.seq_len,
     )
     with cli.stage(f"{loaded.name}: {len(tasks)} task(s)"):
-      results[loaded.name] = evaluate(lm, tasks, num_fewshot=args.num_fewshot, limit=args.limit)
+      results[loaded.name] = evaluate(lm, tasks, manager, num_fewshot=args.num_fewshot, limit=args.limit)
   order = [name for name in names if name in tasks]
   rows = table_rows(results, order)
   header = ["model"] + [f"{task} ({paper_metric(task, next(iter(results.values())).get(task, {}))})" for task in order]
