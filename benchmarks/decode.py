@@ -78,6 +78,7 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, 
   # One compile of the jitted loop `decode_loop` runs, reused for every call below: jitting a wrapper around
   # `decode_loop` for its HLO text would compile the same program a second time (minutes for FS-B).
   clock = time.perf_counter()
+  limits = jnp.full(lengths.shape, decode_tokens, jnp.int32)  # every row runs the whole loop
   loop = decode._decode_loop.lower(
     model,
     variables,
@@ -85,13 +86,14 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, 
     tokens[:, -1],
     lengths,
     jax.random.PRNGKey(2),
+    limits,
     max_new_tokens=decode_tokens,
     eos_id=-1,
     temperature=0.0,
     top_p=1.0,
     return_cells=False,
   ).compile()
-  run = lambda c: loop(variables, c, tokens[:, -1], lengths, jax.random.PRNGKey(2))[0]
+  run = lambda c: loop(variables, c, tokens[:, -1], lengths, jax.random.PRNGKey(2), limits)[0]
   run(jax.tree_util.tree_map(jnp.copy, cache)).block_until_ready()  # the loop donates its cache: warm up on a copy
   progress(f"{kind} at {length:,}: decode loop compiled and warmed up in {time.perf_counter() - clock:.0f} s")
   traced = jax.tree_util.tree_map(jnp.copy, cache) if profile else None

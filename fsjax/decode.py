@@ -202,20 +202,36 @@ def selected_cells(intermediates, config):
 
 
 def decode_loop(
-  model, variables, cache, first_token, position, rng, *, max_new_tokens, eos_id, temperature, top_p, return_cells=False
+  model,
+  variables,
+  cache,
+  first_token,
+  position,
+  rng,
+  *,
+  max_new_tokens,
+  eos_id,
+  temperature,
+  top_p,
+  return_cells=False,
+  limits=None,
 ):
-  """Generates on device with `lax.while_loop` until every row emitted EOS or `max_new_tokens` tokens.
+  """Generates on device with `lax.while_loop` until every row emitted EOS or reached its limit.
 
   Args:
     cache: the prefilled cache; donated: the loop updates it in place, so it cannot be used afterwards.
     first_token: `[batch]` the token sampled from the prompt's last logits; position: `[batch]` its position.
     return_cells: also return, for FreeSolo models, the cells each layer and head selected when consuming
       generated token j: `cells[:, j]` `[batch, layers, heads, K]` (-1 = none; the last token is never consumed).
+    limits: optional `[batch]` int32, each row's own cap on new tokens (1..max_new_tokens); None: all
+      `max_new_tokens`. A row that reached its limit stops like one that emitted EOS; the loop ends when all have.
 
   Returns:
-    `[batch, max_new_tokens]` int32 tokens (first_token first; after EOS a row holds EOS), and the cells when
-    `return_cells`.
+    `[batch, max_new_tokens]` int32 tokens (first_token first; after EOS or the row's limit a row holds EOS), and
+    the cells when `return_cells`.
   """
+  batch = first_token.shape[0]
+  limits = jnp.full((batch,), max_new_tokens, jnp.int32) if limits is None else jnp.asarray(limits, jnp.int32)
   out, cells, _ = _decode_loop(
     model,
     variables,
@@ -223,6 +239,7 @@ def decode_loop(
     first_token,
     position,
     rng,
+    limits,
     max_new_tokens=max_new_tokens,
     eos_id=eos_id,
     temperature=temperature,
@@ -238,7 +255,19 @@ def decode_loop(
   donate_argnames=("cache",),
 )
 def _decode_loop(
-  model, variables, cache, first_token, position, rng, *, max_new_tokens, eos_id, temperature, top_p, return_cells
+  model,
+  variables,
+  cache,
+  first_token,
+  position,
+  rng,
+  limits,
+  *,
+  max_new_tokens,
+  eos_id,
+  temperature,
+  top_p,
+  return_cells,
 ):
   """`decode_loop`, returning `(tokens, cells, final cache)`. Returning the cache lets XLA give the donated input
   buffers to the loop: otherwise it copies the whole cache into the loop's state, doubling its memory."""
@@ -253,7 +282,7 @@ def _decode_loop(
     token=first_token,
     position=position,
     out=out,
-    done=first_token == eos_id,
+    done=(first_token == eos_id) | (limits <= 1),
     step=jnp.int32(1),
     rng=rng,
     cells=jnp.full(cells_shape, -1, jnp.int32),
@@ -274,7 +303,7 @@ def _decode_loop(
       token=token,
       position=s.position + 1,
       out=s.out.at[:, s.step].set(token),
-      done=s.done | (token == eos_id),
+      done=s.done | (token == eos_id) | (s.step + 1 >= limits),
       step=s.step + 1,
       rng=rng,
       cells=cells,
@@ -298,13 +327,19 @@ def generate(
   chunk=None,
   max_len=None,
   return_cells=False,
+  limits=None,
 ):
   """Prefill right-padded prompts, then decode on device. A cache larger than the free device memory is refused
   with `fsjax.memory.DeviceMemoryError` before anything is compiled.
 
+  Args:
+    tokens: `[batch, P]` right-padded prompts; lengths: `[batch]` their lengths (>= 1).
+    max_new_tokens: the most tokens any row generates (the loop's static bound); limits: optional `[batch]` caps
+      of each row (1..max_new_tokens), see `decode_loop`.
+
   Returns:
-    `[batch, max_new_tokens]` int32 tokens; with `return_cells` (FreeSolo models) also the selected cells
-    `[batch, max_new_tokens, layers, heads, K]` (see `decode_loop`).
+    `[batch, max_new_tokens]` int32 tokens (EOS after a row's end or limit); with `return_cells` (FreeSolo models)
+    also the selected cells `[batch, max_new_tokens, layers, heads, K]` (see `decode_loop`).
   """
   if return_cells and kinds.get(model.config.attention.kind).family != "freesolo":
     raise ValueError(f"return_cells needs a FreeSolo model, got attention kind {model.config.attention.kind!r}")
@@ -336,4 +371,5 @@ def generate(
     temperature=temperature,
     top_p=top_p,
     return_cells=return_cells,
+    limits=limits,
   )

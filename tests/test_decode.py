@@ -261,6 +261,20 @@ def test_batch_of_different_lengths_equals_each_sequence_alone(rng, kind):
     np.testing.assert_array_equal(alone[1], alone[0])
 
 
+def test_each_row_stops_at_its_own_limit_and_the_loop_at_the_last(rng):
+  """Rows capped at 1, 4 and 9 new tokens generate what the uncapped batch does up to their caps, then EOS (-1:
+  an id no sample takes, so only the caps stop rows)."""
+  config, model, variables = tiny_model("tfpp")
+  tokens = rng.integers(3, config.vocab_size, (3, 40)).astype(np.int32)
+  run = lambda limits: np.asarray(
+    generate(model, variables, tokens, [40, 33, 21], max_new_tokens=12, eos_id=-1, max_len=52, limits=limits)
+  )
+  free, capped = run(None), run([1, 4, 9])
+  for row, limit in enumerate([1, 4, 9]):
+    np.testing.assert_array_equal(capped[row, :limit], free[row, :limit])
+    assert (capped[row, limit:] == -1).all() and (free[row] != -1).all()
+
+
 @pytest.mark.parametrize("kind,scan_layers", [("tfpp", False), ("fs", True)])
 def test_the_decode_loop_updates_the_donated_cache_without_copying_it(kind, scan_layers):
   """The compiled loop aliases every cache buffer to an output: a copy into the loop's state would double the
@@ -274,6 +288,7 @@ def test_the_decode_loop_updates_the_donated_cache_without_copying_it(kind, scan
     jnp.zeros((1,), jnp.int32),
     jnp.full((1,), 40),
     jax.random.PRNGKey(0),
+    jnp.full((1,), 4),
     max_new_tokens=4,
     eos_id=2,
     temperature=0.0,
