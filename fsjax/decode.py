@@ -14,6 +14,7 @@ import math
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fsjax import kinds, memory
 from fsjax.cache import init_cache
@@ -373,3 +374,48 @@ def generate(
     return_cells=return_cells,
     limits=limits,
   )
+
+
+def generate_each(
+  model, variables, prompts, limits, *, eos_id, batch_size=8, temperature=0.0, top_p=1.0, seed=0, chunk=None
+):
+  """Generates for a list of prompts of any lengths, each with its own cap, `batch_size` rows at a time.
+
+  Prompts are sorted longest first so a batch holds rows of similar length, right-padded to a power of two of
+  at least 64 tokens (few programs compile), and each row stops at EOS or its cap (`generate`'s `limits`).
+  Batch b samples with seed `seed + b * batch_size`, so sampled output depends on the batching; greedy does not.
+
+  Args:
+    prompts: list of non-empty token-id lists; limits: list of caps (>= 1), one per prompt.
+
+  Returns:
+    list of `(new token ids before EOS, whether EOS ended the row)`, in the order of `prompts`.
+  """
+  if len(limits) != len(prompts) or min(map(len, prompts), default=1) < 1 or min(limits, default=1) < 1:
+    raise ValueError("generate_each needs one cap >= 1 per prompt and no empty prompt")
+  order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+  results = [None] * len(prompts)
+  for start in range(0, len(order), batch_size):
+    rows = order[start : start + batch_size]
+    width = max(64, 1 << (len(prompts[rows[0]]) - 1).bit_length())
+    tokens = np.zeros((len(rows), width), np.int32)
+    for row, i in enumerate(rows):
+      tokens[row, : len(prompts[i])] = prompts[i]
+    row_limits = [limits[i] for i in rows]
+    out = generate(
+      model,
+      variables,
+      tokens,
+      [len(prompts[i]) for i in rows],
+      max_new_tokens=max(row_limits),
+      eos_id=eos_id,
+      temperature=temperature,
+      top_p=top_p,
+      seed=seed + start,
+      chunk=chunk,
+      limits=row_limits,
+    )
+    for row, i in enumerate(rows):
+      new = [int(t) for t in np.asarray(out[row, : limits[i]])]
+      results[i] = (new[: new.index(eos_id)], True) if eos_id in new else (new, False)
+  return results

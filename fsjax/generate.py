@@ -22,8 +22,9 @@ import numpy as np
 
 from fsjax import cli
 from fsjax.config import ConfigError
+from fsjax.data.jsonl import json_lines
 from fsjax.data.tokenizer import eos_id, load_tokenizer
-from fsjax.decode import generate
+from fsjax.decode import generate, generate_each
 from fsjax.loading import load_model
 from fsjax.memory import DeviceMemoryError
 from fsjax.train.checkpoint import CheckpointError
@@ -56,63 +57,41 @@ def parse_args(argv):
 def read_prompts(path, default_limit):
   """`[(prompt, max_new_tokens)]` from a JSONL file; a bad line is a `ConfigError` naming file, line and rule."""
   prompts = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}:{number}: not JSON ({e.msg})") from None
-      if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-        raise ConfigError(f'{path}:{number}: needs "prompt", a non-empty string')
-      limit = record.get("max_new_tokens", default_limit)
-      if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-        raise ConfigError(f'{path}:{number}: "max_new_tokens" must be an integer >= 1, got {limit!r}')
-      prompts.append((record["prompt"], limit))
+  for number, record in json_lines(path, ConfigError):
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+      raise ConfigError(f'{path}:{number}: needs "prompt", a non-empty string')
+    limit = record.get("max_new_tokens", default_limit)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+      raise ConfigError(f'{path}:{number}: "max_new_tokens" must be an integer >= 1, got {limit!r}')
+    prompts.append((record["prompt"], limit))
   if not prompts:
     raise ConfigError(f"{path}: no prompts")
   return prompts
 
 
 def generate_batches(loaded, tokenizer, prompts, *, batch_size, temperature, top_p, seed, chunk):
-  """One record per `(prompt, max_new_tokens)`, in order: rows of similar length generated together, longest
-  first, each right-padded to the batch's longest prompt (rounded up to 64 tokens, so few programs compile)."""
-  eos = eos_id(tokenizer)
+  """One record per `(prompt, max_new_tokens)`, in order, generated `batch_size` rows at a time
+  (`fsjax.decode.generate_each`)."""
   ids = [tokenizer.encode(prompt).ids for prompt, _ in prompts]
   empty = [i for i, row in enumerate(ids) if not row]
   if empty:
     raise ConfigError(f"prompt {empty[0] + 1} encodes to no tokens")
-  order = sorted(range(len(prompts)), key=lambda i: -len(ids[i]))
-  records = [None] * len(prompts)
-  for start in range(0, len(order), batch_size):
-    rows = order[start : start + batch_size]
-    width = -(-len(ids[rows[0]]) // 64) * 64
-    limits = [prompts[i][1] for i in rows]
-    tokens = np.zeros((len(rows), width), np.int32)
-    for row, i in enumerate(rows):
-      tokens[row, : len(ids[i])] = ids[i]
-    out = np.asarray(
-      generate(
-        loaded.model,
-        loaded.variables,
-        tokens,
-        [len(ids[i]) for i in rows],
-        max_new_tokens=max(limits),
-        eos_id=eos,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed + start,
-        chunk=chunk,
-        limits=limits,
-      )
-    )
-    for row, i in enumerate(rows):
-      new = [int(t) for t in out[row, : limits[row]]]
-      stop = "eos" if eos in new else "limit"
-      new = new[: new.index(eos)] if eos in new else new
-      records[i] = {"prompt": prompts[i][0], "completion": tokenizer.decode(new), "new_tokens": len(new), "stop": stop}
-  return records
+  results = generate_each(
+    loaded.model,
+    loaded.variables,
+    ids,
+    [limit for _, limit in prompts],
+    eos_id=eos_id(tokenizer),
+    batch_size=batch_size,
+    temperature=temperature,
+    top_p=top_p,
+    seed=seed,
+    chunk=chunk,
+  )
+  return [
+    {"prompt": prompt, "completion": tokenizer.decode(new), "new_tokens": len(new), "stop": "eos" if eos else "limit"}
+    for (prompt, _), (new, eos) in zip(prompts, results)
+  ]
 
 
 def main(argv=None):

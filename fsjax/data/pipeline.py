@@ -17,6 +17,7 @@ import grain
 import numpy as np
 
 from fsjax.data.copies import insert_copies
+from fsjax.data.jsonl import json_lines
 from fsjax.data.recall import recall_masks
 from fsjax.data.tokenizer import eos_id, load_tokenizer
 
@@ -60,23 +61,13 @@ class DataError(ValueError):
 def _jsonl_texts(file):
   """The `text` of every non-blank line of a `.jsonl` / `.jsonl.gz` file, or DataError at the first bad line."""
   opener = gzip.open if file.name.endswith(".gz") else open
-  lineno = 0
   try:
-    with opener(file, "rt", encoding="utf-8") as f:
-      for lineno, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError as error:
-          raise DataError(f"{file}:{lineno}: not JSON ({error.msg} at column {error.colno})") from None
-        if not isinstance(record, dict) or "text" not in record:
-          raise DataError(f'{file}:{lineno}: no "text" field (each line must be a JSON object with one)')
-        if not isinstance(record["text"], str):
-          raise DataError(f'{file}:{lineno}: "text" must be a string, got {type(record["text"]).__name__}')
-        yield record["text"]
-  except UnicodeDecodeError:
-    raise DataError(f"{file}:{lineno + 1}: not UTF-8 text") from None
+    for lineno, record in json_lines(file, DataError, opener):
+      if not isinstance(record, dict) or "text" not in record:
+        raise DataError(f'{file}:{lineno}: no "text" field (each line must be a JSON object with one)')
+      if not isinstance(record["text"], str):
+        raise DataError(f'{file}:{lineno}: "text" must be a string, got {type(record["text"]).__name__}')
+      yield record["text"]
   except (gzip.BadGzipFile, EOFError) as error:
     raise DataError(f"{file}: not a complete gzip file ({error})") from None
 

@@ -36,7 +36,7 @@ from fsjax import cli
 from fsjax.cache import init_cache
 from fsjax.config import ConfigError
 from fsjax.data.tokenizer import eos_id, load_tokenizer
-from fsjax.decode import generate, prefill
+from fsjax.decode import generate_each, prefill
 from fsjax.loading import load_model
 from fsjax.train.checkpoint import CheckpointError
 
@@ -79,7 +79,7 @@ class FsjaxLM(LM):
     model, variables: a `fsjax.model.Transformer` and its variables (with FS-B's τ where the kind needs it).
     tokenizer: a `tokenizers.Tokenizer`; eos: its end-of-text id, which also stands before an empty context
       (as lm_eval's Hugging Face model does with its prefix token).
-    batch_size: rows per prefill or generation call (a short last batch is filled with copies).
+    batch_size: rows per prefill or generation call (a short last scoring batch is filled with copies).
     max_length: tokens a request may hold; longer contexts lose their oldest tokens.
     chunk: prefill chunk (None: `fsjax.decode.prefill` chooses).
   """
@@ -173,8 +173,9 @@ class FsjaxLM(LM):
 
   def generate_until(self, requests, disable_tqdm=False):
     """Greedy continuations (sampled where a task asks for `do_sample` with a temperature), each cut before the
-    first of its `until` strings; a row also stops at the end-of-text id and at `max_gen_toks` tokens. Requests
-    with the same token cap and temperature are generated together, longest contexts first."""
+    first of its `until` strings; a row also stops at the end-of-text id and at its `max_gen_toks` tokens.
+    Requests with the same temperature are generated together, longest contexts first
+    (`fsjax.decode.generate_each`)."""
     plans, groups = [], {}
     for index, request in enumerate(requests):
       context, kwargs = request.args
@@ -182,34 +183,24 @@ class FsjaxLM(LM):
       new = int(kwargs.get("max_gen_toks", 256))
       temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
       ids = (self._encode(context) or [self.eos])[-max(1, self.max_length - new) :]
-      plans.append((ids, [until] if isinstance(until, str) else list(until)))
-      groups.setdefault((new, temperature), []).append(index)
+      plans.append((ids, new, [until] if isinstance(until, str) else list(until)))
+      groups.setdefault(temperature, []).append(index)
     out = [None] * len(requests)
-    for (new, temperature), members in groups.items():
-      members.sort(key=lambda i: -len(plans[i][0]))
-      for start in range(0, len(members), self.batch_size):
-        rows = members[start : start + self.batch_size]
-        width = max(MIN_WIDTH, 1 << (len(plans[rows[0]][0]) - 1).bit_length())
-        tokens = np.zeros((self.batch_size, width), np.int32)
-        lengths = np.full((self.batch_size,), len(plans[rows[0]][0]), np.int32)
-        for row, i in enumerate(rows):
-          tokens[row, : len(plans[i][0])], lengths[row] = plans[i][0], len(plans[i][0])
-        generated = generate(
-          self.model,
-          self.variables,
-          tokens,
-          lengths,
-          max_new_tokens=new,
-          eos_id=self.eos,
-          temperature=temperature,
-          chunk=self.chunk,
-          max_len=width + new,
-        )
-        for row, i in enumerate(rows):
-          ids = np.asarray(generated[row]).tolist()
-          text = self.tokenizer.decode(ids[: ids.index(self.eos)] if self.eos in ids else ids)
-          cuts = [text.index(stop) for stop in plans[i][1] if stop and stop in text]
-          out[i] = text[: min(cuts)] if cuts else text
+    for temperature, members in groups.items():
+      results = generate_each(
+        self.model,
+        self.variables,
+        [plans[i][0] for i in members],
+        [plans[i][1] for i in members],
+        eos_id=self.eos,
+        batch_size=self.batch_size,
+        temperature=temperature,
+        chunk=self.chunk,
+      )
+      for i, (ids, _) in zip(members, results):
+        text = self.tokenizer.decode(ids)
+        cuts = [text.index(stop) for stop in plans[i][2] if stop and stop in text]
+        out[i] = text[: min(cuts)] if cuts else text
     return out
 
 

@@ -11,6 +11,8 @@ to the task record: `pred`, and `others` and `truncation` as RULER's `call_api.p
 import json
 from pathlib import Path
 
+from fsjax.data.jsonl import json_lines
+
 REQUIRED = ("index", "input", "outputs")
 
 
@@ -26,17 +28,13 @@ def read_jsonl(path):
   if not path.is_file():
     raise FileNotFoundError(f"RULER file not found: {path}")
   records = []
-  with path.open(encoding="utf-8") as f:
-    for line_number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      record = json.loads(line)
-      missing = [k for k in REQUIRED if k not in record]
-      if missing:
-        raise ValueError(f"{path}:{line_number}: record lacks RULER field(s) {missing}")
-      if not isinstance(record["outputs"], list) or not all(isinstance(o, str) for o in record["outputs"]):
-        raise ValueError(f"{path}:{line_number}: outputs must be a list of strings")
-      records.append({"answer_prefix": "", **record})
+  for line_number, record in json_lines(path):
+    missing = [k for k in REQUIRED if not isinstance(record, dict) or k not in record]
+    if missing:
+      raise ValueError(f"{path}:{line_number}: record lacks RULER field(s) {missing}")
+    if not isinstance(record["outputs"], list) or not all(isinstance(o, str) for o in record["outputs"]):
+      raise ValueError(f"{path}:{line_number}: outputs must be a list of strings")
+    records.append({"answer_prefix": "", **record})
   return records
 
 
