@@ -415,7 +415,8 @@ def generate_each(
       chunk=chunk,
       limits=row_limits,
     )
+    out = np.asarray(out)  # one transfer per batch
     for row, i in enumerate(rows):
-      new = [int(t) for t in np.asarray(out[row, : limits[i]])]
+      new = out[row, : limits[i]].tolist()
       results[i] = (new[: new.index(eos_id)], True) if eos_id in new else (new, False)
   return results
