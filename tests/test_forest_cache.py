@@ -6,10 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsjax.attention.freesolo_step import forest_select
+from fsjax.attention.freesolo_step import forest_select, fsb_archive_select
 from fsjax.cache import archive as archive_lib
 from fsjax.cache import forest as forest_cache
 from fsjax.cache import layer_of, write_back
+from fsjax.ops import dispatch
 from fsjax.reference import forest as forest_ref
 from fsjax.reference.routing import Routing
 
@@ -17,15 +18,15 @@ CELL, BLOCK = 4, 16  # 4 cells admitted per block
 BATCH, HEADS, DIM = 2, 2, 6
 
 
-def _filled_cache(rng, seq, dtype=jnp.float64):
+def _filled_cache(rng, seq, dtype=jnp.float64, heads=HEADS):
   """A forest cache whose archive holds `seq` random tokens (written in uneven chunks); forests still empty."""
-  cache = forest_cache.empty_forest_cache(BATCH, seq, HEADS, DIM, CELL, dtype)
-  k = jnp.asarray(rng.standard_normal((BATCH, seq, HEADS, DIM)) * rng.uniform(0.5, 2.0, (BATCH, seq, HEADS, 1)))
+  cache = forest_cache.empty_forest_cache(BATCH, seq, heads, DIM, CELL, dtype)
+  k = jnp.asarray(rng.standard_normal((BATCH, seq, heads, DIM)) * rng.uniform(0.5, 2.0, (BATCH, seq, heads, 1)))
   archive = cache.archive
   for start, stop in ((0, 37), (37, 38), (38, seq)):
     pos = jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (BATCH, stop - start))
     archive = archive_lib.extend(archive, k[:, start:stop], k[:, start:stop], pos, jnp.ones(pos.shape, bool), CELL)
-  tau = jnp.asarray(np.median(np.asarray(archive.max_norms).reshape(-1, HEADS), axis=0))
+  tau = jnp.asarray(np.median(np.asarray(archive.max_norms).reshape(-1, heads), axis=0))
   return cache.replace(archive=archive), tau
 
 
@@ -173,6 +174,40 @@ def test_streaming_selection_equals_the_prefill_formulation_in_every_block(rng):
       actual = step(cache, q, pos)
       np.testing.assert_array_equal(np.sort(np.asarray(actual), -1), np.sort(np.asarray(expected), -1))
       assert np.all(np.asarray(actual)[..., 0] >= 0)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 6])
+def test_archive_selection_by_groups_of_heads_equals_one_call_over_all_heads(rng, monkeypatch, groups):
+  """FS-B's selection from the archive runs groups of heads one after another when its forests would be large;
+  the cells of a chunk (queries in several blocks, one row's prompt ending mid-cell) are those of one call."""
+  heads, seq = 6, 152
+  cache, tau = _filled_cache(rng, seq, jnp.float32, heads=heads)
+  archive = cache.archive
+  per_head = BATCH * dispatch.forest_nodes(archive.max_norms.shape[1]) * DIM * 4
+  monkeypatch.setattr(dispatch, "FOREST_TABLE_BYTES", per_head * heads // groups)
+  assert dispatch.forest_head_groups(BATCH, archive.max_norms.shape[1], heads, DIM) == groups
+  routing = dict(lam=jnp.asarray(rng.uniform(0.3, 2.0, heads)), sigma=jnp.asarray(rng.uniform(1.0, 8.0, heads)))
+  options = dict(cell=CELL, top_k=3, beam=2, bound_c=8.0)
+  pos = jnp.asarray([np.arange(100, 140), np.arange(110, 150)], jnp.int32)  # three blocks, the last query mid-cell
+  q = jnp.asarray(rng.standard_normal((BATCH, pos.shape[1], heads, DIM)) * 3, jnp.float32)
+  expected = forest_ref.fsb_select_from_summaries(
+    q, pos, archive.tokens.k, archive.mean_keys, archive.max_norms, tau=tau, block=BLOCK, **routing, **options
+  )
+  geometry = Routing(variant="fsb", window=BLOCK - 1, block=BLOCK, **options)
+  actual = jax.jit(lambda a, q, p: fsb_archive_select(a, q, p, geometry, tau=tau, **routing))(archive, q, pos)
+  np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected))
+  assert (np.asarray(actual)[..., 0] >= 0).all()
+
+
+def test_forest_head_groups_bound_the_node_table():
+  assert (
+    dispatch.forest_nodes(1) == 1
+    and dispatch.forest_nodes(4) == 4 + 2 * 3 + 7
+    and dispatch.forest_nodes(5) == 5 + 2 * 3 + 7
+  )
+  assert dispatch.forest_head_groups(1, 2048, 16, 64) == 1  # 1 × 128k tokens, cell 64: 176 MiB for all heads
+  assert dispatch.forest_head_groups(32, 512, 16, 64) == 8  # 32 × 32k: 72 MiB a head, two heads a group
+  assert dispatch.forest_head_groups(4096, 2**16, 16, 64) == 16  # one head is over the bound: one at a time
 
 
 def test_tree_builds_per_block_do_not_grow_with_the_number_of_cells():

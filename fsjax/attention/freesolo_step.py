@@ -25,6 +25,7 @@ from fsjax.cache import bounded, forest
 from fsjax.cache.archive import Archive
 from fsjax.cache.forest import ForestCache
 from fsjax.cache.layered import LayerSlice, read
+from fsjax.ops import dispatch
 from fsjax.ops.freesolo import cached_readout
 from fsjax.reference import cells as cells_ref
 from fsjax.reference import forest as forest_ref
@@ -53,24 +54,46 @@ def archive_local(archive: Archive, q, pos, *, window, rope_theta):
 def archive_select(archive: Archive, q, pos, routing: Routing, *, lam, sigma, tau=None, impl="reference"):
   """Top-K cells (Eq. 6-8; FS-B Eq. 10-12 rebuilt from the summaries) for queries at `pos`:
   `[batch, C, heads, K]`, -1 for none. No gradient."""
-  mean_keys, max_norms = read(archive.mean_keys), read(archive.max_norms)
   if routing.variant == "fsb":
-    return forest_ref.fsb_select_from_summaries(
-      q,
-      pos,
-      read(archive.tokens.k).astype(q.dtype),
-      mean_keys.astype(q.dtype),
-      max_norms.astype(q.dtype),
-      tau=tau,
-      lam=lam,
-      sigma=sigma,
-      cell=routing.cell,
-      block=routing.block,
-      top_k=routing.top_k,
-      beam=routing.beam,
-      bound_c=routing.bound_c,
-    )
+    return fsb_archive_select(archive, q, pos, routing, lam=lam, sigma=sigma, tau=tau)
+  mean_keys, max_norms = read(archive.mean_keys), read(archive.max_norms)
   return ops.select_from_summaries(q, pos, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma, impl=impl)
+
+
+def fsb_archive_select(archive: Archive, q, pos, routing: Routing, *, lam, sigma, tau):
+  """FS-B's cells (Eq. 10-12) from forests rebuilt over the archive's summaries, `[batch, C, heads, K]`. The
+  forests of a long archive are large (`dispatch.forest_head_groups`), so groups of heads run one after another;
+  heads are independent, so the cells are those of one call over all heads."""
+  k, mean_keys, max_norms = read(archive.tokens.k), read(archive.mean_keys), read(archive.max_norms)
+  batch, count, heads, head_dim = q.shape
+  select = functools.partial(
+    forest_ref.fsb_select_from_summaries,
+    cell=routing.cell,
+    block=routing.block,
+    top_k=routing.top_k,
+    beam=routing.beam,
+    bound_c=routing.bound_c,
+  )
+
+  def heads_from(start, size):  # queries, keys, summaries and per-head parameters of heads start .. start+size
+    take = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+    return select(
+      take(q, 2),
+      pos,
+      take(k, 2).astype(q.dtype),
+      take(mean_keys, 2).astype(q.dtype),
+      take(max_norms, 2).astype(q.dtype),
+      tau=take(tau, 0),
+      lam=take(lam, 0),
+      sigma=take(sigma, 0),
+    )
+
+  groups = dispatch.forest_head_groups(batch, max_norms.shape[1], heads, head_dim)
+  if groups == 1:
+    return heads_from(0, heads)
+  size = heads // groups
+  cells = jax.lax.map(lambda group: heads_from(group * size, size), jnp.arange(groups))  # [groups, b, C, size, K]
+  return jnp.moveaxis(cells, 0, 2).reshape(batch, count, heads, routing.top_k)
 
 
 def archive_long_range(

@@ -104,17 +104,39 @@ TABLE = {
 CACHE_COPY_BYTES = 2**30
 
 
+def head_groups(heads, per_head_bytes, budget):
+  """The fewest groups (a divisor of `heads`) that split a per-head buffer of `per_head_bytes` into shares of at
+  most `budget` bytes, evaluated one group after another; `heads` where even one head exceeds it."""
+  for groups in range(1, heads):
+    if heads % groups == 0 and per_head_bytes * (heads // groups) <= budget:
+      return groups
+  return heads
+
+
 def cache_head_groups(batch, capacity, heads, head_dim, dtype, copied=True):
   """How many cuDNN calls a chunk's attention over a dense cache is split into, by heads: the fewest (a divisor
   of `heads`) whose share of the layer's keys and values is at most `CACHE_COPY_BYTES`; 1 where the cache is not
   `copied` (an unstacked cache is read where it lies)."""
   if not copied:
     return 1
-  per_head = 2 * batch * capacity * head_dim * jnp.dtype(dtype).itemsize
-  for groups in range(1, heads):
-    if heads % groups == 0 and per_head * (heads // groups) <= CACHE_COPY_BYTES:
-      return groups
-  return heads
+  return head_groups(heads, 2 * batch * capacity * head_dim * jnp.dtype(dtype).itemsize, CACHE_COPY_BYTES)
+
+
+# Bytes of one float32 node table that FS-B's prefill-formulation selection (`forest_ref.fsb_select_from_summaries`)
+# builds per call: its forests over a chunk's whole archive live as a dozen such tables at once (measured on the
+# H200: 9.77 GiB at 32 × 32k for every chunk size, beside a cache that leaves 5 GiB free).
+FOREST_TABLE_BYTES = 2**28
+
+
+def forest_nodes(cells):
+  """Nodes of every aligned chunk tree of `cells` cells (sizes 1, 2, 4, ...: one heap of 2·size − 1 per chunk)."""
+  return sum((cells // size) * (2 * size - 1) for size in (2**k for k in range(max(cells, 1).bit_length())))
+
+
+def forest_head_groups(batch, cells, heads, head_dim):
+  """How many groups of heads FS-B's selection over an archive of `cells` cells runs in, one after another: the
+  fewest whose float32 μ table (`[batch, heads/groups, nodes, head_dim]`) is at most `FOREST_TABLE_BYTES`."""
+  return head_groups(heads, batch * forest_nodes(cells) * head_dim * 4, FOREST_TABLE_BYTES)
 
 
 def _check_impl(impl):
