@@ -1,7 +1,7 @@
 """Train a model from a config: `python train.py --config configs/NAME.yaml [--set key.sub=value ...]`.
 
 Re-running with the same --workdir resumes from its latest checkpoint (params, optimizer, data position). SIGTERM
-(a preemption notice, `timeout`) ends a single-process run after the step in flight, saved, with exit status 143.
+(a preemption notice, `timeout`) to any process ends the run after the step in flight, saved, with exit status 143.
 At the end the held-out loss and perplexity, and with `eval.niah_samples` RULER's S-NIAH-1 at 1x and 4x the
 training length, are printed and written to `<workdir>/eval.json`.
 """
@@ -14,6 +14,7 @@ from fsjax import cli
 from fsjax.config import ConfigError, load_config
 from fsjax.data.pipeline import DataError
 from fsjax.eval.runner import niah_scores
+from fsjax.train import sharding
 from fsjax.train.checkpoint import CheckpointError
 from fsjax.train.loop import TrainingInterrupted, TrainingStopped, train
 
@@ -52,6 +53,9 @@ def main(argv=None):
   except (ConfigError, CheckpointError, DataError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except Exception as e:
+    sharding.exit_after_error(e)  # a multi-process run's process ends here; the others stop at their next step
+    raise
   return 0
 
 

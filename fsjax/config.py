@@ -252,6 +252,11 @@ class DataConfig:
       text (a CPU pilot lost it within 120 text steps without them; docs/results.md), or random rows with the
       copy curriculum's copies (source "random", copy_rate > 0): tiled rows start copying, the copies ask for it
       at the curriculum's distances. Those tiled rows draw from seed + 1, so they are not the copy rows' ids.
+    shards: the training stream is this many shards (documents `s::shards` for text, rows `s::shards` for random
+      rows), each giving `batch_size / shards` rows of every batch in shard order; process p of P reads the
+      contiguous shards `p·shards/P ..`. A global batch is then the same under every process count that divides
+      `shards`, so a run can resume on another count. 0 = one per process at the first start; a resumed run
+      keeps the checkpoint's.
   """
 
   train_path: str | None = None
@@ -268,9 +273,12 @@ class DataConfig:
   random_ids: tuple[int, ...] = (3, 32000)
   random_period: tuple[int, ...] | None = None
   tiled_rows: int = 0
+  shards: int = 0
 
   def __post_init__(self):
     _positive(self, "data.", "seq_len", "recall_distance", "recall_switch_window")
+    if self.shards < 0:
+      raise ConfigError(f"data.shards must be >= 0 (0: one per process), got {self.shards}")
     _one_of(self, "data.", "source", ("text", "random"))
     if self.tiled_rows < 0:
       raise ConfigError(f"data.tiled_rows must be >= 0, got {self.tiled_rows}")

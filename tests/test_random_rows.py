@@ -10,7 +10,7 @@ import pytest
 from fsjax.config import Config, ConfigError, DataConfig, TrainConfig, load_config, model_preset
 from fsjax.data.copies import insert_copies
 from fsjax.data.random_rows import make_random_iterator, random_row
-from fsjax.train.loop import _train_iterator
+from fsjax.train.loop import train_iterator
 
 COPIES = dict(rate=0.02, span=(8, 16), distance=(20, 60))
 
@@ -53,7 +53,7 @@ def test_a_tiled_config_trains_from_random_rows():
       "eval.niah_samples=0",
     ],
   )
-  tokens = next(_train_iterator(config))["tokens"]
+  tokens = next(train_iterator(config, 1))["tokens"]
   assert tokens.shape == (2, 65)
   assert all(any(np.array_equal(r[n:], r[:-n]) for n in range(4, 13)) for r in tokens)
 
@@ -73,20 +73,20 @@ def test_tiled_rows_end_every_batch_and_resume_from_the_json_state(main_rows):
     main += ["data.source=random", "data.copy_rate=0.02", "data.copy_span=[4,8]", "data.copy_distance=[8,40]"]
   tiny = pathlib.Path(__file__).parents[1] / "configs" / "tiny_tfpp.yaml"
   config = load_config(tiny, [*main, "data.tiled_rows=2", "data.random_period=[4,12]", "train.batch_size=5"])
-  iterator = _train_iterator(config)
+  iterator = train_iterator(config, 1)
   first = next(iterator)["tokens"]
   assert first.shape == (5, 65) and first.dtype == np.int32
   assert all(_is_tiled(row, range(4, 13)) for row in first[3:])
   assert not any(_is_tiled(row, range(4, 13)) for row in first[:3])
   smaller = load_config(tiny, [*main, "train.batch_size=3"])
-  np.testing.assert_array_equal(first[:3], next(_train_iterator(smaller))["tokens"])
+  np.testing.assert_array_equal(first[:3], next(train_iterator(smaller, 1))["tokens"])
   tiled_seed = config.train.seed + (1 if main_rows == "random copies" else 0)
   for index, row in enumerate(first[3:]):
     np.testing.assert_array_equal(row, random_row(index, seed=tiled_seed, length=65, vocab=(3, 512), period=(4, 12)))
 
   state = json.loads(json.dumps(iterator.get_state()))
   expected = [next(iterator)["tokens"] for _ in range(2)]
-  resumed = _train_iterator(config)
+  resumed = train_iterator(config, 1)
   resumed.set_state(state)
   for batch in expected:
     np.testing.assert_array_equal(next(resumed)["tokens"], batch)

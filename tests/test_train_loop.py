@@ -175,11 +175,11 @@ def test_sigterm_saves_the_step_in_flight_and_resuming_equals_the_uninterrupted_
   from it gives the uninterrupted run's losses bit for bit, and the previous SIGTERM handler is back."""
   config = load_config(MICRO, ["train.steps=8"])
   loop.train(config, str(tmp_path / "reference"))
-  real_iterator = loop._train_iterator
+  real_iterator = loop.train_iterator
 
   class SignalsAtBatch5:
-    def __init__(self, config):
-      self.data, self.batches = real_iterator(config), 0
+    def __init__(self, *args):
+      self.data, self.batches = real_iterator(*args), 0
 
     def __next__(self):
       self.batches += 1
@@ -195,7 +195,7 @@ def test_sigterm_saves_the_step_in_flight_and_resuming_equals_the_uninterrupted_
 
   handler = signal.getsignal(signal.SIGTERM)
   with monkeypatch.context() as patch:
-    patch.setattr(loop, "_train_iterator", SignalsAtBatch5)
+    patch.setattr(loop, "train_iterator", SignalsAtBatch5)
     with pytest.raises(loop.TrainingInterrupted, match="after step 5; the latest checkpoint is step 5"):
       loop.train(config, str(tmp_path / "run"))
   assert signal.getsignal(signal.SIGTERM) is handler

@@ -223,6 +223,17 @@ def _move_aside(path):
   return target
 
 
+def _on_one_device(metadata):
+  """A restore target for the arrays `metadata` describes, each whole on this process's first device: a checkpoint
+  then loads on any devices, not only on those of the processes that saved it."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return jax.tree_util.tree_map(
+    lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
+    getattr(metadata, "tree", metadata),
+    is_leaf=lambda x: hasattr(x, "shape"),
+  )
+
+
 def _shapes(tree):
   tree = getattr(tree, "tree", tree)  # orbax wraps tree metadata in newer versions
   leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
@@ -274,7 +285,8 @@ def load(path):
       never changed) or one step's directory (CheckpointError if it is damaged).
 
   Returns:
-    (Config it was trained with, params, frozen collections such as "routing", step).
+    (Config it was trained with, params, frozen collections such as "routing", step); the arrays on this
+    process's first device, whatever devices and processes saved them.
   """
   directory, steps, one_step = _steps(path)
   manager = _manager(directory, read_only=True)
@@ -283,7 +295,8 @@ def load(path):
     for step in steps:
       try:
         saved = _read_item(manager, step, "config", ocp.args.JsonRestore())
-        state = _read_item(manager, step, "state", ocp.args.StandardRestore())
+        metadata = _read_item(manager, step, "state", None, metadata=True)
+        state = _read_item(manager, step, "state", ocp.args.StandardRestore(_on_one_device(metadata)))
       except DamagedCheckpoint as damage:
         failures.append(f"{step} ({damage})")
         if not one_step:

@@ -39,17 +39,18 @@ class TrainingInterrupted(TrainingStopped):
 
 @contextlib.contextmanager
 def _stop_on_sigterm():
-  """Yields a function that tells whether SIGTERM (a preemption notice, `timeout`) has arrived since entry, so the
-  loop can finish its step and save it instead of dying between checkpoints. Only a single-process run in the main
-  thread listens: several processes would first have to agree on the step to save, and Python delivers signals to
-  the main thread alone. The previous handler is restored on exit."""
-  if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
-    yield lambda: False
+  """Yields a function that tells whether SIGTERM (a preemption notice, `timeout`) has reached any process since
+  entry, so the loop can finish its step and save it instead of dying between checkpoints. In a multi-process run
+  the processes agree on it after every step (`sharding.any_process`: a SIGTERM to any one of them stops all at
+  the same step). Python delivers signals to the main thread alone, so a run in another thread does not listen.
+  The previous handler is restored on exit."""
+  if threading.current_thread() is not threading.main_thread():
+    yield lambda: sharding.any_process(False)
     return
   received = []
   previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
   try:
-    yield lambda: bool(received)
+    yield lambda: sharding.any_process(received)
   finally:
     signal.signal(signal.SIGTERM, previous)
 
@@ -144,13 +145,11 @@ def _local_rows(global_rows):
   return global_rows // jax.process_count()
 
 
-def _train_iterator(config: Config):
-  data, shards = config.data, dict(shard_index=jax.process_index(), shard_count=jax.process_count())
-  if data.tiled_rows % jax.process_count():
-    raise ConfigError(
-      f"data.tiled_rows ({data.tiled_rows}) must be a multiple of the process count ({jax.process_count()})"
-    )
-  rows = _local_rows(config.train.batch_size - data.tiled_rows)
+def _shard_iterator(config: Config, shard, shards):
+  """Shard `shard` of `shards` of the training stream (`data.shards`): its `1/shards` of every batch's text or
+  random rows, then of its tiled rows."""
+  data, ids = config.data, dict(shard_index=shard, shard_count=shards)
+  rows = (config.train.batch_size - data.tiled_rows) // shards
   if data.source == "random":
     main = make_random_iterator(
       seq_len=data.seq_len,
@@ -159,7 +158,7 @@ def _train_iterator(config: Config):
       vocab=data.random_ids,
       copies=data.copies,
       period=None if data.tiled_rows else data.random_period,
-      **shards,
+      **ids,
     )
   else:
     main = make_train_iterator(
@@ -170,7 +169,7 @@ def _train_iterator(config: Config):
       seed=config.train.seed,
       recall_masks=data.recall,
       copies=data.copies,
-      **shards,
+      **ids,
     )
   if not data.tiled_rows:
     return main
@@ -178,13 +177,69 @@ def _train_iterator(config: Config):
   tiled_seed = config.train.seed + 1 if data.source == "random" else config.train.seed
   tiled = make_random_iterator(
     seq_len=data.seq_len,
-    batch_size=_local_rows(data.tiled_rows),
+    batch_size=data.tiled_rows // shards,
     seed=tiled_seed,
     vocab=data.random_ids,
     period=data.random_period,
-    **shards,
+    **ids,
   )
   return RowMixture(main, tiled)
+
+
+def _stream_shards(config: Config, saved=None):
+  """How many shards the training stream has: `data.shards`, else the checkpoint's (`saved`: its list of shard
+  states), else one per process. ConfigError where the processes cannot divide them or a batch cannot."""
+  processes = jax.process_count()
+  if config.data.shards:
+    count, shards = config.data.shards, f"data.shards ({config.data.shards})"
+  elif saved is not None:
+    count, shards = len(saved), f"the checkpoint's data stream's {len(saved)} shards (data.shards 0)"
+  else:
+    count, shards = processes, f"data.shards (0: one per process, {processes})"
+  if saved is not None and len(saved) != count:
+    raise ConfigError(
+      f"{shards} differs from the {len(saved)} shards of the checkpoint's data stream, whose position cannot "
+      "carry over; leave data.shards at 0 or set it to the checkpoint's"
+    )
+  if count % processes:
+    raise ConfigError(f"{shards} must be a multiple of the process count ({processes})")
+  for field, rows in (
+    ("train.batch_size - data.tiled_rows", config.train.batch_size - config.data.tiled_rows),
+    ("data.tiled_rows", config.data.tiled_rows),
+  ):
+    if rows % count:
+      raise ConfigError(f"{field} ({rows}) must be a multiple of {shards}")
+  return count
+
+
+def _local_shards(shards, process_index, process_count):
+  """The shards process `process_index` of `process_count` reads: a contiguous run, so the processes' rows in
+  process order are the shards' rows in shard order."""
+  local = shards // process_count
+  return range(process_index * local, (process_index + 1) * local)
+
+
+def train_iterator(config: Config, shards, process_index=0, process_count=1):
+  """The training stream of `shards` shards as process `process_index` of `process_count` reads it: one
+  iterator of its rows of every global batch (`[batch_size / process_count, seq_len + 1]` arrays)."""
+  return RowMixture(*(_shard_iterator(config, s, shards) for s in _local_shards(shards, process_index, process_count)))
+
+
+def _stream_state(data):
+  """The whole training stream's position, `{"shards": [state of each shard]}`, gathered from every process."""
+  return {"shards": [state for states in sharding.gather_json(data.get_state()["parts"]) for state in states]}
+
+
+def _saved_shards(data_state):
+  """Each shard's state in a checkpoint's data item; a checkpoint of one unsharded stream holds its state."""
+  return data_state["shards"] if isinstance(data_state, dict) and "shards" in data_state else [data_state]
+
+
+def restore_stream(data, shards, process_index=0, process_count=1):
+  """Sets the shards of `data` (a `train_iterator` of process `process_index` of `process_count`) to their states
+  among `shards`, the state of every shard of the stream."""
+  local = _local_shards(len(shards), process_index, process_count)
+  data.set_state({"parts": shards[local.start : local.stop]})
 
 
 def check_train_documents(config: Config):
@@ -218,6 +273,7 @@ def _parent_variables(config: Config, objective, abstract_params, abstract_froze
   """Params and routing buffers of `train.init_from`, checked against this config's shapes for the arrays the
   objective says a parent holds (`Objective.parent_params`)."""
   parent_config, params, frozen, step = ckpt_lib.load(config.train.init_from)
+  params, frozen = jax.device_get((params, frozen))  # on the host: every process then places its shards
   where = f"{config.train.init_from} (step {step})"
   abstract_params = objective.parent_params(config, parent_config, abstract_params, where)
   ckpt_lib.check_shapes(
@@ -265,6 +321,8 @@ def train(config: Config, workdir, final_evals=(), allow_config_change=False):
   mesh = sharding.make_mesh(config.mesh)
   _check_divisible(config, mesh)
   os.makedirs(workdir, exist_ok=True)
+  process = jax.process_index(), jax.process_count()
+  primary = process[0] == 0  # the one process that writes the workdir's records
 
   objective = objectives.get(config.train.objective)
   model = Transformer(config.model)
@@ -284,21 +342,24 @@ def train(config: Config, workdir, final_evals=(), allow_config_change=False):
     keep=config.checkpoint.keep,
     async_save=config.checkpoint.async_save,
   )
-  log = MetricsLog(workdir, config.train.steps)
-  data = _train_iterator(config)
+  log = MetricsLog(workdir, config.train.steps, write=primary)
   tokens_per_step = config.train.batch_size * config.data.seq_len
   tokens_seen = 0
   check_config = lambda saved, step: _check_resumable(saved, config, workdir, step, allow_config_change)
   restored = checkpoints.restore_newest(abstract_state, check_config)  # before anything compiles
   if restored is not None:  # resume from the newest intact step
     latest, saved, state, data_state, tokens_seen = restored
-    _record_config_changes(saved, config, workdir, latest)
+    shards = _saved_shards(data_state)
+    data = train_iterator(config, _stream_shards(config, shards), *process)
+    if primary:
+      _record_config_changes(saved, config, workdir, latest)
     if tokens_seen is None:  # written before checkpoints recorded it: every step had the saved config's size
       tokens_seen = latest * saved["train"]["batch_size"] * saved["data"]["seq_len"]
-    data.set_state(data_state)
+    restore_stream(data, shards, *process)
     log.truncate_after(latest)
     print(f"resumed from {checkpoints.directory}/{latest}", flush=True)
   else:
+    data = train_iterator(config, _stream_shards(config), *process)
     log.truncate_after(0)  # a run killed before its first checkpoint starts over: so do its records
     parent = (
       _parent_variables(config, objective, abstract_state.params, abstract_state.frozen)
@@ -308,14 +369,15 @@ def train(config: Config, workdir, final_evals=(), allow_config_change=False):
     state = jax.jit(init_state, out_shardings=state_shardings)()
     if parent is not None:
       parent_params, parent_frozen = parent
-      fresh = flax.traverse_util.flatten_dict(jax.device_get(state.params))
+      fresh = flax.traverse_util.flatten_dict(sharding.to_host(state.params))
       fresh.update(flax.traverse_util.flatten_dict(parent_params))  # arrays the parent lacks stay fresh
       params, frozen = jax.device_put(
         (flax.traverse_util.unflatten_dict(fresh), parent_frozen), (state_shardings.params, state_shardings.frozen)
       )
       state = state.replace(params=params, frozen=frozen, opt_state=optimizer.init(params))
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    json.dump(to_dict(config), f, indent=2)
+  if primary:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(to_dict(config), f, indent=2)
 
   counts = param_counts(config.model)
   print(
@@ -352,7 +414,7 @@ def train(config: Config, workdir, final_evals=(), allow_config_change=False):
         fault = ckpt_lib.parameter_fault(state.params, config.train.max_abs_param)
         if fault:
           raise TrainingStopped(f"stopped at step {step}: {fault}, not saved; {_last_good(checkpoints)}")
-        checkpoints.save(step, state, data.get_state(), config, tokens_seen)
+        checkpoints.save(step, state, _stream_state(data), config, tokens_seen)
       if step % config.log.every == 0 or step == config.train.steps or stopping:
         now = time.perf_counter()
         extra = {name: metrics[name] for name in objective.metric_names(config.model)}
@@ -394,13 +456,16 @@ def train(config: Config, workdir, final_evals=(), allow_config_change=False):
     heldout_loss=result["loss"],
     heldout_perplexity=result["perplexity"],
   )
+  variables = {"params": state.params, **state.frozen}
+  if final_evals and jax.process_count() > 1:
+    variables = sharding.to_host(variables)  # each process evaluates a whole copy on its own devices
   for final_eval in final_evals:
     clock = time.perf_counter()
     print(f"final evaluation {final_eval.__name__} ...", flush=True)
-    summary.update(final_eval(config, model, {"params": state.params, **state.frozen}))
+    summary.update(final_eval(config, model, variables))
     print(f"final evaluation {final_eval.__name__} done in {time.perf_counter() - clock:.1f} s", flush=True)
-  with open(os.path.join(workdir, "eval.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  if jax.process_index() == 0:
+  if primary:
+    with open(os.path.join(workdir, "eval.json"), "w") as f:
+      json.dump(summary, f, indent=2)
     print_table([summary])
   return summary

@@ -6,17 +6,19 @@ import sys
 
 
 class MetricsLog:
-  """Appends one JSON object per logged step to `<workdir>/metrics.jsonl` and prints a progress line."""
+  """Appends one JSON object per logged step to `<workdir>/metrics.jsonl` and prints a progress line. With
+  `write=False` (every process of a multi-process run but the first) it only prints."""
 
-  def __init__(self, workdir, total_steps):
+  def __init__(self, workdir, total_steps, write=True):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.total_steps = total_steps
-    self.tensorboard = _tensorboard_writer(os.path.join(workdir, "tensorboard"))
+    self.write_files = write
+    self.tensorboard = _tensorboard_writer(os.path.join(workdir, "tensorboard")) if write else None
 
   def truncate_after(self, step):
     """Drops entries past `step` (all of them for 0: a run that starts over), so after a restart the file
     describes the trajectory actually kept. A line torn by a kill mid-write is dropped too. Rewritten atomically."""
-    if not os.path.exists(self.path):
+    if not self.write_files or not os.path.exists(self.path):
       return
     with open(self.path) as f:
       kept = [line for line in f if (record := _parse(line)) is not None and record["step"] <= step]
@@ -26,8 +28,9 @@ class MetricsLog:
 
   def write(self, step, metrics):
     record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(record) + "\n")
+    if self.write_files:
+      with open(self.path, "a") as f:
+        f.write(json.dumps(record) + "\n")
     if self.tensorboard is not None:
       for name, value in metrics.items():
         self.tensorboard.add_scalar(name, float(value), step)

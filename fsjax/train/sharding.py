@@ -4,17 +4,21 @@ Mesh axes: "data" (pure data parallelism) and "fsdp" (parameters and optimizer s
 The batch is sharded over both axes; parameters over "fsdp" by the rules below, replicated over "data".
 """
 
+import json
 import os
 import re
+import sys
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fsjax.config import ConfigError, MeshConfig
 
 BATCH_AXES = ("data", "fsdp")
+HEARTBEAT_TIMEOUT_S = 100
 
 # (regex on the "/"-joined parameter path, spec). First match wins; an axis whose size the fsdp axis does not
 # divide is replicated instead.
@@ -31,11 +35,44 @@ PARTITION_RULES = (
 def initialize_distributed():
   """Joins a multi-process run when the coordinator variables are set; a no-op otherwise.
 
-  Reads JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (one process per host or GPU).
+  Reads JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID (one process per
+  host or GPU), and FSJAX_HEARTBEAT_TIMEOUT: seconds without a heartbeat after which the coordinator declares a
+  process dead and ends every other (default 100, JAX's). Must run before anything touches a device: a backend
+  started first is a one-process backend.
   """
   address = os.environ.get("JAX_COORDINATOR_ADDRESS")
-  if address and jax.process_count() == 1 and not jax.distributed.is_initialized():
-    jax.distributed.initialize(address, int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"]))
+  if not address or jax.distributed.is_initialized():
+    return
+  values = {"FSJAX_HEARTBEAT_TIMEOUT": HEARTBEAT_TIMEOUT_S}
+  for name in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "FSJAX_HEARTBEAT_TIMEOUT"):
+    if name not in os.environ and name in values:
+      continue
+    try:
+      values[name] = int(os.environ[name])
+    except (KeyError, ValueError):
+      raise ConfigError(f"{name} must be an integer (with JAX_COORDINATOR_ADDRESS set)") from None
+  count, index = values["JAX_NUM_PROCESSES"], values["JAX_PROCESS_ID"]
+  if not 0 <= index < count:
+    raise ConfigError(f"JAX_PROCESS_ID ({index}) must be in [0, JAX_NUM_PROCESSES={count})")
+  jax.distributed.initialize(address, count, index, heartbeat_timeout_seconds=values["FSJAX_HEARTBEAT_TIMEOUT"])
+
+
+def exit_after_error(error):
+  """Ends a multi-process run's process at once after `error`, with one line naming it (exit status 1). Its peers
+  stop at their next collective, which fails once this process is gone; a normal exit would first wait in
+  `jax.distributed`'s shutdown barrier for every peer, some of which may be dead, until the heartbeat timeout
+  and then abort. Returns in a single-process run."""
+  if not jax.distributed.is_initialized() or jax.process_count() == 1:
+    return
+  message = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+  print(
+    f"error: process {jax.process_index()} of {jax.process_count()} stopped: {type(error).__name__}: {message}; "
+    "if another process died, its log says why. Rerun every process to resume from the last checkpoint.",
+    file=sys.stderr,
+    flush=True,
+  )
+  sys.stdout.flush()
+  os._exit(1)
 
 
 def make_mesh(mesh: MeshConfig, devices=None):
@@ -88,3 +125,30 @@ def global_batch(local_batch, mesh):
   """Assembles each process's numpy batch (dict of `[local_B, ...]`) into global sharded arrays."""
   sharding = batch_sharding(mesh)
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
+
+
+def gather_json(value):
+  """`value` (JSON-serialisable) of every process, in process order: `[value]` in a single-process run. Every
+  process must call it at the same point."""
+  if jax.process_count() == 1:
+    return [value]
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  sizes = multihost_utils.process_allgather(np.int32(data.size))
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[: data.size] = data
+  rows = multihost_utils.process_allgather(padded)
+  return [json.loads(row[:size].tobytes()) for row, size in zip(rows, sizes)]
+
+
+def any_process(flag):
+  """Whether `flag` is true in any process (every process must ask at the same point)."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
+
+
+def to_host(tree):
+  """Numpy copies of a pytree of (possibly process-spanning) global arrays, whole on every process."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  return multihost_utils.process_allgather(tree, tiled=True)
