@@ -27,9 +27,15 @@ class DeviceMemoryError(MemoryError):
   """A cache or a prefill chunk that cannot fit in the device memory left; the message names the sizes."""
 
 
+def _stats():
+  """Allocator statistics of this process's first device (the one a jit without shardings runs on; in a
+  multi-process run, `jax.devices()[0]` is another process's)."""
+  return jax.local_devices()[0].memory_stats() or {}
+
+
 def free_bytes():
   """Bytes the first device has left to XLA, or None where the platform reports no memory size (CPU)."""
-  stats = jax.devices()[0].memory_stats() or {}
+  stats = _stats()
   if "bytes_limit" not in stats:
     return None
   return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -39,7 +45,7 @@ def free_block_bytes():
   """The largest contiguous free block of the first device's allocator (a program's temporaries are one
   buffer), where reported; else `free_bytes()`."""
   free = free_bytes()
-  block = (jax.devices()[0].memory_stats() or {}).get("largest_free_block_bytes") if free is not None else None
+  block = _stats().get("largest_free_block_bytes") if free is not None else None
   return free if block is None else min(free, block)
 
 

@@ -154,6 +154,14 @@ def test_two_processes_train_as_one_and_resume_on_the_other_count(one_process, t
   _assert_same_losses(one_to_two, one_process, [1, 2, 3, 4])
 
 
+def test_the_final_evaluations_run_in_every_process_and_process_0_writes_them(tmp_path):
+  """S-NIAH after a 2-process run: the parameters span both processes, so each evaluates a whole copy."""
+  outputs = _train(tmp_path / "run", 2, "train.steps=1", "data.seq_len=256", "eval.niah_samples=1")
+  with open(tmp_path / "run" / "eval.json") as f:
+    assert {"s_niah_1@256", "s_niah_1@1024", "heldout_loss"} <= set(json.load(f))
+  assert all("final evaluation niah_scores done" in out for out in outputs), outputs
+
+
 def test_four_processes_train_as_one(one_process, tmp_path):
   _train(tmp_path / "four", 4, "train.steps=2")
   _assert_same_losses(tmp_path / "four", one_process, [1, 2])
