@@ -43,18 +43,23 @@ def initialize_distributed():
   address = os.environ.get("JAX_COORDINATOR_ADDRESS")
   if not address or jax.distributed.is_initialized():
     return
-  values = {"FSJAX_HEARTBEAT_TIMEOUT": HEARTBEAT_TIMEOUT_S}
-  for name in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "FSJAX_HEARTBEAT_TIMEOUT"):
-    if name not in os.environ and name in values:
-      continue
-    try:
-      values[name] = int(os.environ[name])
-    except (KeyError, ValueError):
-      raise ConfigError(f"{name} must be an integer (with JAX_COORDINATOR_ADDRESS set)") from None
-  count, index = values["JAX_NUM_PROCESSES"], values["JAX_PROCESS_ID"]
+  count, index = _integer_variable("JAX_NUM_PROCESSES"), _integer_variable("JAX_PROCESS_ID")
+  heartbeat = _integer_variable("FSJAX_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT_S)
   if not 0 <= index < count:
     raise ConfigError(f"JAX_PROCESS_ID ({index}) must be in [0, JAX_NUM_PROCESSES={count})")
-  jax.distributed.initialize(address, count, index, heartbeat_timeout_seconds=values["FSJAX_HEARTBEAT_TIMEOUT"])
+  if heartbeat <= 0:
+    raise ConfigError(f"FSJAX_HEARTBEAT_TIMEOUT must be a positive number of seconds, got {heartbeat}")
+  jax.distributed.initialize(address, count, index, heartbeat_timeout_seconds=heartbeat)
+
+
+def _integer_variable(name, default=None):
+  text = os.environ.get(name)
+  if text is None and default is not None:
+    return default
+  try:
+    return int(text)
+  except (TypeError, ValueError):
+    raise ConfigError(f"{name} must be an integer (with JAX_COORDINATOR_ADDRESS set), got {text!r}") from None
 
 
 def exit_after_error(error):
