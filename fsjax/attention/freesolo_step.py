@@ -6,8 +6,8 @@ own the kernel choice) as maths.
   chunk can see; selection scores the cached cell summaries (Eq. 6-8) or, for FS-B, rebuilds the forests from
   them (Eq. 10-12); the readout gathers the selected cells (Eq. 9).
 - FS-B's forest cache: a one-token step advances the cached forests to its block and beam-searches them (Eq. 11),
-  then reranks with token keys (Eq. 12); a longer chunk selects through the archive and advances the forests
-  past its last token.
+  then reranks with token keys (Eq. 12); a longer chunk does the same block by block (`blockwise_select`) and
+  leaves the forests past its last complete block.
 - FS-L's bounded cache: segment by segment within query blocks, the local branch over the ring plus the segment,
   the long-range branch over `pool ∪ recent` (Eq. 8), then the cache update (Eq. 15).
 """
@@ -164,16 +164,53 @@ def forest_select(cache: ForestCache, q, pos, routing: Routing, *, lam, sigma, i
 
 
 def streaming_select(cache: ForestCache, q, positions, valid, routing: Routing, *, lam, sigma, tau, impl="reference"):
-  """FS-B through the forest cache: `(cache, selected cells or None)`. A longer chunk (queries in several blocks)
-  leaves selection to the archive's prefill formulation (None) and advances the forests past its last token; a
-  single-token step advances them to its own block and beam-searches them."""
+  """FS-B through the forest cache: `(cache advanced past the chunk's complete blocks, cells [batch, C, heads,
+  K])`. A one-token step advances the forests to its own block and beam-searches them; a longer chunk (its
+  queries consecutive in each row) goes block by block (`blockwise_select`)."""
   cell, block = routing.cell, routing.block
   if q.shape[1] > 1:
-    target = forest.eligible_after(positions, valid, cache.admitted, cell=cell, block=block)
-    return forest.advance(cache, target, tau, cell=cell, block=block), None
+    return blockwise_select(cache, q, positions, valid, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
   target = forest.eligible_target(positions, valid, cache.admitted, cell=cell, block=block)
   cache = forest.advance(cache, target, tau, cell=cell, block=block)
   return cache, forest_select(cache, q, positions, routing, lam=lam, sigma=sigma, impl=impl)
+
+
+def blockwise_select(cache: ForestCache, q, positions, valid, routing: Routing, *, lam, sigma, tau, impl="reference"):
+  """FS-B's cells (Eq. 10-12) for a chunk of consecutive positions per row, one block at a time: the forests
+  advance to the start of each block the chunk touches (block-boundary availability, as in training) and
+  beam-search that block's queries. A chunk thus costs its own blocks, where rebuilding every forest over the
+  archive (the prefill formulation, `fsb_archive_select`) costs the whole context per chunk. The forests never
+  advance past the cells a row's valid tokens completed, so padding reaches no state.
+
+  Returns:
+    (cache advanced past the chunk's complete blocks, cells `[batch, C, heads, K]` int32, -1 for none).
+  """
+  cell, block = routing.cell, routing.block
+  batch, count, heads, _ = q.shape
+  last = forest.eligible_after(positions, valid, cache.admitted, cell=cell, block=block)
+  first_block = positions[:, 0] // block
+  offset = first_block * block - positions[:, 0] + block  # where each row's first block starts, chunk padded by a block
+  pad = lambda x: jnp.pad(x, [(0, 0), (block, block)] + [(0, 0)] * (x.ndim - 2))
+  window = jax.vmap(lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, block, axis=0))
+  put = jax.vmap(lambda x, update, start: jax.lax.dynamic_update_slice_in_dim(x, update, start, axis=0))
+  q_padded, positions_padded = pad(q), pad(positions)
+
+  def one_block(carry, j):
+    cache, cells = carry
+    start = offset + j * block  # [batch]
+    target = jnp.minimum((first_block + j) * (block // cell), last)
+    cache = forest.advance(cache, target, tau, cell=cell, block=block)
+    chosen = forest_select(
+      cache, window(q_padded, start), window(positions_padded, start), routing, lam=lam, sigma=sigma, impl=impl
+    )
+    inside = (start[:, None] + jnp.arange(block) >= block) & (start[:, None] + jnp.arange(block) < block + count)
+    chosen = jnp.where(inside[:, :, None, None], chosen, window(cells, start))
+    return (cache, put(cells, chosen, start)), None
+
+  blocks = (count + block - 2) // block + 1  # the most blocks `count` consecutive positions touch
+  cells = jnp.full((batch, count + 2 * block, heads, routing.top_k), NO_CELL, jnp.int32)
+  (cache, cells), _ = jax.lax.scan(one_block, (cache, cells), jnp.arange(blocks))
+  return forest.advance(cache, last, tau, cell=cell, block=block), cells[:, block : block + count]
 
 
 def archive_chunk(

@@ -18,8 +18,8 @@ data-dependent conditional into a select that evaluates both branches, so the ca
 
 The forests hold the cells eligible for the block of the last admission target (`advance`); a single-token step
 advances to its own block and beam-searches the cached forests (`fsjax.attention.freesolo_step`). A multi-token
-chunk selects with the prefill formulation over the archive (each query in it may sit in another block), then
-advances the forests to the block of the token after it (`eligible_after`), so the next step finds them current
+chunk goes block by block: the forests advance to each block it touches and beam-search that block's queries,
+then to the block of the token after its last valid one (`eligible_after`), so the next step finds them current
 and building a prompt's forests counts as prefill work, not as the first decode step's.
 
 In a scanned model a `Forest`'s arrays are views into the stacked cache (`fsjax.cache.layered`): admissions write
