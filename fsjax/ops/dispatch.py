@@ -122,9 +122,9 @@ def cache_head_groups(batch, capacity, heads, head_dim, dtype, copied=True):
   return head_groups(heads, 2 * batch * capacity * head_dim * jnp.dtype(dtype).itemsize, CACHE_COPY_BYTES)
 
 
-# Bytes of one float32 node table that FS-B's prefill-formulation selection (`forest_ref.fsb_select_from_summaries`)
-# builds per call: its forests over a chunk's whole archive live as a dozen such tables at once (measured on the
-# H200: 9.77 GiB at 32 × 32k for every chunk size, beside a cache that leaves 5 GiB free).
+# Bytes of one float32 node table that FS-B's prefill-formulation selection (`forest_ref.fsb_select_from_summaries`,
+# FS-B over a plain archive) builds per call: its forests over the whole archive live as a dozen such tables at
+# once (on the H200, 9.77 GiB at 32 × 32k for every chunk size, beside a cache that left 5 GiB free).
 FOREST_TABLE_BYTES = 2**28
 
 
