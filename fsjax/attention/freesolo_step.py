@@ -203,7 +203,8 @@ def blockwise_select(cache: ForestCache, q, positions, valid, routing: Routing, 
     chosen = forest_select(
       cache, window(q_padded, start), window(positions_padded, start), routing, lam=lam, sigma=sigma, impl=impl
     )
-    inside = (start[:, None] + jnp.arange(block) >= block) & (start[:, None] + jnp.arange(block) < block + count)
+    index = start[:, None] + jnp.arange(block) - block  # each window slot's index in the chunk
+    inside = (index >= 0) & (index < count)
     chosen = jnp.where(inside[:, :, None, None], chosen, window(cells, start))
     return (cache, put(cells, chosen, start)), None
 
