@@ -6,13 +6,16 @@ import numpy as np
 import pytest
 
 from fsjax import kinds, ops
-from fsjax.attention.cached import attend
-from fsjax.attention.dense import by_head_groups
+from fsjax.attention.cached import attend, by_head_groups
+from fsjax.attention.freesolo_step import archive_long_range
 from fsjax.cache import cache_capacity, init_cache
+from fsjax.cache.archive import Archive
 from fsjax.cache.layered import LayerSlice
+from fsjax.cache.store import KVStore
 from fsjax.config import AttentionConfig, ConfigError, ZHAConfig, model_preset
 from fsjax.model import make_attention
 from fsjax.ops import dispatch
+from fsjax.reference.freesolo import rms_norm
 from fsjax.reference.routing import Routing
 
 from helpers import random_qkv
@@ -130,3 +133,33 @@ def test_attention_by_head_groups_equals_one_call(rng, groups):
   np.testing.assert_allclose(grouped, expected, rtol=1e-6, atol=1e-6)
   with pytest.raises(ValueError, match="groups must divide the 4 heads, got 3"):
     by_head_groups(attend_heads, 3, q, k, v)
+
+
+@pytest.mark.parametrize("copy_bytes,groups", [(2**30, 1), (2 * 2 * 128 * 16 * 4 * 2, 2), (1, 4)])
+def test_archive_readout_by_head_groups_equals_one_call(rng, monkeypatch, copy_bytes, groups):
+  """A chunk's readout over a scanned archive runs the kernel (which is handed a copy of the layer's keys and
+  values) on groups of heads whose copy fits `CACHE_COPY_BYTES` (FS-B at 32 × 32k: 4 GiB per layer, 5.2 GiB free
+  in one block); the output and cells are one call's."""
+  batch, slots, heads, head_dim, chunk, cell = 2, 128, 4, 16, 32, 16
+  routing = Routing(variant="fs", window=32, cell=cell, block=32, top_k=3)
+  k, v = (jnp.asarray(rng.standard_normal((2, batch, slots, heads, head_dim)), jnp.float32) for _ in range(2))
+  pos = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (2, batch, slots))
+  layer = lambda x: LayerSlice(x, jnp.int32(1))
+  archive = Archive(tokens=KVStore(k=layer(k), v=layer(v), pos=layer(pos)), mean_keys=None, max_norms=None)
+  q = jnp.asarray(rng.standard_normal((batch, chunk, heads, head_dim)), jnp.float32)
+  q_pos = jnp.broadcast_to(96 + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
+  # Distinct cells of the six complete ones per query and head, some slots unused (-1).
+  cells = np.argsort(rng.random((batch, chunk, heads, 6)), axis=-1)[..., : routing.top_k]
+  cells = jnp.asarray(np.where(rng.random(cells.shape) < 0.2, -1, cells), jnp.int32)
+  assert dispatch.cache_head_groups(batch, slots, heads, head_dim, jnp.float32) == 1
+  monkeypatch.setattr(dispatch, "CACHE_COPY_BYTES", copy_bytes)
+  assert dispatch.cache_head_groups(batch, slots, heads, head_dim, jnp.float32) == groups
+  run = jax.jit(
+    lambda archive, q: archive_long_range(
+      archive, q, q_pos, routing, lr_gain=jnp.ones(head_dim), lam=None, sigma=None, impl="pallas", selected=cells
+    )
+  )
+  out, chosen = run(archive, q)
+  np.testing.assert_array_equal(chosen, cells)
+  expected = ops.sparse_readout(q, k[1], v[1], cells, cell=cell, impl="reference")
+  np.testing.assert_allclose(out, rms_norm(expected, jnp.ones(head_dim)), rtol=2e-5, atol=2e-5)

@@ -7,8 +7,10 @@ ring holds the window.
 
 import math
 
+import jax
 import jax.numpy as jnp
 
+from fsjax.cache.layered import read
 from fsjax.reference.common import PRECISION
 from fsjax.reference.softmax import masked_softmax
 
@@ -54,3 +56,31 @@ def attend_one(q, q_pos, k, v, k_pos, window=None):
   logits = jnp.sum(q.astype(dtype) * k, axis=-1, dtype=dtype) / math.sqrt(q.shape[-1])  # [batch, N, heads]
   probs = masked_softmax(logits, mask, axis=1)
   return jnp.sum(probs[..., None] * v, axis=1, keepdims=True, dtype=dtype)
+
+
+def by_head_groups(attend_heads, groups, q, k, v, *per_head):
+  """`attend_heads(q, k, v, *per_head)` (`[batch, T, h, ...]` arrays → `[batch, T, h, d]`) run on `groups` equal
+  groups of heads in turn and joined: the same result when heads do not interact, with one group's keys and
+  values read at a time. A library call or kernel is handed its own copy of a scanned model's cache layer
+  (`fsjax.cache.layered`), so this bounds that copy by the group's share (`fsjax.ops.dispatch.cache_head_groups`).
+
+  q and each of `per_head` (e.g. selected cells `[batch, T, heads, K]`): heads on axis 2; k, v: `[batch, N, heads,
+  d]` arrays or `LayerSlice`s of a scanned model's cache. Each group's slices wait for the previous group's
+  output, so XLA cannot read every group at once (it merges independent slices of one array into one fusion,
+  whose outputs would all be live together).
+  """
+  heads = q.shape[2]
+  if heads % groups:
+    raise ValueError(f"groups must divide the {heads} heads, got {groups}")
+  if groups == 1:
+    return attend_heads(q, read(k), read(v), *per_head)
+  size = heads // groups
+  outputs = []
+  for start in range(0, heads, size):
+    if outputs:
+      k, v, _ = jax.lax.optimization_barrier((k, v, outputs[-1]))
+    part = slice(start, start + size)
+    outputs.append(
+      attend_heads(q[:, :, part], read(k)[:, :, part], read(v)[:, :, part], *(x[:, :, part] for x in per_head))
+    )
+  return jnp.concatenate(outputs, axis=2)

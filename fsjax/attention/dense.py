@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from fsjax import ops
-from fsjax.attention.cached import attend, attend_one, visible
+from fsjax.attention.cached import attend, attend_one, by_head_groups, visible
 from fsjax.attention.projections import project_heads, project_out
 from fsjax.cache import store as kv
 from fsjax.cache.layered import LayerSlice, read
@@ -152,24 +152,3 @@ class DenseAttention(nn.Module):
     )
     attend_heads = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
     return by_head_groups(attend_heads, groups, q_rot, cache.k, cache.v), cache
-
-
-def by_head_groups(attend_heads, groups, q, k, v):
-  """`attend_heads(q, k, v)` (`[batch, T, h, d]` arrays → `[batch, T, h, d]`) run on `groups` equal groups of heads
-  in turn and joined: the same result when heads do not interact, with one group's keys and values read at a time.
-
-  q: `[batch, T, heads, d]`; k, v: `[batch, N, heads, d]` arrays or `LayerSlice`s of a scanned model's cache. Each
-  group's slices wait for the previous group's output, so XLA cannot read every group at once (it merges
-  independent slices of one array into one fusion, whose outputs would all be live together).
-  """
-  heads = q.shape[2]
-  if heads % groups:
-    raise ValueError(f"groups must divide the {heads} heads, got {groups}")
-  size = heads // groups
-  outputs = []
-  for start in range(0, heads, size):
-    if outputs:
-      k, v, _ = jax.lax.optimization_barrier((k, v, outputs[-1]))
-    part = slice(start, start + size)
-    outputs.append(attend_heads(q[:, :, part], read(k)[:, :, part], read(v)[:, :, part]))
-  return jnp.concatenate(outputs, axis=2)

@@ -19,14 +19,14 @@ import jax
 import jax.numpy as jnp
 
 from fsjax import ops
-from fsjax.attention.cached import attend
+from fsjax.attention.cached import attend, by_head_groups
 from fsjax.cache import archive as archive_cache
 from fsjax.cache import bounded, forest
 from fsjax.cache.archive import Archive
 from fsjax.cache.forest import ForestCache
 from fsjax.cache.layered import LayerSlice, read
 from fsjax.ops import dispatch
-from fsjax.ops.freesolo import cached_readout
+from fsjax.ops.freesolo import cached_readout, cached_readout_runs_kernel
 from fsjax.reference import cells as cells_ref
 from fsjax.reference import forest as forest_ref
 from fsjax.reference.common import PRECISION
@@ -106,7 +106,12 @@ def archive_long_range(
   cell_idx = selected
   if cell_idx is None:
     cell_idx = archive_select(archive, q, pos, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
-  u = cached_readout(q, read(archive.tokens.k), read(archive.tokens.v), cell_idx, cell=routing.cell, impl=impl)
+  k, v = archive.tokens.k, archive.tokens.v
+  batch, slots, heads, head_dim = k.shape
+  copied = isinstance(k, LayerSlice) and cached_readout_runs_kernel(q, cell=routing.cell, impl=impl)
+  groups = dispatch.cache_head_groups(batch, slots, heads, head_dim, k.dtype, copied=copied)
+  readout = lambda q, k, v, cells: cached_readout(q, k, v, cells, cell=routing.cell, impl=impl)
+  u = by_head_groups(readout, groups, q, k, v, cell_idx)  # the kernel's copy of the layer, a group at a time
   return rms_norm(u.astype(q.dtype), lr_gain), cell_idx
 
 

@@ -98,9 +98,10 @@ TABLE = {
 }
 
 
-# Bytes of keys and values one cuDNN call over a scanned model's cache may be handed: cuDNN reads buffers of its
-# own, so it gets a copy of the layer's (`fsjax.cache.layered`), which must fit beside a cache that fills the
-# device (TF++ at 32 × 32k: 4 GiB per layer, with 4 GiB in the largest free block).
+# Bytes of keys and values one cuDNN call or Pallas kernel over a scanned model's cache may be handed: both read
+# buffers of their own, so they get a copy of the layer's (`fsjax.cache.layered`), which must fit beside a cache
+# that fills the device (TF++ at 32 × 32k: 4 GiB per layer, with 4 GiB in the largest free block; FS-B's readout
+# at 32 × 32k: 4 GiB per layer, 5.2 GiB in the largest free block).
 CACHE_COPY_BYTES = 2**30
 
 
@@ -114,9 +115,9 @@ def head_groups(heads, per_head_bytes, budget):
 
 
 def cache_head_groups(batch, capacity, heads, head_dim, dtype, copied=True):
-  """How many cuDNN calls a chunk's attention over a dense cache is split into, by heads: the fewest (a divisor
-  of `heads`) whose share of the layer's keys and values is at most `CACHE_COPY_BYTES`; 1 where the cache is not
-  `copied` (an unstacked cache is read where it lies)."""
+  """How many calls (cuDNN over a dense cache, the readout kernel over an FS archive) a chunk's attention is
+  split into, by heads: the fewest (a divisor of `heads`) whose share of the layer's keys and values is at most
+  `CACHE_COPY_BYTES`; 1 where the cache is not `copied` (an unstacked cache is read where it lies)."""
   if not copied:
     return 1
   return head_groups(heads, 2 * batch * capacity * head_dim * jnp.dtype(dtype).itemsize, CACHE_COPY_BYTES)

@@ -126,9 +126,15 @@ def cached_readout(q, k, v, cell_idx, *, cell, impl="reference"):
   Returns:
     `u` `[batch, C, heads, d]`.
   """
-  if q.shape[1] > 1 and dispatch.resolve("sparse_readout", impl, cell=cell, head_dim=q.shape[-1]) == "pallas":
+  if cached_readout_runs_kernel(q, cell=cell, impl=impl):
     return readout_kernel.sparse_readout(q, k, v, cell_idx, cell=cell)
   return reference.sparse_readout(q, k, v, cell_idx, cell=cell)
+
+
+def cached_readout_runs_kernel(q, *, cell, impl="reference"):
+  """Whether `cached_readout` of queries `q` `[batch, C, heads, d]` runs the readout kernel, which is handed a
+  copy of the keys and values it reads (for a scanned model, the whole layer) instead of gathering in place."""
+  return q.shape[1] > 1 and dispatch.resolve("sparse_readout", impl, cell=cell, head_dim=q.shape[-1]) == "pallas"
 
 
 def long_range_routed(q, k, v, routing: Routing, *, lam=1.0, sigma=4.0, lr_gain=1.0, tau=None, impl="reference"):
