@@ -81,7 +81,7 @@ def prefill_chunk(config, prompt_len, batch=1):
   return -(-chunk // unit) * unit
 
 
-def prefill(model, variables, tokens, lengths, cache, chunk=None, all_logits=True):
+def prefill(model, variables, tokens, lengths, cache, chunk=None, all_logits=True, logits_at=None):
   """Runs right-padded prompts through the model in chunks, filling an empty `cache`.
 
   The first chunk runs each layer's training operator and writes the caches in bulk (`first_chunk`); later
@@ -97,43 +97,58 @@ def prefill(model, variables, tokens, lengths, cache, chunk=None, all_logits=Tru
       the prompt length and batch (`prefill_chunk`) and the later ones from the cache: as long as the first
       where the kind's cache path is bounded (`fsjax.kinds.Kind.bounded_chunks`), else `DEFAULT_CHUNK`.
     all_logits: return every position's logits; False computes only each row's last prompt position.
+    logits_at: optional `[batch, n]` int32 prompt positions (each below its row's length): compute only their
+      logits, `[batch, n, vocab]` (overrides `all_logits`); what a recall evaluation reads at its queries.
 
   Returns:
-    (logits `[batch, P, vocab]` (padding positions hold garbage) or `[batch, vocab]`, cache).
+    (logits `[batch, P, vocab]` (padding positions hold garbage), `[batch, vocab]` or `[batch, n, vocab]`, cache).
   """
   batch, prompt_len = tokens.shape
-  (first, run_first), (later, run_later) = _chunk_programs(
-    model, variables, cache, batch, prompt_len, chunk, all_logits
-  )
+  picked = _picked(all_logits, logits_at, lengths)
+  (first, run_first), (later, run_later) = _chunk_programs(model, variables, cache, batch, prompt_len, chunk, picked)
   padded = first + -(-max(prompt_len - first, 0) // later) * later
   tokens = jnp.pad(jnp.asarray(tokens, jnp.int32), ((0, 0), (0, padded - prompt_len)))
   lengths = jnp.asarray(lengths, jnp.int32)
+  wanted = None if picked is None else (lengths - 1 if picked == 0 else jnp.asarray(logits_at, jnp.int32))
   outputs, last = [], None
   start = 0
   while start < padded:
     size, run = (first, run_first) if start == 0 else (later, run_later)
     positions = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32), (batch, size))
-    offset = None if all_logits else jnp.clip(lengths - 1 - start, 0, size - 1)
+    offset = None if picked is None else jnp.clip(wanted - start, 0, size - 1)
     logits, cache, _ = run(
       variables, tokens[:, start : start + size], cache, positions, positions < lengths[:, None], logits_at=offset
     )
-    if all_logits:
+    if picked is None:
       outputs.append(logits)
     else:
-      in_chunk = ((lengths - 1 >= start) & (lengths - 1 < start + size))[:, None]
+      in_chunk = ((wanted >= start) & (wanted < start + size))[..., None]
       last = logits if last is None else jnp.where(in_chunk, logits, last)
     start += size
-  return (jnp.concatenate(outputs, axis=1)[:, :prompt_len] if all_logits else last), cache
+  return (jnp.concatenate(outputs, axis=1)[:, :prompt_len] if picked is None else last), cache
+
+
+def _picked(all_logits, logits_at, lengths=None):
+  """The logits a prefill keeps: None (all), 0 (each row's last position) or n (`logits_at` `[batch, n]`, each
+  position inside its row's prompt: ValueError otherwise)."""
+  if logits_at is None:
+    return None if all_logits else 0
+  at = np.asarray(logits_at)
+  if at.ndim != 2 or at.shape[1] < 1:
+    raise ValueError(f"logits_at must be [batch, n] prompt positions with n >= 1, got shape {at.shape}")
+  if lengths is not None and ((at < 0) | (at >= np.asarray(lengths)[:, None])).any():
+    raise ValueError("logits_at must hold positions inside each row's prompt (0 <= position < its length)")
+  return at.shape[1]
 
 
 def chunk_sizes(model, variables, cache, batch, prompt_len, chunk=None, all_logits=True):
   """`(first, later)`: the tokens per row of the chunks `prefill` runs for these arguments, after fitting them to
   the free memory (what a benchmark should report; the programs are compiled once and shared with `prefill`)."""
-  (first, _), (later, _) = _chunk_programs(model, variables, cache, batch, prompt_len, chunk, all_logits)
+  (first, _), (later, _) = _chunk_programs(model, variables, cache, batch, prompt_len, chunk, _picked(all_logits, None))
   return first, later
 
 
-def _chunk_programs(model, variables, cache, batch, prompt_len, chunk, all_logits):
+def _chunk_programs(model, variables, cache, batch, prompt_len, chunk, picked):
   """`((first size, its program), (later size, its program))` for `prefill` (its docstring says how sizes are
   chosen); the later pair repeats the first where one chunk holds the prompt."""
   block = model.config.attention.block
@@ -144,24 +159,24 @@ def _chunk_programs(model, variables, cache, batch, prompt_len, chunk, all_logit
     later = first if bounded else min(first, whole_blocks(DEFAULT_CHUNK))
   else:
     first = later = whole_blocks(min(chunk, prompt_len))
-  first_program = _chunk_program(model, variables, cache, batch, first, True, all_logits)
+  first_program = _chunk_program(model, variables, cache, batch, first, True, picked)
   if prompt_len <= first_program[0]:
     return first_program, first_program
   later = min(later, whole_blocks(prompt_len - first_program[0]))
-  return first_program, _chunk_program(model, variables, cache, batch, later, False, all_logits)
+  return first_program, _chunk_program(model, variables, cache, batch, later, False, picked)
 
 
-def _chunk_program(model, variables, cache, batch, size, first_chunk, all_logits):
+def _chunk_program(model, variables, cache, batch, size, first_chunk, picked):
   """`(size, compiled extend)` for chunks of at most `size` tokens per row that fit the free device memory."""
 
   def lower_args(size):
     ints = jax.ShapeDtypeStruct((batch, size), jnp.int32)
-    logits_at = None if all_logits else jax.ShapeDtypeStruct((batch,), jnp.int32)
+    logits_at = None if picked is None else jax.ShapeDtypeStruct((batch, picked) if picked else (batch,), jnp.int32)
     valid = jax.ShapeDtypeStruct((batch, size), jnp.bool_)
     args = (model, variables, ints, cache, ints, valid)  # lowering reads shapes: the cache is not donated
     return args, dict(first_chunk=first_chunk, logits_at=logits_at)
 
-  key = (model, memory.signature(variables), memory.signature(cache), batch, first_chunk, all_logits)
+  key = (model, memory.signature(variables), memory.signature(cache), batch, first_chunk, picked)
   what = f"prefill of {model.config.attention.kind} at batch {batch} ({'first' if first_chunk else 'later'} chunk)"
   return memory.fitted_program(extend, key, size, model.config.attention.block, lower_args, what)
 

@@ -111,9 +111,9 @@ class Transformer(nn.Module):
   (`valid` `[batch, C]` marks real tokens; right padding is not cached) and the call returns
   `(logits, new_cache)`. `first_chunk=True` (static) says the cache is empty and `positions` are `0..C-1` in
   every row: each layer then runs its training operator over the chunk (the fused kernels on a GPU) and writes
-  its cache in bulk. `logits_at` `[batch]` (chunk indices) keeps only those positions' logits, `[batch, vocab]`:
-  at 256k tokens and a 32k vocabulary all of them would take 32 GiB. Layers are `layer_0..layer_{L-1}`, or one
-  scanned `layers` (`config.scan_layers`).
+  its cache in bulk. `logits_at` `[batch]` (chunk indices) keeps only those positions' logits, `[batch, vocab]`
+  (`[batch, n]` indices: `[batch, n, vocab]`): at 256k tokens and a 32k vocabulary all of them would take 32
+  GiB. Layers are `layer_0..layer_{L-1}`, or one scanned `layers` (`config.scan_layers`).
   """
 
   config: ModelConfig
@@ -144,7 +144,9 @@ class Transformer(nn.Module):
         else:
           x, new_cache[name] = layer(c, first_chunk=first_chunk, name=name)(x, cache[name], positions, valid)
     if logits_at is not None:
-      x = jnp.take_along_axis(x, jnp.asarray(logits_at)[:, None, None], axis=1)[:, 0]
+      at = jnp.asarray(logits_at)
+      x = jnp.take_along_axis(x, (at[:, None] if at.ndim == 1 else at)[..., None], axis=1)
+      x = x[:, 0] if at.ndim == 1 else x
     x = nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name="final_norm")(x)
     if c.tie_embeddings:
       logits = embed.attend(x)
