@@ -10,7 +10,8 @@ generation CLIs) reads it through `fsjax.loading.load_model`, which refuses a fi
 `fsjax.loading.with_tau(model_config, variables, calibrate(...))` installs a τ computed in the same process.
 
 The paper calibrates on FineWeb-Edu windows; we default to the packaged held-out books (`--data` takes any text
-the training pipeline reads). The norms come from the checkpoint's own forward pass (FS or FS-L): FS-B's forward
+the training pipeline reads), and for a checkpoint trained on associative recall to test-stream rows of its task
+(`fsjax.data.associative`). The norms come from the checkpoint's own forward pass (FS or FS-L): FS-B's forward
 needs τ itself, and the first layer's keys do not depend on the variant at all.
 """
 
@@ -24,7 +25,9 @@ import numpy as np
 
 from fsjax import cli
 from fsjax.config import FREESOLO_KINDS, ConfigError
+from fsjax.data.associative import FILLER_TOKENS, check_filler, held_out_batches, text_tokens
 from fsjax.data.pipeline import DataError, default_corpus_path, make_eval_batches
+from fsjax.data.tokenizer import load_tokenizer
 from fsjax.loading import attention_entries, calibration_path, load_model
 from fsjax.train.checkpoint import CheckpointError
 
@@ -42,6 +45,30 @@ def calibrate(model, variables, batches):
   apply = jax.jit(lambda tokens: cell_norms(model, variables, tokens))
   norms = np.concatenate([np.asarray(apply(jnp.asarray(tokens))) for tokens in batches], axis=1)
   return np.median(norms, axis=1)
+
+
+def check_text_vocabulary(config):
+  """ConfigError when the checkpoint's tokenizer has ids its embedding lacks (a recall model's small vocabulary):
+  such text would embed as NaN and give a NaN τ."""
+  size = load_tokenizer(config.data.tokenizer).get_vocab_size()
+  if size > config.model.vocab_size:
+    raise ConfigError(
+      f"--data is text of {size} token ids, but the checkpoint's model.vocab_size is {config.model.vocab_size} "
+      "(trained on associative recall rows); calibrate it on its own rows (leave out --data)"
+    )
+
+
+def recall_windows(config, length, batch_size, batches):
+  """Test-stream rows of the associative-recall task a checkpoint trained on (`data.associative`), `length`
+  tokens each; text filler from the held-out books."""
+  associative, filler = config.data.associative, None
+  associative.check_length(length, "--length + 1")
+  if associative.filler == "text":
+    path = default_corpus_path("valid")
+    filler = text_tokens(path, config.data.tokenizer, max(FILLER_TOKENS, 4 * length))
+    check_filler(filler, length, path)
+  task = associative.task(filler)
+  return held_out_batches(task=task, length=length, batch_size=batch_size, batches=batches, seed=config.train.seed)
 
 
 def parse_args(argv):
@@ -67,18 +94,22 @@ def main(argv=None):
       )
     if args.length < config.model.attention.cell:
       raise ConfigError(f"--length ({args.length}) must hold at least one cell ({config.model.attention.cell})")
-    batches = make_eval_batches(
-      path=args.data or default_corpus_path("valid"),
-      tokenizer_path=config.data.tokenizer,
-      seq_len=args.length,
-      batch_size=args.batch_size,
-      max_batches=args.batches,
-    )
+    if config.data.source == "associative" and args.data is None:  # τ from the task the model learned
+      batches = [b["tokens"] for b in recall_windows(config, args.length + 1, args.batch_size, args.batches)]
+    else:
+      check_text_vocabulary(config)
+      batches = make_eval_batches(
+        path=args.data or default_corpus_path("valid"),
+        tokenizer_path=config.data.tokenizer,
+        seq_len=args.length,
+        batch_size=args.batch_size,
+        max_batches=args.batches,
+      )
     if not batches:
       raise ConfigError(f"the held-out text holds no full batch of {args.batch_size} x {args.length} tokens")
     tau = calibrate(loaded.model, loaded.variables, [b[:, :-1] for b in batches])
     path, step = calibration_path(args.checkpoint)
-  except (ConfigError, CheckpointError, DataError, FileNotFoundError) as e:
+  except (ConfigError, CheckpointError, DataError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   with open(path + ".tmp", "w") as f:

@@ -12,6 +12,7 @@ import typing
 import yaml
 
 from fsjax import kinds
+from fsjax.data.associative import TRAIN, recall_row
 from fsjax.data.copies import validate_copies
 from fsjax.reference.routing import Routing
 from fsjax.reference.zha import ZHATree
@@ -223,6 +224,80 @@ class ModelConfig:
     return 256 * -(-(8 * self.d_model) // (3 * 256))
 
 
+ROWS_CHECKED = 16  # rows a random recall placement must manage before a run starts
+
+
+@dataclasses.dataclass(frozen=True)
+class AssociativeConfig:
+  """Multi-query associative recall rows (`data.source: associative`; `fsjax.data.associative.recall_row`).
+
+  Attributes:
+    pairs: key-value pairs per row, each queried once.
+    keys, values, filler_ids: `[min, max)` id ranges of keys, values and uniform filler; disjoint.
+    filler: "random" (uniform ids from filler_ids) or "text" (windows of the training corpus; the held-out one
+      at evaluation).
+    queries: "end" (all queries after the context) or "interleaved" (each somewhere after its pair).
+    distance: `[min, max]` tokens from a pair's key to its query's key; null = anywhere before the query.
+  """
+
+  pairs: int = 8
+  keys: tuple[int, ...] = (3, 1027)
+  values: tuple[int, ...] = (1027, 2051)
+  filler_ids: tuple[int, ...] = (2051, 32000)
+  filler: str = "random"
+  queries: str = "end"
+  distance: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    _positive(self, "data.associative.", "pairs")
+    _one_of(self, "data.associative.", "filler", ("random", "text"))
+    _one_of(self, "data.associative.", "queries", ("end", "interleaved"))
+    ranges = {name: getattr(self, name) for name in ("keys", "values", "filler_ids")}
+    for name, (low, high) in ((n, r) for n, r in ranges.items() if len(r) == 2):
+      if not 0 <= low < high:
+        raise ConfigError(f"data.associative.{name} must be [min, max) with 0 <= min < max, got {[low, high]}")
+    if any(len(r) != 2 for r in ranges.values()):
+      raise ConfigError(f"data.associative id ranges must be [min, max) pairs, got {ranges}")
+    names = list(ranges)
+    for i, a in enumerate(names):
+      for b in names[i + 1 :]:
+        if ranges[a][0] < ranges[b][1] and ranges[b][0] < ranges[a][1]:
+          raise ConfigError(f"data.associative.{a} {list(ranges[a])} and {b} {list(ranges[b])} must not overlap")
+    if self.keys[1] - self.keys[0] < self.pairs:
+      raise ConfigError(f"data.associative.keys holds {self.keys[1] - self.keys[0]} ids, fewer than pairs={self.pairs}")
+    if self.distance is not None and (len(self.distance) != 2 or not 2 <= self.distance[0] <= self.distance[1]):
+      raise ConfigError(f"data.associative.distance must be [min, max] with 2 <= min <= max, got {self.distance}")
+
+  def task(self, filler_tokens=None):
+    """Keyword arguments of `recall_row` (all but index, seed, stream and length)."""
+    return dict(
+      pairs=self.pairs,
+      keys=self.keys,
+      values=self.values,
+      filler_ids=self.filler_ids,
+      queries=self.queries,
+      distance=self.distance,
+      filler_tokens=filler_tokens,
+    )
+
+  def check_length(self, length, field):
+    """ConfigError unless rows of `length` tokens hold the pairs and their queries. Queries at the end with no
+    distance bound always fit in `4 * pairs` tokens; other placements are random, so the first rows are drawn."""
+    if 4 * self.pairs > length:
+      raise ConfigError(f"{field} ({length}) cannot hold data.associative.pairs={self.pairs} pairs and queries")
+    if self.queries == "end" and self.distance is not None and self.distance[1] < 2 * self.pairs:
+      raise ConfigError(
+        f"data.associative.distance max ({self.distance[1]}) must be >= 2 * pairs = {2 * self.pairs}: the last "
+        "query ends the row, 2 * pairs tokens after the last slot a pair can take"
+      )
+    if self.queries == "interleaved" or self.distance is not None:
+      try:
+        for index in range(ROWS_CHECKED):
+          recall_row(index, seed=0, stream=TRAIN, length=length, **self.task())
+      except ValueError as error:
+        raise ConfigError(f"data.associative at {field} = {length}: {error}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Training and held-out text, tokenizer and sequence length.
@@ -240,9 +315,12 @@ class DataConfig:
       0 = off. Held-out text never gets copies.
     copy_span: [min, max] tokens per copy.
     copy_distance: [min, max] tokens from a copy's source to its insertion point.
-    source: "text" (the documents of train_path) or "random": rows of uniformly random ids into which the copy
-      curriculum splices its copies, or which tile one random sequence (`fsjax.data.random_rows`, a copying
-      warm-up; needs copy_rate > 0 or random_period, not both, unless tiled_rows mixes the two).
+    source: "text" (the documents of train_path), "associative" (multi-query associative recall rows as
+      `associative` sets them; the loss is taken on the answers only) or "random": rows of uniformly random ids
+      into which the copy curriculum splices its copies, or which tile one random sequence
+      (`fsjax.data.random_rows`, a copying warm-up; needs copy_rate > 0 or random_period, not both, unless
+      tiled_rows mixes the two).
+    associative: the recall task of `source: associative` (`AssociativeConfig`).
     random_ids: the ids random rows draw from, `[min, max)`; the default is the packaged tokenizer's
       vocabulary without its three special tokens.
     random_period: [min, max] length of the random sequence a tiled random row repeats (drawn per row); null =
@@ -274,12 +352,20 @@ class DataConfig:
   random_period: tuple[int, ...] | None = None
   tiled_rows: int = 0
   shards: int = 0
+  associative: AssociativeConfig = dataclasses.field(default_factory=AssociativeConfig)
 
   def __post_init__(self):
     _positive(self, "data.", "seq_len", "recall_distance", "recall_switch_window")
     if self.shards < 0:
       raise ConfigError(f"data.shards must be >= 0 (0: one per process), got {self.shards}")
-    _one_of(self, "data.", "source", ("text", "random"))
+    _one_of(self, "data.", "source", ("text", "random", "associative"))
+    if self.source == "associative":
+      self.associative.check_length(self.seq_len + 1, "data.seq_len + 1")
+      if self.copy_rate or self.tiled_rows or self.recall_masks or self.random_period is not None:
+        raise ConfigError(
+          "data.source associative takes none of data.copy_rate, data.tiled_rows, data.recall_masks and "
+          "data.random_period: its rows are recall tasks only"
+        )
     if self.tiled_rows < 0:
       raise ConfigError(f"data.tiled_rows must be >= 0, got {self.tiled_rows}")
     if self.source == "random" or self.tiled_rows:
@@ -329,6 +415,11 @@ class DataConfig:
     if not self.recall_masks:
       return None
     return dict(min_distance=self.recall_distance, switch_window=self.recall_switch_window)
+
+  @property
+  def reads_train_path(self):
+    """Whether training reads the documents of `train_path` (text rows, or text filler of recall rows)."""
+    return self.source == "text" or (self.source == "associative" and self.associative.filler == "text")
 
   @property
   def copies(self):
@@ -504,6 +595,13 @@ class Config:
       raise ConfigError(
         f"data.random_ids must lie below model.vocab_size={self.model.vocab_size}, got {list(self.data.random_ids)}"
       )
+    if self.data.source == "associative":
+      highest = max(r[1] for r in (self.data.associative.keys, self.data.associative.values))
+      highest = max(highest, self.data.associative.filler_ids[1])
+      if highest > self.model.vocab_size:
+        raise ConfigError(
+          f"data.associative id ranges must lie below model.vocab_size={self.model.vocab_size}, got ids up to {highest}"
+        )
     if self.data.tiled_rows >= self.train.batch_size:
       raise ConfigError(
         f"data.tiled_rows ({self.data.tiled_rows}) must be below train.batch_size "

@@ -16,6 +16,7 @@ CLIS = [
   "fsjax.eval.ruler",
   "fsjax.eval.perplexity",
   "fsjax.eval.copy_recall",
+  "fsjax.eval.recall",
   "fsjax.eval.probe",
   "fsjax.eval.make_data",
   "fsjax.eval.harness",

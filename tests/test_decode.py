@@ -408,3 +408,21 @@ def test_a_prompts_first_chunk_writes_the_stacked_cache_in_place():
     memory = compiled.memory_analysis()
     assert memory.alias_size_in_bytes == cache_bytes, kind
     assert memory.temp_size_in_bytes < cache_bytes / 4, (kind, memory.temp_size_in_bytes, cache_bytes)
+
+
+@pytest.mark.parametrize("kind", ["fs", "fsl"])
+def test_prefill_can_keep_the_logits_of_chosen_positions(rng, kind):
+  """`logits_at` `[batch, n]`: the logits at those prompt positions only, in any order, across chunks (what the
+  recall evaluation reads at its queries), equal to the full prefill's at those positions."""
+  config, model, variables = tiny_model(kind)
+  tokens = _distinct_tokens(rng, config.vocab_size, 2, 100)
+  lengths = jnp.array([100, 41])
+  at = np.array([[99, 3, 40, 64], [0, 40, 31, 32]], np.int32)  # chunk ends, starts and middles; repeats allowed
+  full, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, 100), chunk=32)
+  picked, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, 100), chunk=32, logits_at=at)
+  assert picked.shape == (2, 4, config.vocab_size)
+  assert_close(picked, np.take_along_axis(np.asarray(full), at[..., None], axis=1), np.float32)
+  with pytest.raises(ValueError, match="logits_at must be"):
+    prefill(model, variables, tokens, lengths, init_cache(config, 2, 100), chunk=32, logits_at=at[0])
+  with pytest.raises(ValueError, match="inside each row's prompt"):  # row 1 holds 41 tokens
+    prefill(model, variables, tokens, lengths, init_cache(config, 2, 100), chunk=32, logits_at=at + [[0], [1]])

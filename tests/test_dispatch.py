@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fsjax import kinds, ops
+from fsjax.attention import freesolo_step
 from fsjax.attention.cached import attend, by_head_groups
 from fsjax.attention.freesolo_step import archive_long_range
 from fsjax.cache import cache_capacity, init_cache
@@ -154,12 +155,18 @@ def test_archive_readout_by_head_groups_equals_one_call(rng, monkeypatch, copy_b
   assert dispatch.cache_head_groups(batch, slots, heads, head_dim, jnp.float32) == 1
   monkeypatch.setattr(dispatch, "CACHE_COPY_BYTES", copy_bytes)
   assert dispatch.cache_head_groups(batch, slots, heads, head_dim, jnp.float32) == groups
+  calls = []
+  readout = freesolo_step.cached_readout
+  monkeypatch.setattr(
+    freesolo_step, "cached_readout", lambda q, *args, **kw: calls.append(q.shape[2]) or readout(q, *args, **kw)
+  )
   run = jax.jit(
     lambda archive, q: archive_long_range(
       archive, q, q_pos, routing, lr_gain=jnp.ones(head_dim), lam=None, sigma=None, impl="pallas", selected=cells
     )
   )
   out, chosen = run(archive, q)
+  assert calls == [heads // groups] * groups  # one kernel call per group, each over its share of the heads
   np.testing.assert_array_equal(chosen, cells)
   expected = ops.sparse_readout(q, k[1], v[1], cells, cell=cell, impl="reference")
   np.testing.assert_allclose(out, rms_norm(expected, jnp.ones(head_dim)), rtol=2e-5, atol=2e-5)

@@ -26,7 +26,7 @@ def test_position_losses_average_to_the_training_loops_held_out_loss(micro_workd
   losses, attended = perplexity.position_losses(model, {"params": params, **frozen}, batches)
   assert losses.shape == (96,) and np.all(np.isfinite(losses)) and attended is None
   mesh = sharding.make_mesh(MeshConfig(), jax.devices()[:1])
-  expected = loop.evaluate(model, params, frozen, batches, mesh)["loss"]
+  expected = loop.evaluate(model, params, frozen, [{"tokens": b} for b in batches], mesh)["loss"]
   np.testing.assert_allclose(losses.mean(), expected, rtol=1e-5)
 
 

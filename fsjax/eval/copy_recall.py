@@ -28,7 +28,6 @@ Prints a table (model x length: recall, copy and control accuracy); writes a CSV
 random ids or needle ids).
 """
 
-import csv
 import sys
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from fsjax import cli
 from fsjax.config import ConfigError, ModelConfig, override_model
 from fsjax.data.pipeline import default_corpus_path, read_documents
 from fsjax.data.tokenizer import eos_id, load_tokenizer
+from fsjax.eval.records import write_csv
 from fsjax.loading import load_model
 from fsjax.train.checkpoint import CheckpointError
 
@@ -190,14 +190,6 @@ def check_args(args):
   check_sample_source(args.random_ids, args.needle_ids, args.data)
   for assignment in args.set:
     override_model(ModelConfig(), [assignment])
-
-
-def write_csv(path, rows):
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with path.open("w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
 
 
 def main(argv=None):

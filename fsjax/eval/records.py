@@ -1,4 +1,5 @@
-"""RULER's jsonl files: read generated tasks (ours or RULER's own), write and read predictions.
+"""RULER's jsonl files: read generated tasks (ours or RULER's own), write and read predictions; and the CSV
+tables the retrieval evaluations write (`write_csv`).
 
 A task record has `index`, `input`, `outputs` (expected strings), `length` and `answer_prefix`; the model's prompt
 is `input + answer_prefix` (files from RULER versions that keep the prefix inside `input` have no
@@ -8,6 +9,7 @@ to the task record: `pred`, and `others` and `truncation` as RULER's `call_api.p
 `{}` and -1), which RULER's `evaluate.py` reads.
 """
 
+import csv
 import json
 from pathlib import Path
 
@@ -45,6 +47,17 @@ def write_jsonl(path, records):
   with path.open("w", encoding="utf-8") as f:
     for record in records:
       f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def write_csv(path, rows):
+  """Writes `rows` (dicts with the keys of the first, in its order) as a CSV with a header, creating parent
+  directories."""
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with path.open("w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
 
 
 def prompt(record):

@@ -17,6 +17,13 @@ import flax.traverse_util
 import jax
 
 from fsjax.config import Config, ConfigError, to_dict
+from fsjax.data.associative import (
+  FILLER_TOKENS,
+  check_filler,
+  held_out_batches,
+  make_associative_iterator,
+  text_tokens,
+)
 from fsjax.data.mixture import RowMixture
 from fsjax.data.pipeline import DataError, check_documents, default_corpus_path, make_eval_batches, make_train_iterator
 from fsjax.data.random_rows import make_random_iterator
@@ -113,7 +120,7 @@ def _record_config_changes(saved, config: Config, workdir, step):
 def check_paths(config: Config):
   """Raises ConfigError for a data, tokenizer or parent-checkpoint path that does not exist. `data.train_path` is
   checked only when training reads it (not with `data.source: random`)."""
-  train_path = config.data.train_path if config.data.source == "text" else None
+  train_path = config.data.train_path if config.data.reads_train_path else None
   for field, path in (
     ("data.train_path", train_path),
     ("data.eval_path", config.data.eval_path),
@@ -125,8 +132,11 @@ def check_paths(config: Config):
 
 
 def check_vocabulary(config: Config):
-  """Raises ConfigError when the tokenizer has ids the model's embedding does not hold. Held-out evaluation always
-  reads text, and an out-of-range id would embed as NaN (`jnp.take` fills) instead of failing."""
+  """Raises ConfigError when the tokenizer has ids the model's embedding does not hold: held-out evaluation reads
+  text (except for associative recall without text filler, whose ids `Config` checks), and an out-of-range id
+  would embed as NaN (`jnp.take` fills) instead of failing."""
+  if config.data.source == "associative" and config.data.associative.filler == "random":
+    return
   size = load_tokenizer(config.data.tokenizer).get_vocab_size()
   if size > config.model.vocab_size:
     raise ConfigError(
@@ -150,6 +160,15 @@ def _shard_iterator(config: Config, shard, shards):
   random rows, then of its tiled rows."""
   data, ids = config.data, dict(shard_index=shard, shard_count=shards)
   rows = (config.train.batch_size - data.tiled_rows) // shards
+  if data.source == "associative":
+    filler = None
+    if data.associative.filler == "text":
+      path = data.train_path or default_corpus_path("train")
+      filler = text_tokens(path, data.tokenizer)
+      check_filler(filler, data.seq_len + 1, path)
+    return make_associative_iterator(
+      seq_len=data.seq_len, batch_size=rows, seed=config.train.seed, task=data.associative.task(filler), **ids
+    )
   if data.source == "random":
     main = make_random_iterator(
       seq_len=data.seq_len,
@@ -245,12 +264,18 @@ def restore_stream(data, shards, process_index=0, process_count=1):
 def check_train_documents(config: Config):
   """Reads a configured `data.train_path` once, so a malformed or empty corpus stops the run before anything
   compiles (DataError naming the file and line), not in the data loader mid-run."""
-  if config.data.source == "text" and config.data.train_path is not None:
+  if config.data.reads_train_path and config.data.train_path is not None:
     check_documents(config.data.train_path, "data.train_path")
 
 
 def _eval_batches(config: Config):
-  """The held-out batches; DataError when the eval documents do not fill one."""
+  """This process's share of the held-out batches, `{"tokens"[, "loss_mask"]}` dicts: held-out text, or for
+  associative recall rows of the test stream (answers only); DataError when the eval documents do not fill one."""
+  rows, start = _local_rows(config.eval.batch_size), jax.process_index() * _local_rows(config.eval.batch_size)
+  if config.data.source == "associative":
+    return [
+      {key: value[start : start + rows] for key, value in batch.items()} for batch in _recall_eval_batches(config)
+    ]
   path = config.data.eval_path or default_corpus_path("valid")
   batches = make_eval_batches(
     path=path,
@@ -264,9 +289,25 @@ def _eval_batches(config: Config):
       f"data.eval_path: {path} is too short for one eval batch (eval.batch_size {config.eval.batch_size} rows "
       f"of data.seq_len + 1 = {config.data.seq_len + 1} tokens)"
     )
-  rows = _local_rows(config.eval.batch_size)
-  start = jax.process_index() * rows
-  return [b[start : start + rows] for b in batches]  # each process feeds its share of every batch
+  return [{"tokens": b[start : start + rows]} for b in batches]  # each process feeds its share of every batch
+
+
+def _recall_eval_batches(config: Config):
+  """`eval.batches` batches of the associative test stream (`fsjax.data.associative.TEST`), text filler from the
+  held-out corpus: the training stream never holds these rows."""
+  data = config.data
+  filler = None
+  if data.associative.filler == "text":
+    path = data.eval_path or default_corpus_path("valid")
+    filler = text_tokens(path, data.tokenizer, max(FILLER_TOKENS, 4 * (data.seq_len + 1)))
+    check_filler(filler, data.seq_len + 1, path)
+  return held_out_batches(
+    task=data.associative.task(filler),
+    length=data.seq_len + 1,
+    batch_size=config.eval.batch_size,
+    batches=config.eval.batches,
+    seed=config.train.seed,
+  )
 
 
 def _parent_variables(config: Config, objective, abstract_params, abstract_frozen):
@@ -288,11 +329,13 @@ def _parent_variables(config: Config, objective, abstract_params, abstract_froze
 
 
 def evaluate(model, params, frozen, batches, mesh):
-  """Held-out loss (mean NLL per token) and perplexity over `batches`."""
+  """Held-out loss (mean NLL per target) and perplexity over `batches` (`{"tokens"[, "loss_mask"]}` dicts; with
+  a loss mask only the targets it marks count)."""
   eval_step = jax.jit(make_eval_step(model))
   total, count = 0.0, 0
-  for tokens in batches:
-    nll_sum, n = eval_step(params, frozen, sharding.global_batch({"tokens": tokens}, mesh)["tokens"])
+  for batch in batches:
+    batch = sharding.global_batch(batch, mesh)
+    nll_sum, n = eval_step(params, frozen, batch["tokens"], batch.get("loss_mask"))
     total, count = total + float(nll_sum), count + int(n)
   loss = total / count
   return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}

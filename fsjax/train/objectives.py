@@ -17,17 +17,21 @@ from fsjax.config import ConfigError
 
 
 def loss_weights(batch, recall_beta, recall_switch_beta):
-  """FS Eq. 13 weights `w_t = 1 + β f_t + β_sw χ_t` of each target `tokens[:, 1:]`; all ones when β = 0.
+  """FS Eq. 13 weights `w_t = 1 + β f_t + β_sw χ_t` of each target `tokens[:, 1:]`; all ones when β = 0. Rows
+  that carry a `loss_mask` (associative recall, `fsjax.data.associative`) weigh only the targets it marks.
 
   Args:
-    batch: dict with `tokens` `[B, T+1]` and, when β > 0, `recall` and `switch` `[B, T+1]` masks aligned
-      with `tokens` (the weight of predicting token t+1 is its own mask value).
+    batch: dict with `tokens` `[B, T+1]`, optionally `loss_mask` `[B, T+1]` bool, and, when β > 0, `recall` and
+      `switch` `[B, T+1]` masks, each aligned with `tokens` (the weight of predicting token t+1 is its own mask
+      value).
 
   Returns:
     `[B, T]` float32.
   """
   shape = batch["tokens"][:, 1:].shape
   weights = jnp.ones(shape, jnp.float32)
+  if "loss_mask" in batch:
+    weights = batch["loss_mask"][:, 1:].astype(jnp.float32)
   if recall_beta:
     weights += recall_beta * batch["recall"][:, 1:].astype(jnp.float32)
   if recall_switch_beta:

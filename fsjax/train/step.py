@@ -62,11 +62,15 @@ def make_train_step(loss_fn, optimizer, schedule):
 
 
 def make_eval_step(model):
-  """`(params, frozen, tokens [B, T+1]) -> (sum of NLL, token count)` for held-out perplexity."""
+  """`(params, frozen, tokens [B, T+1], loss_mask [B, T+1] or None) -> (sum of NLL, targets counted)` for held-out
+  perplexity: every target, or those `loss_mask` marks (the answers of associative-recall rows)."""
 
-  def eval_step(params, frozen, tokens):
+  def eval_step(params, frozen, tokens, loss_mask=None):
     logits = model.apply({"params": params, **frozen}, tokens[:, :-1])
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-    return jnp.sum(nll), nll.size
+    if loss_mask is None:
+      return jnp.sum(nll), nll.size
+    weights = loss_mask[:, 1:].astype(nll.dtype)
+    return jnp.sum(weights * nll), jnp.sum(weights)
 
   return eval_step

@@ -1,0 +1,199 @@
+"""Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"), extended for length extrapolation.
+
+A row holds `pairs` key-value pairs, each a key id followed by its value id, and one query per pair: the key
+again, followed by its value, the answer. Keys come from one id range and values from another (disjoint), keys
+are distinct within a row and values drawn with replacement, as in Zoology's MQAR. Unlike Zoology, the pairs
+lie anywhere in a long context of filler tokens (uniform ids from a third range, or text), the queries sit at
+the end of the row or each somewhere after its pair, and the distance from a pair to its query can be bounded,
+so the same task runs at any length. Only the answers are predictable from the row: `loss_mask` marks them, and
+training takes its loss there alone (`fsjax.train.objectives.loss_weights`).
+
+Readings (the Zoology paper leaves these open or has no filler): the distance is from the pair's key to the
+query's key, `query - pair >= 2`; with text filler, the row's own keys are replaced where the text holds them (by
+a uniform filler id), so every queried key occurs exactly twice; a pair or query never overlaps another.
+
+Row `i` of stream `stream` is a pure function of `(seed, stream, i)`: the training stream (`TRAIN`) and the test
+stream (`TEST`, `fsjax.eval.recall`) draw from different generators for every seed.
+
+>>> row = associative_row(0, seed=0, stream=TRAIN, length=64, pairs=4)
+>>> row["tokens"].shape, int(row["loss_mask"].sum())
+((64,), 4)
+"""
+
+import dataclasses
+import functools
+
+import grain
+import numpy as np
+
+from fsjax.data.pipeline import DataError, TrainIterator, read_documents
+from fsjax.data.tokenizer import load_tokenizer
+
+TRAIN, TEST = 0, 1  # stream tags: part of every row's generator seed, so the two streams never share one
+_ROWS = 2**62  # grain needs a length; no run reads this many rows
+FILLER_TOKENS = 2**21  # text filler read per corpus: windows of it fill the rows
+PLACEMENT_TRIES = 100  # random placements of a row's pairs and queries before it is refused
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallRow:
+  """One row: `tokens` and `loss_mask` `[length]` (the answers), and per query `[pairs]` its key's position,
+  the position of its pair's key, the key and the value (answer)."""
+
+  tokens: np.ndarray
+  loss_mask: np.ndarray
+  query_positions: np.ndarray
+  pair_positions: np.ndarray
+  keys: np.ndarray
+  values: np.ndarray
+
+
+def _place(rng, length, pairs, queries, distance):
+  """`(pair positions, query positions)` `[pairs]` of one row, or None where a random placement ran out of room
+  (the caller draws again). Queries at the end with no distance bound are placed in one draw that never fails:
+  sorted distinct starts plus their rank leave every pair two free slots."""
+  if queries == "end" and distance is None:
+    context = length - 2 * pairs
+    starts = np.sort(rng.choice(context - pairs, pairs, replace=False)) + np.arange(pairs)
+    return rng.permutation(starts), length - 2 * pairs + 2 * np.arange(pairs)
+  occupied = np.zeros(length, bool)
+  query_positions = np.zeros(pairs, np.int64)
+  pair_positions = np.zeros(pairs, np.int64)
+  low, high = (2, length) if distance is None else distance
+  if queries == "end":
+    query_positions[:] = length - 2 * pairs + 2 * rng.permutation(pairs)
+    occupied[length - 2 * pairs :] = True
+  for j in range(pairs):
+    if queries == "interleaved":
+      starts = _free_starts(occupied, length)
+      starts = starts[starts >= low]  # room for its pair before it
+      if starts.size == 0:
+        return None
+      query_positions[j] = rng.choice(starts)
+      occupied[query_positions[j] : query_positions[j] + 2] = True
+    q = query_positions[j]
+    starts = _free_starts(occupied, q)
+    starts = starts[(q - starts >= low) & (q - starts <= high)]
+    if starts.size == 0:
+      return None
+    pair_positions[j] = rng.choice(starts)
+    occupied[pair_positions[j] : pair_positions[j] + 2] = True
+  return pair_positions, query_positions
+
+
+def _free_starts(occupied, upto):
+  """Starts `p < upto - 1` of two free consecutive slots."""
+  free = ~occupied[: max(upto, 0)]
+  return np.flatnonzero(free[:-1] & free[1:]) if free.size > 1 else np.zeros(0, np.int64)
+
+
+def recall_row(
+  index,
+  *,
+  seed,
+  stream,
+  length,
+  pairs,
+  keys=(3, 1027),
+  values=(1027, 2051),
+  filler_ids=(2051, 32000),
+  queries="end",
+  distance=None,
+  filler_tokens=None,
+):
+  """Row `index` of stream `stream` (`TRAIN` or `TEST`) as a `RecallRow`.
+
+  Args:
+    length: tokens in the row; pairs: key-value pairs, each queried once (so `4 * pairs <= length`).
+    keys, values, filler_ids: `[min, max)` id ranges; keys and values must not overlap each other or the filler
+      range (`filler_ids` is also what replaces a row's keys in text filler).
+    queries: "end" (the last `2 * pairs` tokens, pairs in random order) or "interleaved" (each query at a random
+      place after its pair).
+    distance: `(min, max)` tokens from a pair's key to its query's key, or None for anywhere before the query.
+    filler_tokens: None for uniform filler from `filler_ids`, else a 1-D int array of text tokens (longer than
+      `length`) from which the row's filler is a random window.
+
+  Raises:
+    ValueError: when `PLACEMENT_TRIES` random placements all ran out of room (too many pairs for the length, or
+      no room at the distances asked); `AssociativeConfig.check_length` refuses such tasks up front.
+  """
+  rng = np.random.default_rng([seed, stream, index])
+  if filler_tokens is None:
+    tokens = rng.integers(filler_ids[0], filler_ids[1], length, dtype=np.int32)
+  else:
+    if len(filler_tokens) < length:
+      raise ValueError(f"text filler of {len(filler_tokens)} tokens is shorter than a row of {length}")
+    start = rng.integers(0, len(filler_tokens) - length + 1)
+    tokens = np.array(filler_tokens[start : start + length], np.int32)
+  row_keys = rng.choice(np.arange(keys[0], keys[1], dtype=np.int32), pairs, replace=False)
+  row_values = rng.integers(values[0], values[1], pairs, dtype=np.int32)
+  if filler_tokens is not None:  # the row's keys must occur only at its pairs and queries
+    taken = np.isin(tokens, row_keys)
+    tokens[taken] = rng.integers(filler_ids[0], filler_ids[1], int(taken.sum()), dtype=np.int32)
+  for _ in range(PLACEMENT_TRIES):
+    placed = _place(rng, length, pairs, queries, distance)
+    if placed is not None:
+      break
+  else:
+    raise ValueError(
+      f"could not place {pairs} pairs and their queries ({queries}, distance {distance}) in a row of {length} "
+      f"tokens in {PLACEMENT_TRIES} tries: give the row more room"
+    )
+  pair_positions, query_positions = placed
+  for positions in (pair_positions, query_positions):
+    tokens[positions], tokens[positions + 1] = row_keys, row_values
+  loss_mask = np.zeros(length, bool)
+  loss_mask[query_positions + 1] = True
+  return RecallRow(tokens, loss_mask, query_positions, pair_positions, row_keys, row_values)
+
+
+@functools.lru_cache(maxsize=4)
+def text_tokens(path, tokenizer_path=None, max_tokens=FILLER_TOKENS):
+  """The first `max_tokens` tokens of the documents at `path`, joined, as one read-only int32 array: the text
+  filler of `recall_row`. Training rows take it from the training corpus, held-out rows (`fsjax.eval.recall`,
+  the training loop's held-out loss) from the held-out one, so test filler is text the model never trained on.
+  Remembered per arguments: every shard of a training stream shares one."""
+  tokenizer, parts, count = load_tokenizer(tokenizer_path), [], 0
+  for text in read_documents(path):
+    parts.append(np.asarray(tokenizer.encode_batch([text])[0].ids, np.int32))
+    count += parts[-1].size
+    if count >= max_tokens:
+      break
+  tokens = np.concatenate(parts)[:max_tokens] if parts else np.zeros(0, np.int32)
+  tokens.flags.writeable = False
+  return tokens
+
+
+def check_filler(tokens, length, path):
+  """DataError naming `path` when its text filler cannot fill one row of `length` tokens."""
+  if tokens.size < length:
+    raise DataError(f"{path}: {tokens.size} tokens of text filler, fewer than a recall row of {length}")
+
+
+def associative_row(index, **task):
+  """`recall_row` as a training row: `{"tokens": int32 [length], "loss_mask": bool [length]}`."""
+  row = recall_row(index, **task)
+  return {"tokens": row.tokens, "loss_mask": row.loss_mask}
+
+
+def held_out_batches(*, task, length, batch_size, batches, seed):
+  """`batches` batches of the test stream (`TEST`): `{"tokens": int32, "loss_mask": bool}` `[batch_size, length]`
+  each (held-out evaluation of a recall run, FS-B's τ calibration on recall rows)."""
+  rows = [associative_row(i, seed=seed, stream=TEST, length=length, **task) for i in range(batches * batch_size)]
+  stack = lambda part, key: np.stack([row[key] for row in part])
+  return [
+    {key: stack(rows[b * batch_size : (b + 1) * batch_size], key) for key in ("tokens", "loss_mask")}
+    for b in range(batches)
+  ]
+
+
+def make_associative_iterator(*, seq_len, batch_size, seed, task, shard_index=0, shard_count=1):
+  """Infinite `TrainIterator` of `{"tokens": int32, "loss_mask": bool}` batches `[batch_size, seq_len + 1]` of
+  the training stream (`recall_row` with `**task`). Process `shard_index` of `shard_count` reads rows
+  `shard_index, shard_index + shard_count, ...`."""
+  if not 0 <= shard_index < shard_count:
+    raise ValueError(f"shard_index must be in [0, {shard_count}), got {shard_index}")
+  rows = grain.MapDataset.range(_ROWS)[shard_index::shard_count].map(
+    lambda i: associative_row(i, seed=seed, stream=TRAIN, length=seq_len + 1, **task)
+  )
+  return TrainIterator(iter(rows.to_iter_dataset().batch(batch_size)))

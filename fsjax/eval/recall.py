@@ -1,0 +1,290 @@
+"""Associative recall against length: does a model trained on multi-query associative recall at one length
+still answer at 1× to 64× it?
+
+    python -m fsjax.eval.recall --checkpoint runs/recall_fs [more ...] --lengths 512,2048,8192,32768
+        [--samples 64] [--batch-size 8] [--pairs N] [--distance MIN,MAX] [--seed 0] [--set KEY=VALUE ...]
+        [--out recall]
+
+Each sample is a row of the *test* stream of `fsjax.data.associative` (its generator never shares a seed with
+the training stream's) built from the checkpoint's own `data.associative` task at the evaluated length: the same
+key, value and filler ranges, query placement and pair count (`--pairs` and `--distance` override them; text
+filler comes from the held-out corpus). A row is read through `fsjax.decode.prefill` into a fresh decode cache,
+the path generation runs (FS-L with its bounded cache, FS-B with its forest cache, ZHA with its tree), keeping
+the logits at the query keys only. A query is answered when the argmax over the whole vocabulary at its key is
+its value. Reading: the queries' answers are in the row (teacher forcing, as Zoology scores MQAR in one forward
+pass), so a query sees the earlier answers; every answer is one token, which a decode step would emit from the
+same logits (prefill equals the masked forward and one-token decode for every kind: tests/test_decode.py).
+
+Prints a table (model × length: accuracy, and chance = 1 / values); writes PREFIX.csv (a row per model, length
+and distance bucket, plus an "all" bucket) and PREFIX.png (accuracy against length) with `--out`. Distance
+buckets are powers of two of the tokens from a pair's key to its query's key.
+
+`--probe` (FS, FS-L, FS-B; queries at the end) explains the outcome: per layer, how often the cell holding a
+query's value is among the cells the query selects, and for FS-L how often it is in the bounded cache's
+`pool ∪ recent` when the queries begin, against the rate a random set of as many cells would reach
+(`probe_rows`).
+"""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from fsjax import cli
+from fsjax.cache import init_cache
+from fsjax.config import ConfigError, ModelConfig, override_model
+from fsjax.data.associative import FILLER_TOKENS, TEST, check_filler, recall_row, text_tokens
+from fsjax.data.pipeline import default_corpus_path
+from fsjax.decode import extend, prefill, selected_cells
+from fsjax.eval.records import write_csv
+from fsjax.loading import load_model
+from fsjax.train.checkpoint import CheckpointError
+
+
+def recall_rows(task, length, samples, seed):
+  """`samples` test-stream rows of `length` tokens (`recall_row` with `task`): a list of `RecallRow`."""
+  return [recall_row(i, seed=seed, stream=TEST, length=length, **task) for i in range(samples)]
+
+
+def answer_queries(model, variables, rows, batch_size):
+  """Whether each query of each row is answered: bool `[samples, pairs]` (argmax at the query key = value).
+
+  Rows go `batch_size` at a time through `prefill` into a fresh cache of their length, logits at the query
+  keys only."""
+  hits = []
+  for start in range(0, len(rows), batch_size):
+    batch = rows[start : start + batch_size]
+    tokens = np.stack([r.tokens for r in batch])
+    queries = np.stack([r.query_positions for r in batch]).astype(np.int32)
+    cache = init_cache(model.config, len(batch), tokens.shape[1], dtype=jnp.dtype(model.config.dtype))
+    logits, _ = prefill(
+      model, variables, tokens, np.full(len(batch), tokens.shape[1], np.int32), cache, logits_at=queries
+    )
+    predicted = np.asarray(jnp.argmax(logits, axis=-1))
+    hits.append(predicted == np.stack([r.values for r in batch]))
+  return np.concatenate(hits)
+
+
+def probe_rows(model, variables, rows, chunk=512):
+  """Where a FreeSolo model's routing looks when it answers (rows with queries at the end, one length).
+
+  The rows run through the cache path chunk by chunk (the bounded cache for FS-L, the forest cache for FS-B),
+  recording the cells every layer and head selects at each query key. The context is cut at the start of the
+  first query's block, where FS-L's pool and recent cells are those every query scores (Eq. 8, 15).
+
+  Returns a dict: `selected` `[layers]`, how often the cell holding a query's value (the token to read) is among
+  the query's selected cells, over queries and heads; for FS-L also `retained` `[layers]`, how often that cell is
+  in `pool ∪ recent`, and `random_pool`, the rate a random set of as many eligible cells would reach.
+  """
+  config, att = model.config, model.config.attention
+  if att.kind not in ("fs", "fsl", "fsb"):
+    raise ConfigError(f"the routing probe needs an FS, FS-L or FS-B model, got attention kind {att.kind!r}")
+  first = rows[0].query_positions.min()
+  if any(r.query_positions.min() != first for r in rows) or len({r.tokens.size for r in rows}) != 1:
+    raise ConfigError("the routing probe needs rows of one length with their queries at the end")
+  tokens = np.stack([r.tokens for r in rows])
+  batch, length = tokens.shape
+  split = first // att.block * att.block
+  chunk = max(att.block, min(chunk, length) // att.block * att.block)
+  bounds = [*range(0, split, chunk), split, *range(split, length, chunk), length]
+  bounds = sorted(set(bounds))
+  padded = -(-length // att.block) * att.block
+  cache = init_cache(config, batch, padded, dtype=jnp.dtype(config.dtype))
+  ids = np.pad(tokens, ((0, 0), (0, padded - length)))
+  selections, retained = [], None
+  for start, end in zip(bounds[:-1], bounds[1:]):
+    if start == split and att.kind == "fsl":
+      retained = _retained_cells(cache, config)  # [layers, batch, heads, P + W]
+    size = -(-(end - start) // att.block) * att.block
+    positions = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32), (batch, size))
+    chunk_ids = jnp.asarray(ids[:, start : start + size])
+    _, cache, intermediates = extend(model, variables, chunk_ids, cache, positions, positions < end)
+    selections.append(np.asarray(selected_cells(intermediates, config))[:, : end - start])
+  selections = np.concatenate(selections, axis=1)  # [batch, length, layers, heads, K]
+  queries = np.stack([r.query_positions for r in rows])  # [batch, Q]
+  targets = np.stack([(r.pair_positions + 1) // att.cell for r in rows])  # the cells holding the values
+  chosen = np.take_along_axis(selections, queries[:, :, None, None, None], axis=1)  # [batch, Q, layers, heads, K]
+  hit = (chosen == targets[:, :, None, None, None]).any(-1)  # [batch, Q, layers, heads]
+  summary = dict(kind=att.kind, length=int(length), selected=hit.mean(axis=(0, 1, 3)).round(4).tolist())
+  if retained is not None:
+    held = (retained[:, :, :, None, :] == targets[None, :, None, :, None]).any(-1)  # [layers, batch, heads, Q]
+    eligible = split // att.cell
+    summary.update(
+      retained=held.mean(axis=(1, 2, 3)).round(4).tolist(),
+      random_pool=float(np.mean((retained >= 0).sum(-1)) / max(eligible, 1)),
+    )
+  return summary
+
+
+def _retained_cells(cache, config):
+  """FS-L's `pool ∪ recent` cell ids in a bounded cache: `[layers, batch, heads, P + W]`, -1 for none."""
+  layers = [cache["layers"]] if config.scan_layers else [cache[f"layer_{i}"] for i in range(config.num_layers)]
+  parts = []
+  for layer in layers:
+    pool, recent = np.asarray(layer.pool_ids), np.asarray(layer.recent_ids)  # [(L,) b, h, P], [(L,) b, W]
+    recent = np.broadcast_to(recent[..., None, :], (*pool.shape[:-1], recent.shape[-1]))
+    parts.append(np.concatenate([pool, recent], axis=-1))
+  return parts[0] if config.scan_layers else np.stack(parts)
+
+
+def distance_bucket(distance):
+  """The power-of-two bucket `[2^k, 2^(k+1))` of a pair-to-query distance, as its lower end `2^k`."""
+  return 1 << (int(distance).bit_length() - 1)
+
+
+def score_rows(rows, hits):
+  """`{bucket: (answered, queries)}` over distance buckets, with "all"."""
+  distances = np.concatenate([r.query_positions - r.pair_positions for r in rows])
+  answered = hits.reshape(-1)
+  scores = {"all": (int(answered.sum()), answered.size)}
+  for bucket in sorted({distance_bucket(d) for d in distances}):
+    inside = np.array([distance_bucket(d) == bucket for d in distances])
+    scores[bucket] = (int(answered[inside].sum()), int(inside.sum()))
+  return scores
+
+
+def task_for(config, pairs=None, distance=None, filler=None):
+  """The checkpoint's recall task (`config.data.associative`) with the evaluation's overrides, as
+  `recall_row` keyword arguments; ConfigError when the checkpoint was not trained on associative recall."""
+  if config.data.source != "associative":
+    raise ConfigError(f"the checkpoint was trained on data.source {config.data.source!r}, not associative recall")
+  associative = config.data.associative
+  if pairs is not None:
+    associative = dataclasses.replace(associative, pairs=pairs)
+  if distance is not None:
+    associative = dataclasses.replace(associative, distance=distance)
+  return associative, associative.task(filler)
+
+
+def parse_args(argv):
+  parser = cli.parser(__doc__)
+  parser.add_argument("--checkpoint", nargs="+", required=True, help="training workdirs or step directories")
+  parser.add_argument(
+    "--lengths", required=True, type=lambda s: [int(n) for n in s.split(",")], help="comma-separated lengths"
+  )
+  parser.add_argument("--samples", type=int, default=64, help="rows per length")
+  parser.add_argument("--batch-size", type=int, default=8, help="rows per prefill")
+  parser.add_argument("--pairs", type=int, default=None, help="pairs per row (default: the checkpoint's)")
+  parser.add_argument(
+    "--distance",
+    type=lambda s: tuple(int(n) for n in s.split(",")),
+    default=None,
+    help="MIN,MAX tokens from a pair to its query (default: the checkpoint's)",
+  )
+  parser.add_argument("--seed", type=int, default=0, help="seed of the test stream")
+  parser.add_argument("--data", default=None, help="held-out text for text filler (default: the packaged valid split)")
+  parser.add_argument(
+    "--probe",
+    action="store_true",
+    help="also record, for FS, FS-L and FS-B, how often the routing selects (FS-L: retains) the cell of a "
+    "query's value, on the first --batch-size rows of each length (queries at the end): PREFIX_probe.json",
+  )
+  cli.add_set_argument(parser, "override model config fields of every checkpoint, e.g. --set attention.kind=fsl")
+  parser.add_argument("--out", default=None, help="PREFIX for PREFIX.csv and PREFIX.png (default: none)")
+  return parser.parse_args(argv)
+
+
+def check_args(args):
+  """One clear error per bad argument, before any model is loaded."""
+  if min(args.samples, args.batch_size) < 1 or not args.lengths or min(args.lengths) < 4:
+    raise ConfigError("--samples and --batch-size must be >= 1 and --lengths must name lengths >= 4")
+  if args.pairs is not None and args.pairs < 1:
+    raise ConfigError(f"--pairs must be >= 1, got {args.pairs}")
+  if args.probe and args.out is None:
+    raise ConfigError("--probe writes PREFIX_probe.json: give --out PREFIX")
+  if args.distance is not None and (len(args.distance) != 2 or not 2 <= args.distance[0] <= args.distance[1]):
+    raise ConfigError(f"--distance must be MIN,MAX with 2 <= MIN <= MAX, got {args.distance}")
+  for assignment in args.set:
+    override_model(ModelConfig(), [assignment])
+
+
+def plot(path, rows):
+  """Accuracy against length, one line per model, on a log-2 length axis."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  overall = [r for r in rows if r["bucket"] == "all"]
+  for name in dict.fromkeys(r["model"] for r in overall):
+    mine = [r for r in overall if r["model"] == name]
+    ax.plot([r["length"] for r in mine], [r["accuracy"] for r in mine], marker="o", label=name)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("evaluation length (tokens)")
+  ax.set_ylabel("queries answered")
+  ax.set_ylim(0, 1)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  try:
+    check_args(args)
+    rows, fillers, probes = [], {}, []
+    for path in args.checkpoint:
+      loaded = load_model(path, args.set)
+      associative, _ = task_for(loaded.config, args.pairs, args.distance)
+      filler = None
+      if associative.filler == "text":
+        key = loaded.tokenizer_path
+        if key not in fillers:
+          text = args.data or default_corpus_path("valid")
+          fillers[key] = text_tokens(text, key, max(FILLER_TOKENS, 4 * max(args.lengths)))
+          check_filler(fillers[key], max(args.lengths), text)
+        filler = fillers[key]
+      associative, task = task_for(loaded.config, args.pairs, args.distance, filler)
+      for length in args.lengths:
+        associative.check_length(length, "--lengths")
+        samples = recall_rows(task, length, args.samples, args.seed)
+        with cli.stage(f"{loaded.name}: {args.samples} recall rows of {length} tokens"):
+          hits = answer_queries(loaded.model, loaded.variables, samples, args.batch_size)
+        scores = score_rows(samples, hits)
+        for bucket, (answered, queries) in scores.items():
+          rows.append(
+            dict(
+              model=loaded.name,
+              kind=loaded.model.config.attention.kind,
+              train_length=loaded.config.data.seq_len,
+              length=length,
+              pairs=associative.pairs,
+              bucket=bucket,
+              queries=queries,
+              accuracy=answered / queries,
+              chance=1.0 / (associative.values[1] - associative.values[0]),
+            )
+          )
+        print(rows[-len(scores)], file=sys.stderr, flush=True)  # the "all" bucket
+        if args.probe:
+          with cli.stage(f"{loaded.name}: routing probe at {length} tokens"):
+            probed = probe_rows(loaded.model, loaded.variables, samples[: args.batch_size])
+          probes.append(dict(model=loaded.name, **probed))
+          print(probes[-1], file=sys.stderr, flush=True)
+          if args.out:
+            Path(f"{args.out}_probe.json").write_text(json.dumps(probes, indent=1) + "\n")
+        if args.out:
+          write_csv(Path(f"{args.out}.csv"), rows)
+    if args.out:
+      plot(Path(f"{args.out}.png"), rows)
+  except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print("| model | train length | length | pairs | accuracy | chance |")
+  print("|---|---|---|---|---|---|")
+  for r in rows:
+    if r["bucket"] == "all":
+      print(
+        f"| {r['model']} | {r['train_length']} | {r['length']} | {r['pairs']} | {r['accuracy']:.3f} | "
+        f"{r['chance']:.3f} |"
+      )
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,265 @@
+"""Multi-query associative recall (`fsjax.data.associative`): rows, their config, the answers-only loss, the
+held-out evaluation of a recall run, and `python -m fsjax.eval.recall` on a model that learned the task on CPU."""
+
+import csv
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fsjax import calibrate
+from fsjax.cache import init_cache
+from fsjax.config import AssociativeConfig, ConfigError, DataConfig, load_config
+from fsjax.data.associative import (
+  TEST,
+  TRAIN,
+  associative_row,
+  held_out_batches,
+  make_associative_iterator,
+  recall_row,
+)
+from fsjax.decode import extend
+from fsjax.eval import recall as recall_eval
+from fsjax.eval.probe import availability_at
+from fsjax.loading import load_model
+from fsjax.model import Transformer
+from fsjax.train import loop
+from fsjax.train.objectives import loss_weights
+
+from helpers import tiny_model
+
+TASK = dict(pairs=5, keys=(3, 35), values=(35, 67), filler_ids=(67, 256))
+
+
+def _check_row(row, length, task, distance=None):
+  tokens, q, p = row.tokens, row.query_positions, row.pair_positions
+  assert tokens.shape == (length,) and tokens.dtype == np.int32
+  assert len(set(row.keys.tolist())) == task["pairs"]  # distinct keys
+  assert np.all((row.values >= task["values"][0]) & (row.values < task["values"][1]))
+  for key, value, pair, query in zip(row.keys, row.values, p, q):
+    assert np.flatnonzero(tokens == key).tolist() == [pair, query]  # the key occurs at its pair and query only
+    assert tokens[pair + 1] == value and tokens[query + 1] == value
+    assert pair + 1 < query
+    if distance is not None:
+      assert distance[0] <= query - pair <= distance[1]
+  assert np.flatnonzero(row.loss_mask).tolist() == sorted((q + 1).tolist())  # the answers, nothing else
+  slots = np.concatenate([p, p + 1, q, q + 1])
+  assert len(set(slots.tolist())) == slots.size  # no pair or query overlaps another
+  filler = np.delete(tokens, slots)
+  assert np.all((filler >= task["filler_ids"][0]) & (filler < task["filler_ids"][1]))
+
+
+@pytest.mark.parametrize("queries", ["end", "interleaved"])
+@pytest.mark.parametrize("distance", [None, (6, 20)])
+def test_rows_hold_each_pair_and_its_query_once_with_answers_marked(queries, distance):
+  task = dict(TASK, queries=queries, distance=distance)
+  for index in range(20):
+    row = recall_row(index, seed=3, stream=TRAIN, length=97, **task)
+    _check_row(row, 97, task, distance)
+    if queries == "end":
+      assert sorted(row.query_positions.tolist()) == list(range(97 - 10, 97, 2))
+
+
+def test_rows_are_pure_functions_of_seed_stream_and_index():
+  same = [recall_row(7, seed=1, stream=TRAIN, length=64, **TASK) for _ in range(2)]
+  np.testing.assert_array_equal(same[0].tokens, same[1].tokens)
+  test = recall_row(7, seed=1, stream=TEST, length=64, **TASK)
+  other_seed = recall_row(7, seed=2, stream=TRAIN, length=64, **TASK)
+  assert not np.array_equal(test.tokens, same[0].tokens) and not np.array_equal(other_seed.tokens, same[0].tokens)
+  # No test row of a seed is a training row of it: the streams are different generators.
+  train_rows = {recall_row(i, seed=1, stream=TRAIN, length=64, **TASK).tokens.tobytes() for i in range(200)}
+  assert not train_rows & {recall_row(i, seed=1, stream=TEST, length=64, **TASK).tokens.tobytes() for i in range(200)}
+
+
+def test_text_filler_is_a_window_of_the_text_without_the_rows_keys():
+  text = np.random.default_rng(0).integers(3, 300, 5000).astype(np.int32)  # holds key ids too
+  task = dict(TASK, filler_ids=(67, 300))
+  row = recall_row(4, seed=0, stream=TRAIN, length=200, filler_tokens=text, **task)
+  slots = np.concatenate([row.pair_positions + d for d in (0, 1)] + [row.query_positions + d for d in (0, 1)])
+  for key in row.keys:
+    assert np.flatnonzero(row.tokens == key).size == 2
+  kept = np.delete(np.arange(200), slots)
+  windows = np.lib.stride_tricks.sliding_window_view(text, 200)
+  agreement = (windows[:, kept] == row.tokens[kept]).mean(axis=1)
+  assert agreement.max() > 0.9  # the filler is one window of the text, a few key ids replaced
+
+
+def test_rows_that_cannot_be_placed_are_one_clear_error():
+  with pytest.raises(ValueError, match="could not place 5 pairs"):
+    recall_row(0, seed=0, stream=TRAIN, length=64, **dict(TASK, distance=(100, 200)))
+  with pytest.raises(ValueError, match="text filler of 50 tokens is shorter than a row of 64"):
+    recall_row(0, seed=0, stream=TRAIN, length=64, filler_tokens=np.arange(50), **TASK)
+
+
+def test_queries_at_the_end_fit_whenever_the_row_holds_four_tokens_a_pair():
+  """With queries at the end and no distance bound, the pairs are placed in one draw that cannot fail."""
+  for index in range(200):
+    _check_row(recall_row(index, seed=0, stream=TRAIN, length=20, **TASK), 20, TASK)
+
+
+def test_the_iterator_yields_answer_masks_and_resumes():
+  make = lambda: make_associative_iterator(seq_len=63, batch_size=4, seed=5, task=TASK)
+  data = make()
+  first = next(data)
+  assert first["tokens"].shape == (4, 64) and first["loss_mask"].shape == (4, 64)
+  assert first["loss_mask"].sum() == 4 * TASK["pairs"]
+  np.testing.assert_array_equal(
+    first["tokens"][1], associative_row(1, seed=5, stream=TRAIN, length=64, **TASK)["tokens"]
+  )
+  state = json.loads(json.dumps(data.get_state()))
+  expected = next(data)
+  resumed = make()
+  resumed.set_state(state)
+  np.testing.assert_array_equal(next(resumed)["tokens"], expected["tokens"])
+
+
+def test_the_loss_counts_only_the_answers():
+  tokens = np.arange(12).reshape(2, 6)
+  mask = np.zeros((2, 6), bool)
+  mask[0, 3] = mask[1, 5] = True
+  weights = np.asarray(loss_weights({"tokens": tokens, "loss_mask": mask}, 0.0, 0.0))
+  np.testing.assert_array_equal(weights, mask[:, 1:].astype(np.float32))
+
+
+@pytest.mark.parametrize(
+  "fields,message",
+  [
+    (dict(keys=(3, 40), values=(35, 67)), "keys .* and values .* must not overlap"),
+    (dict(values=(35, 300)), "values .* and filler_ids .* must not overlap"),
+    (dict(pairs=40), "keys holds 32 ids, fewer than pairs=40"),
+    (dict(distance=(1, 5)), "distance must be"),
+    (dict(queries="middle"), "queries must be one of"),
+    (dict(filler="noise"), "filler must be one of"),
+  ],
+)
+def test_bad_tasks_are_one_line_naming_the_field(fields, message):
+  with pytest.raises(ConfigError, match=message):
+    AssociativeConfig(**{**dict(keys=(3, 35), values=(35, 67), filler_ids=(67, 256)), **fields})
+
+
+def test_recall_data_config_rules():
+  with pytest.raises(ConfigError, match="cannot hold data.associative.pairs=20"):
+    DataConfig(source="associative", seq_len=63, associative=AssociativeConfig(pairs=20))
+  with pytest.raises(ConfigError, match="its rows are recall tasks only"):
+    DataConfig(source="associative", seq_len=64, copy_rate=0.01)
+  with pytest.raises(ConfigError, match=r"distance max \(8\) must be >= 2 \* pairs = 16"):
+    DataConfig(source="associative", seq_len=64, associative=AssociativeConfig(distance=(2, 8)))
+  with pytest.raises(ConfigError, match=r"data.associative at data.seq_len \+ 1 = 65: could not place 8 pairs"):
+    DataConfig(source="associative", seq_len=64, associative=AssociativeConfig(distance=(60, 70)))
+  with pytest.raises(ConfigError, match="data.associative id ranges must lie below model.vocab_size=256"):
+    load_config(RECALL_CONFIG, ["data.associative.filler_ids=[67,512]"])
+
+
+RECALL_CONFIG = "tests/micro_recall.yaml"
+
+
+@pytest.fixture(scope="module")
+def recall_workdir(tmp_path_factory):
+  """The micro recall config trained until it answers above chance (about 30 s on 2 cores)."""
+  path = tmp_path_factory.mktemp("recall_run")
+  summary = loop.train(load_config(RECALL_CONFIG, ["checkpoint.async_save=false"]), str(path))
+  return path, summary
+
+
+def test_a_small_model_learns_recall_above_chance_and_is_scored_on_test_rows(recall_workdir):
+  path, summary = recall_workdir
+  assert summary["heldout_loss"] < 0.5 * np.log(32)  # answers-only loss on test-stream rows; chance is ln 32
+  rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+  assert rows[-1]["step"] == 250
+
+
+def test_the_recall_cli_answers_through_prefill_as_a_full_forward_pass_does(recall_workdir, tmp_path, capsys):
+  path, _ = recall_workdir
+  out = tmp_path / "recall"
+  assert (
+    recall_eval.main(
+      ["--checkpoint", str(path), "--lengths", "64,160", "--samples", "24", "--batch-size", "8", "--out", str(out)]
+    )
+    == 0
+  )
+  table = capsys.readouterr().out
+  assert "| model | train length | length | pairs | accuracy | chance |" in table
+  with open(f"{out}.csv") as f:
+    rows = list(csv.DictReader(f))
+  overall = {int(r["length"]): float(r["accuracy"]) for r in rows if r["bucket"] == "all"}
+  assert overall[64] > 4 / 32  # well above chance at the training length
+  buckets = [r for r in rows if r["bucket"] != "all" and r["length"] == "160"]
+  assert sum(int(r["queries"]) for r in buckets) == 24 * 2
+  assert (tmp_path / "recall.png").stat().st_size > 0
+
+  # The same accuracy from the full forward pass of the training model.
+  loaded = load_model(str(path))
+  associative, task = recall_eval.task_for(loaded.config)
+  samples = recall_eval.recall_rows(task, 160, 24, seed=0)
+  logits = loaded.model.apply(loaded.variables, jnp.asarray(np.stack([r.tokens for r in samples])))
+  hits = [np.argmax(np.asarray(logits)[i, r.query_positions], -1) == r.values for i, r in enumerate(samples)]
+  assert np.mean(hits) == pytest.approx(overall[160])
+
+
+def test_the_recall_cli_refuses_a_checkpoint_not_trained_on_recall(micro_workdir, capsys):
+  assert recall_eval.main(["--checkpoint", str(micro_workdir), "--lengths", "64"]) == 2
+  assert "not associative recall" in capsys.readouterr().err
+  assert recall_eval.main(["--checkpoint", str(micro_workdir), "--lengths", "64", "--distance", "1,4"]) == 2
+
+
+PROBE_TASK = dict(pairs=3, keys=(3, 35), values=(35, 67), filler_ids=(67, 512))
+
+
+def _probe_rows(length=200, count=2):
+  return recall_eval.recall_rows(PROBE_TASK, length, count, seed=1)
+
+
+def test_the_fsl_probe_retains_what_the_masked_operator_makes_available():
+  """FS-L's `pool ∪ recent` when the queries begin (the bounded cache the probe reads) is the set of cells the
+  masked operator leaves available at that position (FS Eq. 8, 15), so both give the same retained rate."""
+  config, model, variables = tiny_model("fsl")
+  rows = _probe_rows()
+  summary = recall_eval.probe_rows(model, variables, rows, chunk=64)
+  att = config.attention
+  split = rows[0].query_positions.min() // att.block * att.block
+  held = []
+  for row in rows:  # the masked operator's availability, through the full archive, one row at a time
+    cache = init_cache(config, 1, split, bounded=False)
+    positions = jnp.arange(split, dtype=jnp.int32)[None]
+    _, cache, _ = extend(model, variables, jnp.asarray(row.tokens[None, :split]), cache, positions, positions >= 0)
+    available = availability_at(cache, config, split)  # [layers, heads, M]
+    held.append(available[:, :, (row.pair_positions + 1) // att.cell])  # [layers, heads, Q]
+  np.testing.assert_allclose(summary["retained"], np.mean(held, axis=(0, 2, 3)), atol=1e-4)
+  assert 0 < summary["random_pool"] < 1
+
+
+def test_the_probe_finds_every_eligible_value_when_a_query_reads_all_cells():
+  """With K above the cell count an FS query selects every eligible cell (FS Eq. 6-8), so the selected rate is
+  the share of values whose cell lies in a block before the query's."""
+  config, _, variables = tiny_model("fs")
+  model = Transformer(dataclasses.replace(config, attention=dataclasses.replace(config.attention, top_k=32)))
+  rows = _probe_rows()
+  summary = recall_eval.probe_rows(model, variables, rows, chunk=64)
+  att = config.attention
+  eligible = [
+    ((row.pair_positions + 1) // att.cell + 1) * att.cell <= row.query_positions // att.block * att.block
+    for row in rows
+  ]
+  assert summary["selected"] == [pytest.approx(float(np.mean(eligible)))] * config.num_layers
+  assert "retained" not in summary
+  with pytest.raises(ConfigError, match="needs an FS, FS-L or FS-B model"):
+    recall_eval.probe_rows(*tiny_model("tfpp")[1:], rows)
+
+
+def test_fsb_tau_of_a_recall_checkpoint_is_calibrated_on_its_own_task(tmp_path):
+  fs = ["model.attention.kind=fs", "model.attention.window=32", "model.attention.cell=8", "model.attention.block=32"]
+  fs += ["model.attention.top_k=2", "train.steps=2", "checkpoint.every=2", "checkpoint.async_save=false"]
+  config = load_config(RECALL_CONFIG, fs)
+  loop.train(config, str(tmp_path))
+  assert calibrate.main(["--checkpoint", str(tmp_path), "--length", "64", "--batches", "2", "--batch-size", "4"]) == 0
+  saved = json.loads((tmp_path / "calibration.json").read_text())
+  loaded = load_model(str(tmp_path))
+  rows = held_out_batches(task=config.data.associative.task(), length=65, batch_size=4, batches=2, seed=0)
+  expected = calibrate.calibrate(loaded.model, loaded.variables, [b["tokens"][:, :-1] for b in rows])
+  np.testing.assert_allclose(saved["tau"], expected, rtol=1e-6)
+  # Text has ids past this model's 256: refused, not a NaN τ.
+  text = tmp_path / "text.txt"
+  text.write_text("Some held-out text. " * 200)
+  assert calibrate.main(["--checkpoint", str(tmp_path), "--length", "64", "--data", str(text)]) == 2
