@@ -6,6 +6,7 @@ One entry point, `load_model`, serves generation, the evaluation CLIs, the routi
 """
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from fsjax.config import Config, override_model
+from fsjax.config import Config, ConfigError, override_model
+from fsjax.data.tokenizer import load_tokenizer
 from fsjax.model import Transformer
 from fsjax.train.checkpoint import CHECKPOINT_SUBDIR, CheckpointError, load, parameter_fault, resolve
 
@@ -39,9 +41,17 @@ class LoadedModel:
   variables: dict
   step: int
 
-  @property
+  @functools.cached_property
   def tokenizer_path(self):
-    """The tokenizer the model was trained with (None: the packaged one)."""
+    """The tokenizer the model was trained with (None: the packaged one), for reading text into the model.
+    ConfigError when it has ids the model's embedding lacks (an associative-recall model's small vocabulary):
+    such ids would embed as NaN and every score would come out NaN."""
+    size = load_tokenizer(self.config.data.tokenizer).get_vocab_size()
+    if size > self.model.config.vocab_size:
+      raise ConfigError(
+        f"{self.name} reads no text: its model.vocab_size is {self.model.config.vocab_size}, its tokenizer has "
+        f"{size} ids (it was trained on data.source {self.config.data.source!r})"
+      )
     return self.config.data.tokenizer
 
 

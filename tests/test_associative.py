@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsjax import calibrate
+from fsjax import calibrate, generate
 from fsjax.cache import init_cache
 from fsjax.config import AssociativeConfig, ConfigError, DataConfig, load_config
 from fsjax.data.associative import (
@@ -21,6 +21,7 @@ from fsjax.data.associative import (
   recall_row,
 )
 from fsjax.decode import extend
+from fsjax.eval import perplexity
 from fsjax.eval import recall as recall_eval
 from fsjax.eval.probe import availability_at
 from fsjax.loading import load_model
@@ -196,6 +197,15 @@ def test_the_recall_cli_answers_through_prefill_as_a_full_forward_pass_does(reca
   logits = loaded.model.apply(loaded.variables, jnp.asarray(np.stack([r.tokens for r in samples])))
   hits = [np.argmax(np.asarray(logits)[i, r.query_positions], -1) == r.values for i, r in enumerate(samples)]
   assert np.mean(hits) == pytest.approx(overall[160])
+
+
+def test_text_tools_refuse_a_recall_model_whose_vocabulary_is_smaller_than_the_tokenizer(recall_workdir, capsys):
+  """A recall model of 256 ids would embed the tokenizer's other ids as NaN: every text tool says so instead."""
+  path, _ = recall_workdir
+  assert perplexity.main(["--checkpoint", str(path), "--length", "64"]) == 2
+  assert generate.main(["--checkpoint", str(path), "--prompt", "Once upon a time"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("reads no text: its model.vocab_size is 256, its tokenizer has 32000 ids") == 2
 
 
 def test_the_recall_cli_refuses_a_checkpoint_not_trained_on_recall(micro_workdir, capsys):

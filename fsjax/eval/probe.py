@@ -372,7 +372,7 @@ def main(argv=None):
       if args.random_ids is not None:
         stream = copy_recall.random_stream(args.random_ids, args.length, args.seed)
       else:
-        stream = copy_recall.heldout_stream(args.data or default_corpus_path("valid"), config.data.tokenizer)
+        stream = copy_recall.heldout_stream(args.data or default_corpus_path("valid"), loaded.tokenizer_path)
       with cli.stage(f"{loaded.name}: copy probe, {args.copies} samples at {args.length} tokens"):
         summary = probe_copies(
           model,
@@ -391,7 +391,7 @@ def main(argv=None):
         summary, distance = probe(
           model,
           variables,
-          load_tokenizer(config.data.tokenizer),
+          load_tokenizer(loaded.tokenizer_path),
           task=args.task,
           length=args.length,
           seed=args.seed,
