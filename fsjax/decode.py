@@ -211,9 +211,15 @@ class _Loop:
 def selected_cells(intermediates, config):
   """The cells every FreeSolo layer selected for a chunk, from `extend`'s intermediates:
   `[batch, C, layers, heads, K]` (-1 = none)."""
-  if config.scan_layers:  # sown inside the scan: [layers, batch, C, heads, K]
-    return jnp.moveaxis(intermediates["layers"]["layer"]["attention"]["selected_cells"][0], 0, 2)
-  per_layer = [intermediates[f"layer_{i}"]["attention"]["selected_cells"][0] for i in range(config.num_layers)]
+  return sown_by_layer(intermediates, config, "selected_cells")
+
+
+def sown_by_layer(intermediates, config, name):
+  """What every layer's attention sowed as `name` for a chunk (`[batch, C, ...]` each), from `extend`'s
+  intermediates, stacked on axis 2: `[batch, C, layers, ...]` (e.g. ZHA's `attended_fraction`)."""
+  if config.scan_layers:  # sown inside the scan: [layers, batch, C, ...]
+    return jnp.moveaxis(intermediates["layers"]["layer"]["attention"][name][0], 0, 2)
+  per_layer = [intermediates[f"layer_{i}"]["attention"][name][0] for i in range(config.num_layers)]
   return jnp.stack(per_layer, axis=2)
 
 

@@ -254,8 +254,24 @@ def test_the_probe_finds_every_eligible_value_when_a_query_reads_all_cells():
   ]
   assert summary["selected"] == [pytest.approx(float(np.mean(eligible)))] * config.num_layers
   assert "retained" not in summary
-  with pytest.raises(ConfigError, match="needs an FS, FS-L or FS-B model"):
+  with pytest.raises(ConfigError, match="needs an FS, FS-L, FS-B or ZHA model"):
     recall_eval.probe_rows(*tiny_model("tfpp")[1:], rows)
+
+
+def test_the_zha_probe_reads_the_fraction_of_keys_the_full_forward_attends():
+  """ZHA's keys read at the query keys, through the decode cache chunk by chunk, equal the attended fractions
+  the training form sows over the whole row (ZHA III-C)."""
+  config, model, variables = tiny_model("zha")
+  rows = _probe_rows()
+  summary = recall_eval.probe_rows(model, variables, rows, chunk=64)
+  _, state = model.apply(variables, jnp.asarray(np.stack([r.tokens for r in rows])), mutable=["intermediates"])
+  fraction = np.stack(
+    [np.asarray(state["intermediates"][f"layer_{i}"]["attention"]["attended_fraction"][0]) for i in range(2)], axis=2
+  )  # [batch, T, layers, heads]
+  queries = np.stack([r.query_positions for r in rows])
+  expected = np.take_along_axis(fraction, queries[:, :, None, None], axis=1).mean(axis=(0, 1, 3))
+  np.testing.assert_allclose(summary["keys_read"], expected, atol=1e-4)
+  assert 0 < min(summary["keys_read"]) and max(summary["keys_read"]) < 1
 
 
 def test_fsb_tau_of_a_recall_checkpoint_is_calibrated_on_its_own_task(tmp_path):

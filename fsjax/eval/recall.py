@@ -19,10 +19,10 @@ Prints a table (model × length: accuracy, and chance = 1 / values); writes PREF
 and distance bucket, plus an "all" bucket) and PREFIX.png (accuracy against length) with `--out`. Distance
 buckets are powers of two of the tokens from a pair's key to its query's key.
 
-`--probe` (FS, FS-L, FS-B; queries at the end) explains the outcome: per layer, how often the cell holding a
+`--probe` (FS, FS-L, FS-B, ZHA; queries at the end) explains the outcome: per layer, how often the cell holding a
 query's value is among the cells the query selects, and for FS-L how often it is in the bounded cache's
-`pool ∪ recent` when the queries begin, against the rate a random set of as many cells would reach
-(`probe_rows`).
+`pool ∪ recent` when the queries begin, against the rate a random set of as many cells would reach; for ZHA the
+fraction of its visible keys a query reads (`probe_rows`).
 """
 
 import dataclasses
@@ -38,7 +38,7 @@ from fsjax.cache import init_cache
 from fsjax.config import ConfigError, ModelConfig, override_model
 from fsjax.data.associative import FILLER_TOKENS, TEST, check_filler, recall_row, text_tokens
 from fsjax.data.pipeline import default_corpus_path
-from fsjax.decode import extend, prefill, selected_cells
+from fsjax.decode import extend, prefill, sown_by_layer
 from fsjax.eval.records import write_csv
 from fsjax.loading import load_model
 from fsjax.train.checkpoint import CheckpointError
@@ -77,11 +77,12 @@ def probe_rows(model, variables, rows, chunk=512):
 
   Returns a dict: `selected` `[layers]`, how often the cell holding a query's value (the token to read) is among
   the query's selected cells, over queries and heads; for FS-L also `retained` `[layers]`, how often that cell is
-  in `pool ∪ recent`, and `random_pool`, the rate a random set of as many eligible cells would reach.
+  in `pool ∪ recent`, and `random_pool`, the rate a random set of as many eligible cells would reach. For ZHA,
+  instead, `keys_read` `[layers]`: the mean fraction of its visible keys a query key attends.
   """
   config, att = model.config, model.config.attention
-  if att.kind not in ("fs", "fsl", "fsb"):
-    raise ConfigError(f"the routing probe needs an FS, FS-L or FS-B model, got attention kind {att.kind!r}")
+  if att.kind not in ("fs", "fsl", "fsb", "zha"):
+    raise ConfigError(f"the routing probe needs an FS, FS-L, FS-B or ZHA model, got attention kind {att.kind!r}")
   first = rows[0].query_positions.min()
   if any(r.query_positions.min() != first for r in rows) or len({r.tokens.size for r in rows}) != 1:
     raise ConfigError("the routing probe needs rows of one length with their queries at the end")
@@ -102,9 +103,13 @@ def probe_rows(model, variables, rows, chunk=512):
     positions = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32), (batch, size))
     chunk_ids = jnp.asarray(ids[:, start : start + size])
     _, cache, intermediates = extend(model, variables, chunk_ids, cache, positions, positions < end)
-    selections.append(np.asarray(selected_cells(intermediates, config))[:, : end - start])
-  selections = np.concatenate(selections, axis=1)  # [batch, length, layers, heads, K]
+    sown = "attended_fraction" if att.kind == "zha" else "selected_cells"
+    selections.append(np.asarray(sown_by_layer(intermediates, config, sown))[:, : end - start])
+  selections = np.concatenate(selections, axis=1)  # [batch, length, layers, heads(, K)]
   queries = np.stack([r.query_positions for r in rows])  # [batch, Q]
+  if att.kind == "zha":
+    read = np.take_along_axis(selections, queries[:, :, None, None], axis=1)  # [batch, Q, layers, heads]
+    return dict(kind=att.kind, length=int(length), keys_read=read.mean(axis=(0, 1, 3)).round(4).tolist())
   targets = np.stack([(r.pair_positions + 1) // att.cell for r in rows])  # the cells holding the values
   chosen = np.take_along_axis(selections, queries[:, :, None, None, None], axis=1)  # [batch, Q, layers, heads, K]
   hit = (chosen == targets[:, :, None, None, None]).any(-1)  # [batch, Q, layers, heads]
@@ -180,7 +185,8 @@ def parse_args(argv):
     "--probe",
     action="store_true",
     help="also record, for FS, FS-L and FS-B, how often the routing selects (FS-L: retains) the cell of a "
-    "query's value, on the first --batch-size rows of each length (queries at the end): PREFIX_probe.json",
+    "query's value, for ZHA the fraction of keys a query reads, on the first --batch-size rows of each length "
+    "(queries at the end): PREFIX_probe.json",
   )
   cli.add_set_argument(parser, "override model config fields of every checkpoint, e.g. --set attention.kind=fsl")
   parser.add_argument("--out", default=None, help="PREFIX for PREFIX.csv and PREFIX.png (default: none)")
