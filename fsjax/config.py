@@ -596,6 +596,11 @@ class Config:
         f"data.random_ids must lie below model.vocab_size={self.model.vocab_size}, got {list(self.data.random_ids)}"
       )
     if self.data.source == "associative":
+      if self.eval.niah_samples:
+        raise ConfigError(
+          "eval.niah_samples must be 0 with data.source associative: a recall model is scored on recall rows "
+          "(python -m fsjax.eval.recall), not on RULER's text"
+        )
       highest = max(r[1] for r in (self.data.associative.keys, self.data.associative.values))
       highest = max(highest, self.data.associative.filler_ids[1])
       if highest > self.model.vocab_size:

@@ -149,6 +149,8 @@ def test_recall_data_config_rules():
     DataConfig(source="associative", seq_len=64, associative=AssociativeConfig(distance=(2, 8)))
   with pytest.raises(ConfigError, match=r"data.associative at data.seq_len \+ 1 = 65: could not place 8 pairs"):
     DataConfig(source="associative", seq_len=64, associative=AssociativeConfig(distance=(60, 70)))
+  with pytest.raises(ConfigError, match="eval.niah_samples must be 0 with data.source associative"):
+    load_config(RECALL_CONFIG, ["eval.niah_samples=4"])
   with pytest.raises(ConfigError, match="data.associative id ranges must lie below model.vocab_size=256"):
     load_config(RECALL_CONFIG, ["data.associative.filler_ids=[67,512]"])
 
