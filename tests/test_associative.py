@@ -258,6 +258,9 @@ def test_the_probe_finds_every_eligible_value_when_a_query_reads_all_cells():
   assert "retained" not in summary
   with pytest.raises(ConfigError, match="needs an FS, FS-L, FS-B or ZHA model"):
     recall_eval.probe_rows(*tiny_model("tfpp")[1:], rows)
+  interleaved = recall_eval.recall_rows(dict(PROBE_TASK, queries="interleaved"), 200, 2, seed=1)
+  with pytest.raises(ConfigError, match="queries at the end"):
+    recall_eval.probe_rows(model, variables, interleaved)
 
 
 def test_the_zha_probe_reads_the_fraction_of_keys_the_full_forward_attends():

@@ -69,11 +69,12 @@ def answer_queries(model, variables, rows, batch_size):
 
 
 def probe_rows(model, variables, rows, chunk=512):
-  """Where a FreeSolo model's routing looks when it answers (rows with queries at the end, one length).
+  """Where a FreeSolo or ZHA model's routing looks when it answers (rows of one length, queries at the end).
 
-  The rows run through the cache path chunk by chunk (the bounded cache for FS-L, the forest cache for FS-B),
-  recording the cells every layer and head selects at each query key. The context is cut at the start of the
-  first query's block, where FS-L's pool and recent cells are those every query scores (Eq. 8, 15).
+  The rows run through the cache path chunk by chunk (the bounded cache for FS-L, the forest cache for FS-B, the
+  tree for ZHA), recording what every layer and head selects (ZHA: reads) at each query key. The context is cut
+  at the start of the first query's block, where FS-L's pool and recent cells are those every query scores
+  (Eq. 8, 15).
 
   Returns a dict: `selected` `[layers]`, how often the cell holding a query's value (the token to read) is among
   the query's selected cells, over queries and heads; for FS-L also `retained` `[layers]`, how often that cell is
@@ -83,11 +84,13 @@ def probe_rows(model, variables, rows, chunk=512):
   config, att = model.config, model.config.attention
   if att.kind not in ("fs", "fsl", "fsb", "zha"):
     raise ConfigError(f"the routing probe needs an FS, FS-L, FS-B or ZHA model, got attention kind {att.kind!r}")
-  first = rows[0].query_positions.min()
-  if any(r.query_positions.min() != first for r in rows) or len({r.tokens.size for r in rows}) != 1:
+  tokens = np.stack([r.tokens for r in rows]) if len({r.tokens.size for r in rows}) == 1 else None
+  pairs = rows[0].query_positions.size
+  at_end = lambda r: np.array_equal(np.sort(r.query_positions), r.tokens.size - 2 * pairs + 2 * np.arange(pairs))
+  if tokens is None or not all(at_end(r) for r in rows):
     raise ConfigError("the routing probe needs rows of one length with their queries at the end")
-  tokens = np.stack([r.tokens for r in rows])
   batch, length = tokens.shape
+  first = length - 2 * pairs
   split = first // att.block * att.block
   chunk = max(att.block, min(chunk, length) // att.block * att.block)
   bounds = [*range(0, split, chunk), split, *range(split, length, chunk), length]
