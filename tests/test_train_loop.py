@@ -359,6 +359,11 @@ def test_resuming_under_another_config_is_refused_unless_allowed_then_recorded(t
   assert (workdir / "config.json").read_text() == config_json
   longer = load_config(MICRO, ["train.steps=3", "checkpoint.every=3", "log.every=1", "eval.every=1"])
   assert loop.config_changes(json.loads(config_json), longer) == {}  # runs longer, logs and saves otherwise
+  older = json.loads(config_json)  # a checkpoint of an fsjax that had no data.associative or data.shards yet
+  del older["data"]["associative"], older["data"]["shards"]
+  assert loop.config_changes(older, longer) == {}
+  older["data"]["seq_len"] = 32
+  assert loop.config_changes(older, longer) == {"data.seq_len": (32, longer.data.seq_len)}
   assert (
     train_cli.main(
       ["--config", MICRO, "--workdir", str(workdir), "--set", "train.steps=5", "train.batch_size=16"]

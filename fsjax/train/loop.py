@@ -16,7 +16,7 @@ import time
 import flax.traverse_util
 import jax
 
-from fsjax.config import Config, ConfigError, to_dict
+from fsjax.config import Config, ConfigError, from_dict, to_dict
 from fsjax.data.associative import (
   FILLER_TOKENS,
   check_filler,
@@ -87,8 +87,13 @@ CONFIG_CHANGES = "config_changes.jsonl"
 
 def config_changes(saved, config: Config):
   """`{field: (saved value, new value)}` for the fields outside FREELY_RESUMABLE that differ between a
-  checkpoint's config dict and `config`."""
+  checkpoint's config dict and `config`. A field added to the configs since the checkpoint was saved reads as its
+  default there, so a checkpoint of an older fsjax resumes unless a field it knew changed."""
   flat = lambda tree: flax.traverse_util.flatten_dict(tree, sep=".")
+  try:
+    saved = to_dict(from_dict(Config, saved))
+  except ConfigError:  # a dict today's rules refuse: compare it as saved
+    pass
   old, new = flat(saved), flat(to_dict(config))
   return {
     name: (old.get(name), new.get(name))
