@@ -25,7 +25,7 @@ import numpy as np
 
 from fsjax import cli
 from fsjax.config import FREESOLO_KINDS, ConfigError
-from fsjax.data.associative import FILLER_TOKENS, check_filler, held_out_batches, text_tokens
+from fsjax.data.associative import held_out_batches, held_out_task
 from fsjax.data.pipeline import DataError, default_corpus_path, make_eval_batches
 from fsjax.loading import attention_entries, calibration_path, load_model
 from fsjax.train.checkpoint import CheckpointError
@@ -49,13 +49,8 @@ def calibrate(model, variables, batches):
 def recall_windows(config, length, batch_size, batches):
   """Test-stream rows of the associative-recall task a checkpoint trained on (`data.associative`), `length`
   tokens each; text filler from the held-out books."""
-  associative, filler = config.data.associative, None
-  associative.check_length(length, "--length + 1")
-  if associative.filler == "text":
-    path = default_corpus_path("valid")
-    filler = text_tokens(path, config.data.tokenizer, max(FILLER_TOKENS, 4 * length))
-    check_filler(filler, length, path)
-  task = associative.task(filler)
+  config.data.associative.check_length(length, "--length + 1")
+  task = held_out_task(config.data.associative, length, config.data.tokenizer)
   return held_out_batches(task=task, length=length, batch_size=batch_size, batches=batches, seed=config.train.seed)
 
 

@@ -26,7 +26,7 @@ import functools
 import grain
 import numpy as np
 
-from fsjax.data.pipeline import DataError, TrainIterator, read_documents
+from fsjax.data.pipeline import DataError, TrainIterator, default_corpus_path, read_documents
 from fsjax.data.tokenizer import load_tokenizer
 
 TRAIN, TEST = 0, 1  # stream tags: part of every row's generator seed, so the two streams never share one
@@ -168,6 +168,17 @@ def check_filler(tokens, length, path):
   """DataError naming `path` when its text filler cannot fill one row of `length` tokens."""
   if tokens.size < length:
     raise DataError(f"{path}: {tokens.size} tokens of text filler, fewer than a recall row of {length}")
+
+
+def held_out_task(associative, length, tokenizer_path=None, text_path=None):
+  """`recall_row` keyword arguments of `associative` (an `AssociativeConfig`) for held-out rows of up to
+  `length` tokens: text filler, where the task has it, from `text_path` (default: the packaged held-out books)."""
+  if associative.filler != "text":
+    return associative.task()
+  path = text_path or default_corpus_path("valid")
+  filler = text_tokens(path, tokenizer_path, max(FILLER_TOKENS, 4 * length))
+  check_filler(filler, length, path)
+  return associative.task(filler)
 
 
 def associative_row(index, **task):

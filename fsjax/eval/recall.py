@@ -36,8 +36,7 @@ import numpy as np
 from fsjax import cli
 from fsjax.cache import init_cache
 from fsjax.config import ConfigError, ModelConfig, override_model
-from fsjax.data.associative import FILLER_TOKENS, TEST, check_filler, recall_row, text_tokens
-from fsjax.data.pipeline import default_corpus_path
+from fsjax.data.associative import TEST, held_out_task, recall_row
 from fsjax.decode import extend, prefill, sown_by_layer
 from fsjax.eval.records import write_csv
 from fsjax.loading import load_model
@@ -154,9 +153,10 @@ def score_rows(rows, hits):
   return scores
 
 
-def task_for(config, pairs=None, distance=None, filler=None):
-  """The checkpoint's recall task (`config.data.associative`) with the evaluation's overrides, as
-  `recall_row` keyword arguments; ConfigError when the checkpoint was not trained on associative recall."""
+def task_for(config, pairs=None, distance=None, length=None, text_path=None):
+  """The checkpoint's recall task (`config.data.associative`) with the evaluation's overrides: `(its
+  AssociativeConfig, recall_row keyword arguments for rows of up to length tokens)`, text filler from `text_path`
+  (default: the held-out books); ConfigError when the checkpoint was not trained on associative recall."""
   if config.data.source != "associative":
     raise ConfigError(f"the checkpoint was trained on data.source {config.data.source!r}, not associative recall")
   associative = config.data.associative
@@ -164,7 +164,7 @@ def task_for(config, pairs=None, distance=None, filler=None):
     associative = dataclasses.replace(associative, pairs=pairs)
   if distance is not None:
     associative = dataclasses.replace(associative, distance=distance)
-  return associative, associative.task(filler)
+  return associative, held_out_task(associative, length or 0, config.data.tokenizer, text_path)
 
 
 def parse_args(argv):
@@ -236,19 +236,10 @@ def main(argv=None):
   args = parse_args(argv)
   try:
     check_args(args)
-    rows, fillers, probes = [], {}, []
+    rows, probes = [], []
     for path in args.checkpoint:
       loaded = load_model(path, args.set)
-      associative, _ = task_for(loaded.config, args.pairs, args.distance)
-      filler = None
-      if associative.filler == "text":
-        key = loaded.tokenizer_path
-        if key not in fillers:
-          text = args.data or default_corpus_path("valid")
-          fillers[key] = text_tokens(text, key, max(FILLER_TOKENS, 4 * max(args.lengths)))
-          check_filler(fillers[key], max(args.lengths), text)
-        filler = fillers[key]
-      associative, task = task_for(loaded.config, args.pairs, args.distance, filler)
+      associative, task = task_for(loaded.config, args.pairs, args.distance, max(args.lengths), args.data)
       for length in args.lengths:
         associative.check_length(length, "--lengths")
         samples = recall_rows(task, length, args.samples, args.seed)

@@ -17,13 +17,7 @@ import flax.traverse_util
 import jax
 
 from fsjax.config import Config, ConfigError, from_dict, to_dict
-from fsjax.data.associative import (
-  FILLER_TOKENS,
-  check_filler,
-  held_out_batches,
-  make_associative_iterator,
-  text_tokens,
-)
+from fsjax.data.associative import check_filler, held_out_batches, held_out_task, make_associative_iterator, text_tokens
 from fsjax.data.mixture import RowMixture
 from fsjax.data.pipeline import DataError, check_documents, default_corpus_path, make_eval_batches, make_train_iterator
 from fsjax.data.random_rows import make_random_iterator
@@ -301,13 +295,8 @@ def _recall_eval_batches(config: Config):
   """`eval.batches` batches of the associative test stream (`fsjax.data.associative.TEST`), text filler from the
   held-out corpus: the training stream never holds these rows."""
   data = config.data
-  filler = None
-  if data.associative.filler == "text":
-    path = data.eval_path or default_corpus_path("valid")
-    filler = text_tokens(path, data.tokenizer, max(FILLER_TOKENS, 4 * (data.seq_len + 1)))
-    check_filler(filler, data.seq_len + 1, path)
   return held_out_batches(
-    task=data.associative.task(filler),
+    task=held_out_task(data.associative, data.seq_len + 1, data.tokenizer, data.eval_path),
     length=data.seq_len + 1,
     batch_size=config.eval.batch_size,
     batches=config.eval.batches,
