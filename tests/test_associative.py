@@ -26,10 +26,11 @@ from fsjax.eval import recall as recall_eval
 from fsjax.eval.probe import availability_at
 from fsjax.loading import load_model
 from fsjax.model import Transformer
+from fsjax.reference import zha as zha_ref
 from fsjax.train import loop
 from fsjax.train.objectives import loss_weights
 
-from helpers import tiny_model
+from helpers import stack_layers, tiny_model
 
 TASK = dict(pairs=5, keys=(3, 35), values=(35, 67), filler_ids=(67, 256))
 
@@ -201,6 +202,16 @@ def test_the_recall_cli_answers_through_prefill_as_a_full_forward_pass_does(reca
   assert np.mean(hits) == pytest.approx(overall[160])
 
 
+def test_the_recall_cli_scores_a_kind_without_routing_unprobed(recall_workdir, tmp_path, capsys):
+  """`--probe` over several checkpoints (e.g. `runs/recall_*`) probes the kinds that route and scores the rest."""
+  path, _ = recall_workdir
+  out = tmp_path / "recall"
+  args = ["--checkpoint", str(path), "--lengths", "64", "--samples", "2", "--batch-size", "2", "--probe"]
+  assert recall_eval.main([*args, "--out", str(out)]) == 0
+  assert "no routing probe for kind tfpp" in capsys.readouterr().err
+  assert (tmp_path / "recall.csv").exists() and not (tmp_path / "recall_probe.json").exists()
+
+
 def test_text_tools_refuse_a_recall_model_whose_vocabulary_is_smaller_than_the_tokenizer(recall_workdir, capsys):
   """A recall model of 256 ids would embed the tokenizer's other ids as NaN: every text tool says so instead."""
   path, _ = recall_workdir
@@ -277,6 +288,33 @@ def test_the_zha_probe_reads_the_fraction_of_keys_the_full_forward_attends():
   expected = np.take_along_axis(fraction, queries[:, :, None, None], axis=1).mean(axis=(0, 1, 3))
   np.testing.assert_allclose(summary["keys_read"], expected, atol=1e-4)
   assert 0 < min(summary["keys_read"]) and max(summary["keys_read"]) < 1
+
+  # Whether a query reads its value: the training form's key sets over the whole row (tree built from every key,
+  # the descent from every query) at (query key, value position).
+  tokens = jnp.asarray(np.stack([r.tokens for r in rows]))
+  capture = lambda module, method: module.name in ("q_proj", "k_proj")
+  _, state = model.apply(variables, tokens, capture_intermediates=capture, mutable=["intermediates"])
+  tree, theta = config.attention.zha.tree, config.attention.rope_theta
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  values = np.stack([r.pair_positions + 1 for r in rows])
+  value_read = []
+  for i in range(config.num_layers):
+    attention = state["intermediates"][f"layer_{i}"]["attention"]
+    q, k = (zha_ref.rotate(attention[n]["__call__"][0], positions, theta) for n in ("q_proj", "k_proj"))
+    refs = variables["params"][f"layer_{i}"]["attention"]["ref_queries"]
+    nodes = zha_ref.build_tree(k, refs, chunk=tree.chunk, levels=tree.levels, rope_theta=theta)
+    scores = [zha_ref.node_scores(q, *level) for level in nodes]
+    leaves = zha_ref.route(scores, positions, chunk=tree.chunk, top_p=tree.level_top_p)
+    mask = np.asarray(zha_ref.key_mask(leaves, positions, positions, tree.chunk))  # [batch, heads, T, T]
+    b = np.arange(len(rows))[:, None]
+    value_read.append(mask[b, :, queries, values].mean())  # [batch, Q, heads]
+  np.testing.assert_allclose(summary["value_read"], value_read, atol=1e-4)
+  assert 0 < min(summary["value_read"]) and max(summary["value_read"]) < 1
+  # A scanned model (the recall configs') with the same weights reads the same keys.
+  scanned = Transformer(dataclasses.replace(config, scan_layers=True))
+  stacked = recall_eval.probe_rows(scanned, stack_layers(variables, config.num_layers), rows, chunk=64)
+  np.testing.assert_allclose(stacked["keys_read"], summary["keys_read"], atol=1e-4)
+  np.testing.assert_allclose(stacked["value_read"], summary["value_read"], atol=1e-4)
 
 
 def test_fsb_tau_of_a_recall_checkpoint_is_calibrated_on_its_own_task(tmp_path):

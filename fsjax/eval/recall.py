@@ -22,14 +22,17 @@ buckets are powers of two of the tokens from a pair's key to its query's key.
 `--probe` (FS, FS-L, FS-B, ZHA; queries at the end) explains the outcome: per layer, how often the cell holding a
 query's value is among the cells the query selects, and for FS-L how often it is in the bounded cache's
 `pool ∪ recent` when the queries begin, against the rate a random set of as many cells would reach; for ZHA the
-fraction of its visible keys a query reads (`probe_rows`).
+fraction of its visible keys a query reads and how often its value is among them (`probe_rows`). Checkpoints of
+other kinds are evaluated without a probe.
 """
 
 import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,7 +43,12 @@ from fsjax.data.associative import TEST, held_out_task, recall_row
 from fsjax.decode import extend, prefill, sown_by_layer
 from fsjax.eval.records import write_csv
 from fsjax.loading import load_model
+from fsjax.memory import DeviceMemoryError
+from fsjax.reference import zha as zha_ref
+from fsjax.reference.common import compute_dtype
 from fsjax.train.checkpoint import CheckpointError
+
+PROBED_KINDS = ("fs", "fsl", "fsb", "zha")  # kinds whose routing `probe_rows` records
 
 
 def recall_rows(task, length, samples, seed):
@@ -78,10 +86,12 @@ def probe_rows(model, variables, rows, chunk=512):
   Returns a dict: `selected` `[layers]`, how often the cell holding a query's value (the token to read) is among
   the query's selected cells, over queries and heads; for FS-L also `retained` `[layers]`, how often that cell is
   in `pool ∪ recent`, and `random_pool`, the rate a random set of as many eligible cells would reach. For ZHA,
-  instead, `keys_read` `[layers]`: the mean fraction of its visible keys a query key attends.
+  instead, `keys_read` `[layers]`: the mean fraction of its visible keys a query key attends, and `value_read`
+  `[layers]`: how often the query's value is among the keys it attends (in a leaf its descent reached, in its own
+  chunk, or key 0), over queries and heads.
   """
   config, att = model.config, model.config.attention
-  if att.kind not in ("fs", "fsl", "fsb", "zha"):
+  if att.kind not in PROBED_KINDS:
     raise ConfigError(f"the routing probe needs an FS, FS-L, FS-B or ZHA model, got attention kind {att.kind!r}")
   tokens = np.stack([r.tokens for r in rows]) if len({r.tokens.size for r in rows}) == 1 else None
   pairs = rows[0].query_positions.size
@@ -97,21 +107,35 @@ def probe_rows(model, variables, rows, chunk=512):
   padded = -(-length // att.block) * att.block
   cache = init_cache(config, batch, padded, dtype=jnp.dtype(config.dtype))
   ids = np.pad(tokens, ((0, 0), (0, padded - length)))
-  selections, retained = [], None
+  values_at = jnp.asarray(np.stack([r.pair_positions + 1 for r in rows]), jnp.int32)  # [batch, Q]
+  selections, retained, values_read = [], None, []
   for start, end in zip(bounds[:-1], bounds[1:]):
     if start == split and att.kind == "fsl":
       retained = _retained_cells(cache, config)  # [layers, batch, heads, P + W]
     size = -(-(end - start) // att.block) * att.block
     positions = jnp.broadcast_to(start + jnp.arange(size, dtype=jnp.int32), (batch, size))
     chunk_ids = jnp.asarray(ids[:, start : start + size])
-    _, cache, intermediates = extend(model, variables, chunk_ids, cache, positions, positions < end)
+    if att.kind == "zha" and start >= split:  # the queries' chunks: also which keys they read
+      cache, intermediates, read = _zha_extend_reading(
+        model, variables, chunk_ids, cache, positions, positions < end, values_at
+      )
+      values_read.append(np.asarray(read)[:, : end - start])
+    else:
+      _, cache, intermediates = extend(model, variables, chunk_ids, cache, positions, positions < end)
     sown = "attended_fraction" if att.kind == "zha" else "selected_cells"
     selections.append(np.asarray(sown_by_layer(intermediates, config, sown))[:, : end - start])
   selections = np.concatenate(selections, axis=1)  # [batch, length, layers, heads(, K)]
   queries = np.stack([r.query_positions for r in rows])  # [batch, Q]
   if att.kind == "zha":
     read = np.take_along_axis(selections, queries[:, :, None, None], axis=1)  # [batch, Q, layers, heads]
-    return dict(kind=att.kind, length=int(length), keys_read=read.mean(axis=(0, 1, 3)).round(4).tolist())
+    own = np.take_along_axis(np.concatenate(values_read, axis=1), (queries - split)[:, :, None, None, None], axis=1)
+    own = own[:, np.arange(pairs), :, :, np.arange(pairs)]  # query i's own value: [Q, batch, layers, heads]
+    return dict(
+      kind=att.kind,
+      length=int(length),
+      keys_read=read.mean(axis=(0, 1, 3)).round(4).tolist(),
+      value_read=own.mean(axis=(0, 1, 3)).round(4).tolist(),
+    )
   targets = np.stack([(r.pair_positions + 1) // att.cell for r in rows])  # the cells holding the values
   chosen = np.take_along_axis(selections, queries[:, :, None, None, None], axis=1)  # [batch, Q, layers, heads, K]
   hit = (chosen == targets[:, :, None, None, None]).any(-1)  # [batch, Q, layers, heads]
@@ -124,6 +148,42 @@ def probe_rows(model, variables, rows, chunk=512):
       random_pool=float(np.mean((retained >= 0).sum(-1)) / max(eligible, 1)),
     )
   return summary
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def _zha_extend_reading(model, variables, tokens, cache, positions, valid, values_at):
+  """A ZHA model's cache step over one chunk (`extend`), also telling whether each of its queries reads the keys
+  at `values_at` `[batch, V]`: `(cache, intermediates, read [batch, C, layers, heads, V] bool)`.
+
+  Each layer's queries are captured at its `q_proj` and routed over the layer's cached tree after the chunk is
+  written, as `fsjax.attention.zha_step.attend` routes them (`fsjax.reference.zha.route`, then `key_mask`)."""
+  config = model.config
+  tree = config.attention.zha.tree
+  (_, cache), state = model.apply(
+    variables,
+    tokens,
+    cache,
+    positions,
+    valid,
+    mutable=["intermediates"],
+    capture_intermediates=lambda module, method: module.name == "q_proj",
+  )
+  intermediates = state["intermediates"]
+  if config.scan_layers:
+    layers = [(intermediates["layers"]["layer"]["attention"], cache["layers"], i) for i in range(config.num_layers)]
+  else:
+    layers = [(intermediates[f"layer_{i}"]["attention"], cache[f"layer_{i}"], None) for i in range(config.num_layers)]
+  reads = []
+  for attention, layer, i in layers:
+    at = (lambda x: x[i]) if i is not None else (lambda x: x)
+    q = at(attention["q_proj"]["__call__"][0])  # [batch, C, heads, d]
+    dtype = compute_dtype(q.dtype)
+    q_rot = zha_ref.rotate(q.astype(dtype), positions, config.attention.rope_theta)
+    nodes = [(at(keys).astype(dtype), at(bias).astype(dtype)) for keys, bias in zip(layer.keys, layer.bias)]
+    scores = [zha_ref.node_scores(q_rot, *level) for level in nodes]
+    leaves = zha_ref.route(scores, positions, chunk=tree.chunk, top_p=tree.level_top_p, max_nodes=tree.max_nodes)
+    reads.append(jnp.moveaxis(zha_ref.key_mask(leaves, positions, values_at, tree.chunk), 1, 2))  # [b, C, h, V]
+  return cache, intermediates, jnp.stack(reads, axis=2)
 
 
 def _retained_cells(cache, config):
@@ -188,8 +248,8 @@ def parse_args(argv):
     "--probe",
     action="store_true",
     help="also record, for FS, FS-L and FS-B, how often the routing selects (FS-L: retains) the cell of a "
-    "query's value, for ZHA the fraction of keys a query reads, on the first --batch-size rows of each length "
-    "(queries at the end): PREFIX_probe.json",
+    "query's value, for ZHA the fraction of keys a query reads and how often its value is among them, on the first "
+    "--batch-size rows of each length (queries at the end): PREFIX_probe.json; other kinds are evaluated unprobed",
   )
   cli.add_set_argument(parser, "override model config fields of every checkpoint, e.g. --set attention.kind=fsl")
   parser.add_argument("--out", default=None, help="PREFIX for PREFIX.csv and PREFIX.png (default: none)")
@@ -261,7 +321,9 @@ def main(argv=None):
             )
           )
         print(rows[-len(scores)], file=sys.stderr, flush=True)  # the "all" bucket
-        if args.probe:
+        if args.probe and loaded.model.config.attention.kind not in PROBED_KINDS:
+          print(f"{loaded.name}: no routing probe for kind {loaded.model.config.attention.kind}", file=sys.stderr)
+        elif args.probe:
           with cli.stage(f"{loaded.name}: routing probe at {length} tokens"):
             probed = probe_rows(loaded.model, loaded.variables, samples[: args.batch_size])
           probes.append(dict(model=loaded.name, **probed))
@@ -272,7 +334,7 @@ def main(argv=None):
           write_csv(Path(f"{args.out}.csv"), rows)
     if args.out:
       plot(Path(f"{args.out}.png"), rows)
-  except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+  except (ConfigError, CheckpointError, DeviceMemoryError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print("| model | train length | length | pairs | accuracy | chance |")
