@@ -1,11 +1,19 @@
-"""Runs each benchmark case in its own subprocess, so a device's peak-memory counter and compile caches belong to
-that case alone, and a case that hangs or runs out of memory is reported instead of ending the table."""
+"""What the per-case benchmarks share: each case runs in its own subprocess, so a device's peak-memory counter and
+compile caches belong to that case alone, and a case that hangs or runs out of memory is reported instead of
+ending the table; and a case's model is the preset's shape with random weights (`random_model`)."""
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+
+import jax
+
+from fsjax import calibrate, loading
+from fsjax.config import model_preset
+from fsjax.model import Transformer, init_variables
 
 
 def case_parser(description, default_lengths):
@@ -50,3 +58,22 @@ def run_cases(script, kinds, lengths, extra_args, timeout=None):
       rows.append(row)
       print(json.dumps(row), file=sys.stderr, flush=True)
   return rows
+
+
+def random_model(kind, preset, tokens, scan_layers=True, zha_max_nodes=None):
+  """The preset's model of `kind` with bf16 parameters and activations and random weights: `(config, model,
+  variables)`. ZHA keeps at most `zha_max_nodes` per level (None: the preset's routing). FS-B's τ is what
+  `fsjax.calibrate` computes from the FS forward over the first 4096 tokens of `tokens` `[batch, T]`."""
+  config = dataclasses.replace(
+    model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16", scan_layers=scan_layers
+  )
+  if kind == "zha" and zha_max_nodes is not None:
+    att = config.attention
+    config = dataclasses.replace(
+      config, attention=dataclasses.replace(att, zha=dataclasses.replace(att.zha, max_nodes=zha_max_nodes))
+    )
+  variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
+  if kind == "fsb":
+    fs_model = Transformer(dataclasses.replace(config, attention=model_preset(preset, kind="fs").attention))
+    variables = loading.with_tau(config, variables, calibrate.calibrate(fs_model, variables, [tokens[:, :4096]]))
+  return config, Transformer(config), variables

@@ -19,7 +19,6 @@ decode loop per case and prints the device kernels that take the most time per t
 on stderr (prefill compile, prefill, decode-loop compile), so one cut by `--case-timeout` says how far it got.
 """
 
-import dataclasses
 import json
 import re
 import sys
@@ -28,13 +27,12 @@ import time
 import jax
 import jax.numpy as jnp
 
-from fsjax import calibrate, decode, loading
+from fsjax import decode
 from fsjax.cache import init_cache
 from fsjax.config import model_preset
 from fsjax.decode import prefill
-from fsjax.model import Transformer, init_variables
 
-from cases import case_parser, run_cases
+from cases import case_parser, random_model, run_cases
 from timing import copy_bandwidth, print_top_kernels, traced_kernels
 
 
@@ -49,20 +47,11 @@ def progress(message):
 
 
 def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, profile=False):
-  config = dataclasses.replace(
-    model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16", scan_layers=layers == "scanned"
+  vocab_size = model_preset(preset, kind=kind).vocab_size
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, vocab_size)
+  config, model, variables = random_model(
+    kind, preset, tokens, scan_layers=layers == "scanned", zha_max_nodes=zha_max_nodes or None
   )
-  if kind == "zha":
-    att = config.attention
-    config = dataclasses.replace(
-      config, attention=dataclasses.replace(att, zha=dataclasses.replace(att.zha, max_nodes=zha_max_nodes or None))
-    )
-  model = Transformer(config)
-  variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, config.vocab_size)
-  if kind == "fsb":  # τ as `fsjax.calibrate` computes it: the FS forward's median cell norm, first 4096 tokens
-    fs_model = Transformer(dataclasses.replace(config, attention=model_preset(preset, kind="fs").attention))
-    variables = loading.with_tau(config, variables, calibrate.calibrate(fs_model, variables, [tokens[:, :4096]]))
   max_len = length + decode_tokens
   fresh = lambda: init_cache(config, 1, max_len, dtype=jnp.bfloat16)
   state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(fresh()))

@@ -17,7 +17,6 @@ FS-B's τ is calibrated on the first 4096 tokens, as `benchmarks/decode.py` does
 """
 
 import argparse
-import dataclasses
 import json
 import re
 import time
@@ -25,13 +24,11 @@ import time
 import jax
 import jax.numpy as jnp
 
-from fsjax import calibrate, loading
 from fsjax.cache import init_cache
 from fsjax.config import model_preset
 from fsjax.decode import chunk_sizes, prefill
-from fsjax.model import Transformer, init_variables
 
-from cases import case_parser, run_cases
+from cases import case_parser, random_model, run_cases
 from timing import print_top_kernels, traced_kernels
 
 # cuBLAS / CUTLASS matrix products: the dense layers' kernels (projections, MLP, logits).
@@ -39,15 +36,8 @@ MATMUL = re.compile(r"gemm|cublas|cutlass|xmma|nvjet", re.IGNORECASE)
 
 
 def run_case(kind, length, batch, preset, chunk, profile):
-  config = dataclasses.replace(
-    model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16", scan_layers=True
-  )
-  model = Transformer(config)
-  variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, length), 0, config.vocab_size)
-  if kind == "fsb":
-    fs_model = Transformer(dataclasses.replace(config, attention=model_preset(preset, kind="fs").attention))
-    variables = loading.with_tau(config, variables, calibrate.calibrate(fs_model, variables, [tokens[:, :4096]]))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, length), 0, model_preset(preset, kind=kind).vocab_size)
+  config, model, variables = random_model(kind, preset, tokens)
   lengths = jnp.full((batch,), length)
   run = lambda: prefill(
     model,

@@ -21,7 +21,6 @@ ZHA decodes through its capped routing (`--zha-max-nodes` per level, as `benchma
 calibrated on the prompt's first 4096 tokens.
 """
 
-import dataclasses
 import json
 import sys
 import time
@@ -29,13 +28,12 @@ import time
 import jax
 import jax.numpy as jnp
 
-from fsjax import calibrate, decode, loading, memory
+from fsjax import decode, memory
 from fsjax.cache import init_cache
 from fsjax.config import model_preset
 from fsjax.decode import prefill
-from fsjax.model import Transformer, init_variables
 
-from cases import case_parser, run_cases
+from cases import case_parser, random_model, run_cases
 
 FIT = 0.9  # of the free memory the batch's caches and the decode loop's buffers may take
 SEARCH_STEPS = 6  # recompiles of the decode loop while shrinking the batch to fit
@@ -99,20 +97,8 @@ def largest_batch(model, variables, config, max_len, per_sequence, fixed, decode
 
 
 def run_case(kind, length, preset, decode_tokens, max_batch, zha_max_nodes):
-  config = dataclasses.replace(
-    model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16", scan_layers=True
-  )
-  if kind == "zha":
-    att = config.attention
-    config = dataclasses.replace(
-      config, attention=dataclasses.replace(att, zha=dataclasses.replace(att.zha, max_nodes=zha_max_nodes or None))
-    )
-  model = Transformer(config)
-  variables = jax.jit(lambda: init_variables(config, jax.random.PRNGKey(0), 128))()
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, config.vocab_size)
-  if kind == "fsb":
-    fs_model = Transformer(dataclasses.replace(config, attention=model_preset(preset, kind="fs").attention))
-    variables = loading.with_tau(config, variables, calibrate.calibrate(fs_model, variables, [tokens[:, :4096]]))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, model_preset(preset, kind=kind).vocab_size)
+  config, model, variables = random_model(kind, preset, tokens, zha_max_nodes=zha_max_nodes or None)
   max_len = length + 2 * decode_tokens  # two loop calls: the compiling one, then the timed one
   lengths = jnp.array([length], jnp.int32)
 
