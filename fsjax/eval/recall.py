@@ -15,9 +15,12 @@ its value. Reading: the queries' answers are in the row (teacher forcing, as Zoo
 pass), so a query sees the earlier answers; every answer is one token, which a decode step would emit from the
 same logits (prefill equals the masked forward and one-token decode for every kind: tests/test_decode.py).
 
-Prints a table (model × length: accuracy, and chance = 1 / values); writes PREFIX.csv (a row per model, length
-and distance bucket, plus an "all" bucket) and PREFIX.png (accuracy against length) with `--out`. Distance
-buckets are powers of two of the tokens from a pair's key to its query's key.
+Prints a table (model × length: accuracy, the share of queries answered with some value of their row, and
+chance = 1 / values); writes PREFIX.csv (a row per model, length and distance bucket, plus an "all" bucket) and
+PREFIX.png (accuracy against length) with `--out`. Distance buckets are powers of two of the tokens from a
+pair's key to its query's key. A model that has learned to copy a value but not which one answers nearly every
+query from its row and about 1/pairs of them right: the in-row share tells that apart from one that does not
+recall at all.
 
 `--probe` (FS, FS-L, FS-B, ZHA; queries at the end) explains the outcome: per layer, how often the cell holding a
 query's value is among the cells the query selects, and for FS-L how often it is in the bounded cache's
@@ -56,12 +59,13 @@ def recall_rows(task, length, samples, seed):
   return [recall_row(i, seed=seed, stream=TEST, length=length, **task) for i in range(samples)]
 
 
-def answer_queries(model, variables, rows, batch_size):
-  """Whether each query of each row is answered: bool `[samples, pairs]` (argmax at the query key = value).
+def predict_answers(model, variables, rows, batch_size):
+  """The model's answer to each query of each row: the argmax over the vocabulary at the query key, int
+  `[samples, pairs]`.
 
   Rows go `batch_size` at a time through `prefill` into a fresh cache of their length, logits at the query
   keys only."""
-  hits = []
+  answers = []
   for start in range(0, len(rows), batch_size):
     batch = rows[start : start + batch_size]
     tokens = np.stack([r.tokens for r in batch])
@@ -70,9 +74,8 @@ def answer_queries(model, variables, rows, batch_size):
     logits, _ = prefill(
       model, variables, tokens, np.full(len(batch), tokens.shape[1], np.int32), cache, logits_at=queries
     )
-    predicted = np.asarray(jnp.argmax(logits, axis=-1))
-    hits.append(predicted == np.stack([r.values for r in batch]))
-  return np.concatenate(hits)
+    answers.append(np.asarray(jnp.argmax(logits, axis=-1)))
+  return np.concatenate(answers)
 
 
 def probe_rows(model, variables, rows, chunk=512):
@@ -202,14 +205,17 @@ def distance_bucket(distance):
   return 1 << (int(distance).bit_length() - 1)
 
 
-def score_rows(rows, hits):
-  """`{bucket: (answered, queries)}` over distance buckets, with "all"."""
+def score_rows(rows, answers):
+  """`{bucket: (answered, in_row, queries)}` over distance buckets, with "all": the queries answered with their
+  value, and those answered with any value of their row (a model that copies values but does not bind them to
+  their keys scores about 1/pairs of its in-row answers)."""
   distances = np.concatenate([r.query_positions - r.pair_positions for r in rows])
-  answered = hits.reshape(-1)
-  scores = {"all": (int(answered.sum()), answered.size)}
+  answered = np.concatenate([a == r.values for a, r in zip(answers, rows)])
+  in_row = np.concatenate([np.isin(a, r.values) for a, r in zip(answers, rows)])
+  scores = {"all": (int(answered.sum()), int(in_row.sum()), answered.size)}
   for bucket in sorted({distance_bucket(d) for d in distances}):
     inside = np.array([distance_bucket(d) == bucket for d in distances])
-    scores[bucket] = (int(answered[inside].sum()), int(inside.sum()))
+    scores[bucket] = (int(answered[inside].sum()), int(in_row[inside].sum()), int(inside.sum()))
   return scores
 
 
@@ -304,9 +310,9 @@ def main(argv=None):
         associative.check_length(length, "--lengths")
         samples = recall_rows(task, length, args.samples, args.seed)
         with cli.stage(f"{loaded.name}: {args.samples} recall rows of {length} tokens"):
-          hits = answer_queries(loaded.model, loaded.variables, samples, args.batch_size)
-        scores = score_rows(samples, hits)
-        for bucket, (answered, queries) in scores.items():
+          answers = predict_answers(loaded.model, loaded.variables, samples, args.batch_size)
+        scores = score_rows(samples, answers)
+        for bucket, (answered, in_row, queries) in scores.items():
           rows.append(
             dict(
               model=loaded.name,
@@ -317,6 +323,7 @@ def main(argv=None):
               bucket=bucket,
               queries=queries,
               accuracy=answered / queries,
+              in_row=in_row / queries,
               chance=1.0 / (associative.values[1] - associative.values[0]),
             )
           )
@@ -337,13 +344,13 @@ def main(argv=None):
   except (ConfigError, CheckpointError, DeviceMemoryError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print("| model | train length | length | pairs | accuracy | chance |")
-  print("|---|---|---|---|---|---|")
+  print("| model | train length | length | pairs | accuracy | a value of its row | chance |")
+  print("|---|---|---|---|---|---|---|")
   for r in rows:
     if r["bucket"] == "all":
       print(
         f"| {r['model']} | {r['train_length']} | {r['length']} | {r['pairs']} | {r['accuracy']:.3f} | "
-        f"{r['chance']:.3f} |"
+        f"{r['in_row']:.3f} | {r['chance']:.5f} |"
       )
   return 0
 
