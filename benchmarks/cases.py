@@ -1,6 +1,7 @@
 """What the per-case benchmarks share: each case runs in its own subprocess, so a device's peak-memory counter and
 compile caches belong to that case alone, and a case that hangs or runs out of memory is reported instead of
-ending the table; and a case's model is the preset's shape with random weights (`random_model`)."""
+ending the table; a case's model is the preset's shape with random weights (`random_model`), and its decode loop
+is compiled once (`compiled_decode_loop`)."""
 
 import argparse
 import dataclasses
@@ -10,8 +11,9 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 
-from fsjax import calibrate, loading
+from fsjax import calibrate, decode, loading
 from fsjax.config import model_preset
 from fsjax.model import Transformer, init_variables
 
@@ -77,3 +79,25 @@ def random_model(kind, preset, tokens, scan_layers=True, zha_max_nodes=None):
     fs_model = Transformer(dataclasses.replace(config, attention=model_preset(preset, kind="fs").attention))
     variables = loading.with_tau(config, variables, calibrate.calibrate(fs_model, variables, [tokens[:, :4096]]))
   return config, Transformer(config), variables
+
+
+def compiled_decode_loop(model, variables, cache, batch, decode_tokens):
+  """`fsjax.decode`'s on-device loop compiled for `batch` rows and `cache` (arrays or shapes): greedy, no EOS, every
+  row running `decode_tokens` steps. Call it as `loop(variables, cache, first_token, position, rng, limits)` →
+  `(tokens, cells, final cache)`; it donates the cache. One compile serves every call (lowering the loop again
+  for its HLO text would compile it twice: minutes for FS-B)."""
+  rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  return decode._decode_loop.lower(
+    model,
+    variables,
+    cache,
+    rows,
+    rows,
+    jax.random.PRNGKey(0),
+    rows,
+    max_new_tokens=decode_tokens,
+    eos_id=-1,
+    temperature=0.0,
+    top_p=1.0,
+    return_cells=False,
+  ).compile()

@@ -27,12 +27,11 @@ import time
 import jax
 import jax.numpy as jnp
 
-from fsjax import decode
 from fsjax.cache import init_cache
 from fsjax.config import model_preset
 from fsjax.decode import prefill
 
-from cases import case_parser, random_model, run_cases
+from cases import case_parser, compiled_decode_loop, random_model, run_cases
 from timing import copy_bandwidth, print_top_kernels, traced_kernels
 
 
@@ -64,24 +63,9 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, 
   logits.block_until_ready()
   prefill_s = time.perf_counter() - start
   progress(f"{kind} at {length:,}: prefill {prefill_s:.0f} s")
-  # One compile of the jitted loop `decode_loop` runs, reused for every call below: jitting a wrapper around
-  # `decode_loop` for its HLO text would compile the same program a second time (minutes for FS-B).
   clock = time.perf_counter()
   limits = jnp.full(lengths.shape, decode_tokens, jnp.int32)  # every row runs the whole loop
-  loop = decode._decode_loop.lower(
-    model,
-    variables,
-    cache,
-    tokens[:, -1],
-    lengths,
-    jax.random.PRNGKey(2),
-    limits,
-    max_new_tokens=decode_tokens,
-    eos_id=-1,
-    temperature=0.0,
-    top_p=1.0,
-    return_cells=False,
-  ).compile()
+  loop = compiled_decode_loop(model, variables, cache, 1, decode_tokens)
   run = lambda c: loop(variables, c, tokens[:, -1], lengths, jax.random.PRNGKey(2), limits)[0]
   run(jax.tree_util.tree_map(jnp.copy, cache)).block_until_ready()  # the loop donates its cache: warm up on a copy
   progress(f"{kind} at {length:,}: decode loop compiled and warmed up in {time.perf_counter() - clock:.0f} s")

@@ -33,7 +33,7 @@ from fsjax.cache import init_cache
 from fsjax.config import model_preset
 from fsjax.decode import prefill
 
-from cases import case_parser, random_model, run_cases
+from cases import case_parser, compiled_decode_loop, random_model, run_cases
 
 FIT = 0.9  # of the free memory the batch's caches and the decode loop's buffers may take
 SEARCH_STEPS = 6  # recompiles of the decode loop while shrinking the batch to fit
@@ -62,25 +62,6 @@ def replicated(cache, axes, batch):
   return jax.tree_util.tree_unflatten(treedef, [x if a is None else grow(x, a) for x, a in zip(leaves, axes)])
 
 
-def compiled_loop(model, variables, cache, batch, decode_tokens):
-  """`decode._decode_loop` compiled for `batch` rows: greedy, no EOS, every row running `decode_tokens` steps."""
-  rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  return decode._decode_loop.lower(
-    model,
-    variables,
-    cache,
-    rows,
-    rows,
-    jax.random.PRNGKey(0),
-    rows,
-    max_new_tokens=decode_tokens,
-    eos_id=-1,
-    temperature=0.0,
-    top_p=1.0,
-    return_cells=False,
-  ).compile()
-
-
 def largest_batch(model, variables, config, max_len, per_sequence, fixed, decode_tokens, max_batch):
   """The largest batch whose caches and compiled decode loop fit `FIT` of the free memory, and that loop:
   `(batch, compiled, loop bytes)`. Where the platform reports no memory size (CPU), `max_batch`."""
@@ -88,7 +69,7 @@ def largest_batch(model, variables, config, max_len, per_sequence, fixed, decode
   batch = max_batch if free is None else max(1, min(max_batch, int((FIT * free - fixed) // per_sequence)))
   for _ in range(SEARCH_STEPS):
     shapes = jax.eval_shape(lambda: init_cache(config, batch, max_len, dtype=jnp.bfloat16))
-    loop = compiled_loop(model, variables, shapes, batch, decode_tokens)
+    loop = compiled_decode_loop(model, variables, shapes, batch, decode_tokens)
     need = memory.program_bytes(loop) + memory.tree_bytes(shapes)
     if free is None or need <= FIT * free or batch == 1:
       return batch, loop, memory.program_bytes(loop)
