@@ -58,7 +58,7 @@ def batch_axes(config, max_len):
 def replicated(cache, axes, batch):
   """`cache` of one row repeated to `batch` rows along each leaf's batch axis."""
   leaves, treedef = jax.tree_util.tree_flatten(cache)
-  grow = jax.jit(lambda x, axis: jnp.repeat(x, batch, axis=axis), static_argnums=1, donate_argnums=0)
+  grow = jax.jit(lambda x, axis: jnp.repeat(x, batch, axis=axis), static_argnums=1)
   return jax.tree_util.tree_unflatten(treedef, [x if a is None else grow(x, a) for x, a in zip(leaves, axes)])
 
 
