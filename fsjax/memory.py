@@ -42,11 +42,17 @@ def free_bytes():
 
 
 def free_block_bytes():
-  """The largest contiguous free block of the first device's allocator (a program's temporaries are one
-  buffer), where reported; else `free_bytes()`."""
+  """The largest buffer the first device's allocator can still hand out (a program's temporaries are one
+  buffer), where reported; else `free_bytes()`. That is its largest free block within the memory it has
+  reserved, or the memory it has not reserved yet, whichever is larger: with XLA_PYTHON_CLIENT_PREALLOCATE=false
+  the allocator reserves memory as it goes, so its largest free block alone says nothing about the rest."""
   free = free_bytes()
-  block = _stats().get("largest_free_block_bytes") if free is not None else None
-  return free if block is None else min(free, block)
+  stats = _stats()
+  block = stats.get("largest_free_block_bytes") if free is not None else None
+  if block is None:
+    return free
+  unreserved = stats["bytes_limit"] - stats.get("pool_bytes", stats["bytes_limit"])
+  return min(free, max(block, unreserved))
 
 
 def tree_bytes(tree):

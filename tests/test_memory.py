@@ -58,3 +58,22 @@ def test_not_even_one_unit_fitting_is_a_device_memory_error_naming_the_sizes(mon
   monkeypatch.setattr(memory, "_PROGRAMS", type(memory._PROGRAMS)())
   with pytest.raises(memory.DeviceMemoryError, match=r"prefill at batch 9: a chunk of 64 tokens needs 0.0\d GiB"):
     memory.fitted_program(_Jitted(lambda s: 1000 * s * s), "k", 4096, 64, lambda s: ((s,), {}), "prefill at batch 9")
+
+
+@pytest.mark.parametrize(
+  "stats,expected",
+  [
+    # Preallocated: the whole limit is one pool, so its largest free block is what a buffer can take.
+    (dict(bytes_limit=100, bytes_in_use=40, pool_bytes=100, largest_free_block_bytes=25), 25),
+    # Growing as it goes (XLA_PYTHON_CLIENT_PREALLOCATE=false): beyond its small pool lies unreserved memory.
+    (dict(bytes_limit=100, bytes_in_use=40, pool_bytes=45, largest_free_block_bytes=5), 55),
+    (dict(bytes_limit=100, bytes_in_use=40, pool_bytes=70, largest_free_block_bytes=28), 30),
+    # No pool size reported: the free block alone; no free block reported: what is free.
+    (dict(bytes_limit=100, bytes_in_use=40, largest_free_block_bytes=25), 25),
+    (dict(bytes_limit=100, bytes_in_use=40), 60),
+    ({}, None),
+  ],
+)
+def test_the_largest_free_buffer_counts_memory_the_allocator_has_not_reserved(monkeypatch, stats, expected):
+  monkeypatch.setattr(memory, "_stats", lambda: stats)
+  assert memory.free_block_bytes() == expected
