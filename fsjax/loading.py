@@ -76,7 +76,7 @@ def load_model(checkpoint, overrides=()):
     print(f"warning: {checkpoint} (step {step}) holds {fault}", file=sys.stderr)
   model_config = override_model(config.model, list(overrides))
   variables = {"params": params, **attach_tau(model_config, frozen, checkpoint)}
-  name = f"{Path(checkpoint).name}@{step}" + "".join(
+  name = f"{Path(calibration_path(checkpoint)[0]).parent.name}@{step}" + "".join(
     f"[{key.split('.')[-1]}={value}]" for key, value in (a.split("=", 1) for a in overrides)
   )
   return LoadedModel(name=name, config=config, model=Transformer(model_config), variables=variables, step=step)

@@ -447,3 +447,10 @@ def test_loaders_skip_a_damaged_step_without_changing_it_and_name_it_when_none_i
     ckpt_lib.CheckpointError, match=r"no intact checkpoint in .*: damaged steps 4 \(config: .*\), 2 \(state: "
   ):
     ckpt_lib.load(str(workdir))
+
+
+def test_a_step_directory_loads_under_its_workdirs_name(micro_workdir):
+  """Evaluations name a model `workdir@step`, whether given the workdir or one of its step directories."""
+  by_workdir = loading.load_model(str(micro_workdir))
+  by_step = loading.load_model(str(micro_workdir / "checkpoints" / "2"))
+  assert by_step.name == by_workdir.name == f"{micro_workdir.name}@2"
