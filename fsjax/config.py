@@ -232,12 +232,17 @@ class AssociativeConfig:
   """Multi-query associative recall rows (`data.source: associative`; `fsjax.data.associative.recall_row`).
 
   Attributes:
-    pairs: key-value pairs per row, each queried once.
+    pairs: key-value pairs per row.
     keys, values, filler_ids: `[min, max)` id ranges of keys, values and uniform filler; disjoint.
     filler: "random" (uniform ids from filler_ids) or "text" (windows of the training corpus; the held-out one
       at evaluation).
     queries: "end" (all queries after the context) or "interleaved" (each somewhere after its pair).
     distance: `[min, max]` tokens from a pair's key to its query's key; null = anywhere before the query.
+    query_keys: "sampled" (each query asks a pair drawn with replacement from those before it within distance)
+      or "each" (every pair asked once, as in Zoology, which the answers already given let a model answer by
+      elimination without binding keys to values: `fsjax.data.associative`).
+    query_count: queries per row; null = pairs. Another count needs query_keys sampled, queries at the end and
+      no distance bound.
   """
 
   pairs: int = 8
@@ -247,9 +252,12 @@ class AssociativeConfig:
   filler: str = "random"
   queries: str = "end"
   distance: tuple[int, ...] | None = None
+  query_keys: str = "sampled"
+  query_count: int | None = None
 
   def __post_init__(self):
     _positive(self, "data.associative.", "pairs")
+    _one_of(self, "data.associative.", "query_keys", ("sampled", "each"))
     _one_of(self, "data.associative.", "filler", ("random", "text"))
     _one_of(self, "data.associative.", "queries", ("end", "interleaved"))
     ranges = {name: getattr(self, name) for name in ("keys", "values", "filler_ids")}
@@ -265,6 +273,15 @@ class AssociativeConfig:
           raise ConfigError(f"data.associative.{a} {list(ranges[a])} and {b} {list(ranges[b])} must not overlap")
     if self.keys[1] - self.keys[0] < self.pairs:
       raise ConfigError(f"data.associative.keys holds {self.keys[1] - self.keys[0]} ids, fewer than pairs={self.pairs}")
+    if self.query_count is not None:
+      _positive(self, "data.associative.", "query_count")
+      if self.query_count != self.pairs and (
+        self.query_keys != "sampled" or self.queries != "end" or self.distance is not None
+      ):
+        raise ConfigError(
+          f"data.associative.query_count ({self.query_count}) other than pairs ({self.pairs}) needs query_keys "
+          "sampled, queries end and no distance"
+        )
     if self.distance is not None and (len(self.distance) != 2 or not 2 <= self.distance[0] <= self.distance[1]):
       raise ConfigError(f"data.associative.distance must be [min, max] with 2 <= min <= max, got {self.distance}")
 
@@ -277,14 +294,20 @@ class AssociativeConfig:
       filler_ids=self.filler_ids,
       queries=self.queries,
       distance=self.distance,
+      query_keys=self.query_keys,
+      query_count=self.query_count,
       filler_tokens=filler_tokens,
     )
 
   def check_length(self, length, field):
     """ConfigError unless rows of `length` tokens hold the pairs and their queries. Queries at the end with no
-    distance bound always fit in `4 * pairs` tokens; other placements are random, so the first rows are drawn."""
-    if 4 * self.pairs > length:
-      raise ConfigError(f"{field} ({length}) cannot hold data.associative.pairs={self.pairs} pairs and queries")
+    distance bound always fit in `2 * (pairs + queries)` tokens; other placements are random, so the first rows
+    are drawn."""
+    if 2 * self.pairs + 2 * (self.query_count or self.pairs) > length:
+      raise ConfigError(
+        f"{field} ({length}) cannot hold data.associative.pairs={self.pairs} pairs and "
+        f"{self.query_count or self.pairs} queries"
+      )
     if self.queries == "end" and self.distance is not None and self.distance[1] < 2 * self.pairs:
       raise ConfigError(
         f"data.associative.distance max ({self.distance[1]}) must be >= 2 * pairs = {2 * self.pairs}: the last "

@@ -38,30 +38,78 @@ TASK = dict(pairs=5, keys=(3, 35), values=(35, 67), filler_ids=(67, 256))
 def _check_row(row, length, task, distance=None):
   tokens, q, p = row.tokens, row.query_positions, row.pair_positions
   assert tokens.shape == (length,) and tokens.dtype == np.int32
-  assert len(set(row.keys.tolist())) == task["pairs"]  # distinct keys
+  keys = (tokens >= task["keys"][0]) & (tokens < task["keys"][1])
+  pairs = np.setdiff1d(np.flatnonzero(keys), q)  # every pair's key position, asked or not
+  assert pairs.size == task["pairs"] and len(set(tokens[pairs].tolist())) == task["pairs"]  # distinct keys
   assert np.all((row.values >= task["values"][0]) & (row.values < task["values"][1]))
   for key, value, pair, query in zip(row.keys, row.values, p, q):
-    assert np.flatnonzero(tokens == key).tolist() == [pair, query]  # the key occurs at its pair and query only
+    # The key occurs at its pair and at the queries that ask it, nowhere else.
+    assert np.flatnonzero(tokens == key).tolist() == sorted([pair] + q[row.keys == key].tolist())
     assert tokens[pair + 1] == value and tokens[query + 1] == value
     assert pair + 1 < query
     if distance is not None:
       assert distance[0] <= query - pair <= distance[1]
   assert np.flatnonzero(row.loss_mask).tolist() == sorted((q + 1).tolist())  # the answers, nothing else
-  slots = np.concatenate([p, p + 1, q, q + 1])
+  slots = np.concatenate([pairs, pairs + 1, q, q + 1])
   assert len(set(slots.tolist())) == slots.size  # no pair or query overlaps another
   filler = np.delete(tokens, slots)
   assert np.all((filler >= task["filler_ids"][0]) & (filler < task["filler_ids"][1]))
+  assert sorted(row.pair_values.tolist()) == sorted(tokens[pairs + 1].tolist())
+  for j in range(q.size):  # a first ask: no earlier query asked its key
+    assert row.first_asks[j] == (not np.any((q < q[j]) & (row.keys == row.keys[j])))
+  if task.get("query_keys") == "each":
+    assert sorted(p.tolist()) == pairs.tolist() and row.first_asks.all()  # every pair asked once
 
 
+@pytest.mark.parametrize("query_keys", ["sampled", "each"])
 @pytest.mark.parametrize("queries", ["end", "interleaved"])
 @pytest.mark.parametrize("distance", [None, (6, 20)])
-def test_rows_hold_each_pair_and_its_query_once_with_answers_marked(queries, distance):
-  task = dict(TASK, queries=queries, distance=distance)
+def test_rows_hold_their_pairs_and_queries_with_answers_marked(queries, distance, query_keys):
+  task = dict(TASK, queries=queries, distance=distance, query_keys=query_keys)
   for index in range(20):
     row = recall_row(index, seed=3, stream=TRAIN, length=97, **task)
     _check_row(row, 97, task, distance)
     if queries == "end":
       assert sorted(row.query_positions.tolist()) == list(range(97 - 10, 97, 2))
+
+
+def test_more_queries_than_pairs_fill_the_end_of_the_row():
+  """Sampled keys allow more queries than pairs: more answers per row to learn binding from."""
+  task = dict(TASK, query_count=12)
+  for index in range(20):
+    row = recall_row(index, seed=1, stream=TRAIN, length=97, **task)
+    _check_row(row, 97, task)
+    assert row.query_positions.tolist() == list(range(97 - 24, 97, 2)) and row.loss_mask.sum() == 12
+  with pytest.raises(ValueError, match="12 queries of 5 pairs need sampled query keys at the end"):
+    recall_row(0, seed=0, stream=TRAIN, length=97, **dict(task, query_keys="each"))
+  with pytest.raises(ConfigError, match="cannot hold data.associative.pairs=5 pairs and 40 queries"):
+    AssociativeConfig(pairs=5, query_count=40).check_length(89, "data.seq_len + 1")
+
+
+def _eliminate(row):
+  """The answers of a model that does not bind keys to values: each query answered with a value of the row that
+  no earlier query has answered (the first such, in the pairs' order), seeing the earlier answers as a row shows
+  them."""
+  keys = (row.tokens >= TASK["keys"][0]) & (row.tokens < TASK["keys"][1])
+  values = row.tokens[np.setdiff1d(np.flatnonzero(keys), row.query_positions) + 1]
+  answers, given = np.zeros(len(row.query_positions), np.int64), []
+  for j in np.argsort(row.query_positions):
+    left = [v for v in values if v not in given] or list(values)
+    answers[j] = left[0]
+    given.append(row.values[j])
+  return answers
+
+
+def test_sampled_query_keys_cannot_be_answered_by_elimination():
+  """With every pair asked once, the earlier answers give the later ones away (the last query always, H(5)/5 =
+  46% of all for 5 pairs); with sampled keys elimination scores 1/pairs, what copying any value of the row scores."""
+  rate = {}
+  for query_keys in ("each", "sampled"):
+    rows = [recall_row(i, seed=0, stream=TEST, length=64, **dict(TASK, query_keys=query_keys)) for i in range(400)]
+    rate[query_keys] = np.mean([_eliminate(r) == r.values for r in rows])
+  assert rate["each"] > 0.42 and rate["sampled"] < 0.25, rate
+  repeated = [recall_row(i, seed=0, stream=TEST, length=64, **TASK).keys for i in range(50)]
+  assert any(len(set(k.tolist())) < TASK["pairs"] for k in repeated)  # keys drawn with replacement
 
 
 def test_rows_are_pure_functions_of_seed_stream_and_index():
@@ -81,7 +129,7 @@ def test_text_filler_is_a_window_of_the_text_without_the_rows_keys():
   row = recall_row(4, seed=0, stream=TRAIN, length=200, filler_tokens=text, **task)
   slots = np.concatenate([row.pair_positions + d for d in (0, 1)] + [row.query_positions + d for d in (0, 1)])
   for key in row.keys:
-    assert np.flatnonzero(row.tokens == key).size == 2
+    assert np.flatnonzero(row.tokens == key).size == 1 + np.sum(row.keys == key)
   kept = np.delete(np.arange(200), slots)
   windows = np.lib.stride_tricks.sliding_window_view(text, 200)
   agreement = (windows[:, kept] == row.tokens[kept]).mean(axis=1)
@@ -134,6 +182,9 @@ def test_the_loss_counts_only_the_answers():
     (dict(distance=(1, 5)), "distance must be"),
     (dict(queries="middle"), "queries must be one of"),
     (dict(filler="noise"), "filler must be one of"),
+    (dict(query_keys="all"), "query_keys must be one of"),
+    (dict(query_count=12, queries="interleaved"), r"query_count \(12\) other than pairs \(8\) needs query_keys"),
+    (dict(query_count=0), "query_count must be"),
   ],
 )
 def test_bad_tasks_are_one_line_naming_the_field(fields, message):
@@ -190,7 +241,6 @@ def test_the_recall_cli_answers_through_prefill_as_a_full_forward_pass_does(reca
   overall = {int(r["length"]): float(r["accuracy"]) for r in rows if r["bucket"] == "all"}
   assert overall[64] > 4 / 32  # well above chance at the training length
   buckets = [r for r in rows if r["bucket"] != "all" and r["length"] == "160"]
-  assert sum(int(r["queries"]) for r in buckets) == 24 * 2
   assert (tmp_path / "recall.png").stat().st_size > 0
 
   # The same accuracy from the full forward pass of the training model.
@@ -199,9 +249,13 @@ def test_the_recall_cli_answers_through_prefill_as_a_full_forward_pass_does(reca
   samples = recall_eval.recall_rows(task, 160, 24, seed=0)
   logits = loaded.model.apply(loaded.variables, jnp.asarray(np.stack([r.tokens for r in samples])))
   answers = [np.argmax(np.asarray(logits)[i, r.query_positions], -1) for i, r in enumerate(samples)]
-  assert np.mean([a == r.values for a, r in zip(answers, samples)]) == pytest.approx(overall[160])
+  first = np.concatenate([r.first_asks for r in samples])
+  assert sum(int(r["queries"]) for r in buckets) == first.sum() < 24 * 2  # repeated asks are not scored
+  correct = np.concatenate([a == r.values for a, r in zip(answers, samples)])
+  assert np.mean(correct[first]) == pytest.approx(overall[160])
   in_row = {int(r["length"]): float(r["in_row"]) for r in rows if r["bucket"] == "all"}
-  assert np.mean([np.isin(a, r.values) for a, r in zip(answers, samples)]) == pytest.approx(in_row[160])
+  copied = np.concatenate([np.isin(a, r.pair_values) for a, r in zip(answers, samples)])
+  assert np.mean(copied[first]) == pytest.approx(in_row[160])
   assert in_row[160] >= overall[160]
 
 

@@ -1,16 +1,26 @@
 """Multi-query associative recall (MQAR, Arora et al. 2023, "Zoology"), extended for length extrapolation.
 
-A row holds `pairs` key-value pairs, each a key id followed by its value id, and one query per pair: the key
-again, followed by its value, the answer. Keys come from one id range and values from another (disjoint), keys
-are distinct within a row and values drawn with replacement, as in Zoology's MQAR. Unlike Zoology, the pairs
-lie anywhere in a long context of filler tokens (uniform ids from a third range, or text), the queries sit at
-the end of the row or each somewhere after its pair, and the distance from a pair to its query can be bounded,
-so the same task runs at any length. Only the answers are predictable from the row: `loss_mask` marks them, and
-training takes its loss there alone (`fsjax.train.objectives.loss_weights`).
+A row holds `pairs` key-value pairs, each a key id followed by its value id, and `query_count` queries (default:
+as many as pairs): a key of the row again, followed by its value, the answer. Keys come from one id range and
+values from another (disjoint), keys are distinct within a row and values drawn with replacement, as in Zoology's
+MQAR. Unlike Zoology, the pairs lie anywhere in a long context of filler tokens (uniform ids from a third range,
+or text), the queries sit at the end of the row or each somewhere after its pair, and the distance from a pair to
+its query can be bounded, so the same task runs at any length. Only the answers are predictable from the row:
+`loss_mask` marks them, and training takes its loss there alone (`fsjax.train.objectives.loss_weights`).
+
+Which key a query asks (`query_keys`): Zoology queries every pair once ("each"). The answers are in the row
+(teacher forcing), so with every pair queried once a model can answer a query with a value of the row that no
+earlier query has answered, without binding values to keys: the last query is then always right and the row's
+accuracy is `H(pairs) / pairs` (21% for 16 pairs), which is what models trained on "each" rows learned
+(docs/results.md, "Associative recall"). "sampled" (the default) draws each query's key uniformly, with
+replacement, from the pairs that may precede it (before the query, within `distance`), so earlier answers tell
+nothing about the next one: only binding answers more than `1 / pairs` of them (`fsjax.eval.recall` scores a
+key's first ask only; a repeated ask finds its answer at the earlier one). Sampled keys also allow more queries
+than pairs (queries at the end, no distance bound): more answers per row to learn from.
 
 Readings (the Zoology paper leaves these open or has no filler): the distance is from the pair's key to the
 query's key, `query - pair >= 2`; with text filler, the row's own keys are replaced where the text holds them (by
-a uniform filler id), so every queried key occurs exactly twice; a pair or query never overlaps another.
+a uniform filler id), so a key occurs only at its pair and its queries; a pair or query never overlaps another.
 
 Row `i` of stream `stream` is a pure function of `(seed, stream, i)`: the training stream (`TRAIN`) and the test
 stream (`TEST`, `fsjax.eval.recall`) draw from different generators for every seed.
@@ -37,8 +47,10 @@ PLACEMENT_TRIES = 100  # random placements of a row's pairs and queries before i
 
 @dataclasses.dataclass(frozen=True)
 class RecallRow:
-  """One row: `tokens` and `loss_mask` `[length]` (the answers), and per query `[pairs]` its key's position,
-  the position of its pair's key, the key and the value (answer)."""
+  """One row: `tokens` and `loss_mask` `[length]` (the answers); per query `[queries]` its key's position, the
+  position of its pair's key, the key, the value (answer), and whether it is its key's first ask (no earlier
+  query asked that key); and `pair_values` `[pairs]`, the value of every pair in the row. With sampled query
+  keys a pair may be asked by several queries or by none; a repeated ask can be answered from the earlier one."""
 
   tokens: np.ndarray
   loss_mask: np.ndarray
@@ -46,16 +58,19 @@ class RecallRow:
   pair_positions: np.ndarray
   keys: np.ndarray
   values: np.ndarray
+  first_asks: np.ndarray
+  pair_values: np.ndarray
 
 
-def _place(rng, length, pairs, queries, distance):
-  """`(pair positions, query positions)` `[pairs]` of one row, or None where a random placement ran out of room
-  (the caller draws again). Queries at the end with no distance bound are placed in one draw that never fails:
-  sorted distinct starts plus their rank leave every pair two free slots."""
+def _place(rng, length, pairs, queries, distance, query_count):
+  """`(pair positions [pairs], query positions [query_count])` of one row, or None where a random placement ran
+  out of room (the caller draws again); query j's pair is pair j when `query_count == pairs`. Queries at the end
+  with no distance bound are placed in one draw that never fails: sorted distinct starts plus their rank leave
+  every pair two free slots."""
   if queries == "end" and distance is None:
-    context = length - 2 * pairs
+    context = length - 2 * query_count
     starts = np.sort(rng.choice(context - pairs, pairs, replace=False)) + np.arange(pairs)
-    return rng.permutation(starts), length - 2 * pairs + 2 * np.arange(pairs)
+    return rng.permutation(starts), context + 2 * np.arange(query_count)
   occupied = np.zeros(length, bool)
   query_positions = np.zeros(pairs, np.int64)
   pair_positions = np.zeros(pairs, np.int64)
@@ -99,17 +114,23 @@ def recall_row(
   filler_ids=(2051, 32000),
   queries="end",
   distance=None,
+  query_keys="sampled",
+  query_count=None,
   filler_tokens=None,
 ):
   """Row `index` of stream `stream` (`TRAIN` or `TEST`) as a `RecallRow`.
 
   Args:
-    length: tokens in the row; pairs: key-value pairs, each queried once (so `4 * pairs <= length`).
+    length: tokens in the row; pairs: key-value pairs (`2 * pairs + 2 * query_count <= length`).
     keys, values, filler_ids: `[min, max)` id ranges; keys and values must not overlap each other or the filler
       range (`filler_ids` is also what replaces a row's keys in text filler).
     queries: "end" (the last `2 * pairs` tokens, pairs in random order) or "interleaved" (each query at a random
       place after its pair).
     distance: `(min, max)` tokens from a pair's key to its query's key, or None for anywhere before the query.
+    query_keys: "sampled" (each query asks a pair drawn uniformly, with replacement, from those before it within
+      `distance`) or "each" (every pair asked once, Zoology's MQAR).
+    query_count: queries in the row, None for `pairs`; another count needs sampled keys asked at the end with no
+      distance bound.
     filler_tokens: None for uniform filler from `filler_ids`, else a 1-D int array of text tokens (longer than
       `length`) from which the row's filler is a random window.
 
@@ -117,6 +138,9 @@ def recall_row(
     ValueError: when `PLACEMENT_TRIES` random placements all ran out of room (too many pairs for the length, or
       no room at the distances asked); `AssociativeConfig.check_length` refuses such tasks up front.
   """
+  query_count = pairs if query_count is None else query_count
+  if query_count != pairs and (query_keys != "sampled" or queries != "end" or distance is not None):
+    raise ValueError(f"{query_count} queries of {pairs} pairs need sampled query keys at the end, no distance bound")
   rng = np.random.default_rng([seed, stream, index])
   if filler_tokens is None:
     tokens = rng.integers(filler_ids[0], filler_ids[1], length, dtype=np.int32)
@@ -131,7 +155,7 @@ def recall_row(
     taken = np.isin(tokens, row_keys)
     tokens[taken] = rng.integers(filler_ids[0], filler_ids[1], int(taken.sum()), dtype=np.int32)
   for _ in range(PLACEMENT_TRIES):
-    placed = _place(rng, length, pairs, queries, distance)
+    placed = _place(rng, length, pairs, queries, distance, query_count)
     if placed is not None:
       break
   else:
@@ -140,11 +164,33 @@ def recall_row(
       f"tokens in {PLACEMENT_TRIES} tries: give the row more room"
     )
   pair_positions, query_positions = placed
-  for positions in (pair_positions, query_positions):
-    tokens[positions], tokens[positions + 1] = row_keys, row_values
+  tokens[pair_positions], tokens[pair_positions + 1] = row_keys, row_values
+  asked = np.arange(query_count)  # query j asks pair asked[j]; placement put pair j before query j
+  if query_keys == "sampled":
+    asked = np.array([rng.choice(_askable(pair_positions, q, distance)) for q in query_positions])
+  tokens[query_positions], tokens[query_positions + 1] = row_keys[asked], row_values[asked]
   loss_mask = np.zeros(length, bool)
   loss_mask[query_positions + 1] = True
-  return RecallRow(tokens, loss_mask, query_positions, pair_positions, row_keys, row_values)
+  earlier = query_positions[None, :] < query_positions[:, None]  # [j, i]: query i comes before query j
+  first_asks = ~np.any(earlier & (asked[None, :] == asked[:, None]), axis=1)
+  return RecallRow(
+    tokens,
+    loss_mask,
+    query_positions,
+    pair_positions[asked],
+    row_keys[asked],
+    row_values[asked],
+    first_asks,
+    row_values,
+  )
+
+
+def _askable(pair_positions, query, distance):
+  """Indices of the pairs a query at `query` may ask: before it, within `distance` (its own placed pair always
+  qualifies)."""
+  gap = query - pair_positions
+  low, high = (2, query) if distance is None else distance
+  return np.flatnonzero((gap >= low) & (gap <= high))
 
 
 @functools.lru_cache(maxsize=4)

@@ -13,7 +13,9 @@ the path generation runs (FS-L with its bounded cache, FS-B with its forest cach
 the logits at the query keys only. A query is answered when the argmax over the whole vocabulary at its key is
 its value. Reading: the queries' answers are in the row (teacher forcing, as Zoology scores MQAR in one forward
 pass), so a query sees the earlier answers; every answer is one token, which a decode step would emit from the
-same logits (prefill equals the masked forward and one-token decode for every kind: tests/test_decode.py).
+same logits (prefill equals the masked forward and one-token decode for every kind: tests/test_decode.py). Only a
+key's first ask is scored: where query keys are sampled with replacement, a repeated ask finds its answer at the
+earlier ask, a few tokens back, which says nothing about reaching the pair.
 
 Prints a table (model × length: accuracy, the share of queries answered with some value of their row, and
 chance = 1 / values); writes PREFIX.csv (a row per model, length and distance bucket, plus an "all" bucket) and
@@ -208,10 +210,12 @@ def distance_bucket(distance):
 def score_rows(rows, answers):
   """`{bucket: (answered, in_row, queries)}` over distance buckets, with "all": the queries answered with their
   value, and those answered with any value of their row (a model that copies values but does not bind them to
-  their keys scores about 1/pairs of its in-row answers)."""
-  distances = np.concatenate([r.query_positions - r.pair_positions for r in rows])
-  answered = np.concatenate([a == r.values for a, r in zip(answers, rows)])
-  in_row = np.concatenate([np.isin(a, r.values) for a, r in zip(answers, rows)])
+  their keys scores about 1/pairs of its in-row answers). Only each key's first ask counts: a repeated key's
+  answer is in the row at its earlier ask, a few tokens back, whatever the distance to its pair."""
+  first = np.concatenate([r.first_asks for r in rows])
+  distances = np.concatenate([r.query_positions - r.pair_positions for r in rows])[first]
+  answered = np.concatenate([a == r.values for a, r in zip(answers, rows)])[first]
+  in_row = np.concatenate([np.isin(a, r.pair_values) for a, r in zip(answers, rows)])[first]
   scores = {"all": (int(answered.sum()), int(in_row.sum()), answered.size)}
   for bucket in sorted({distance_bucket(d) for d in distances}):
     inside = np.array([distance_bucket(d) == bucket for d in distances])
@@ -228,8 +232,8 @@ def task_for(config, pairs=None, distance=None, length=None, text_path=None):
   associative = config.data.associative
   if pairs is not None:
     associative = dataclasses.replace(associative, pairs=pairs)
-  if distance is not None:
-    associative = dataclasses.replace(associative, distance=distance)
+  if distance is not None:  # a distance bound asks one query per pair (the only placement that bounds it)
+    associative = dataclasses.replace(associative, distance=distance, query_count=None)
   return associative, held_out_task(associative, length or 0, config.data.tokenizer, text_path)
 
 
