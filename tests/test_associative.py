@@ -305,8 +305,8 @@ def test_the_fsl_probe_retains_what_the_masked_operator_makes_available():
     positions = jnp.arange(split, dtype=jnp.int32)[None]
     _, cache, _ = extend(model, variables, jnp.asarray(row.tokens[None, :split]), cache, positions, positions >= 0)
     available = availability_at(cache, config, split)  # [layers, heads, M]
-    held.append(available[:, :, (row.pair_positions + 1) // att.cell])  # [layers, heads, Q]
-  np.testing.assert_allclose(summary["retained"], np.mean(held, axis=(0, 2, 3)), atol=1e-4)
+    held.append(available[:, :, (row.pair_positions[row.first_asks] + 1) // att.cell])  # [layers, heads, asks]
+  np.testing.assert_allclose(summary["retained"], np.concatenate(held, axis=-1).mean(axis=(1, 2)), atol=1e-4)
   assert 0 < summary["random_pool"] < 1
 
 
@@ -322,7 +322,10 @@ def test_the_probe_finds_every_eligible_value_when_a_query_reads_all_cells():
     ((row.pair_positions + 1) // att.cell + 1) * att.cell <= row.query_positions // att.block * att.block
     for row in rows
   ]
-  assert summary["selected"] == [pytest.approx(float(np.mean(eligible)))] * config.num_layers
+  first_asks = np.concatenate([row.first_asks for row in rows])
+  assert not first_asks.all()  # a repeated ask, which the rates leave out
+  rate = float(np.concatenate(eligible)[first_asks].mean())
+  assert summary["selected"] == [pytest.approx(rate)] * config.num_layers
   assert "retained" not in summary
   with pytest.raises(ConfigError, match="needs an FS, FS-L, FS-B or ZHA model"):
     recall_eval.probe_rows(*tiny_model("tfpp")[1:], rows)
@@ -364,7 +367,8 @@ def test_the_zha_probe_reads_the_fraction_of_keys_the_full_forward_attends():
     leaves = zha_ref.route(scores, positions, chunk=tree.chunk, top_p=tree.level_top_p)
     mask = np.asarray(zha_ref.key_mask(leaves, positions, positions, tree.chunk))  # [batch, heads, T, T]
     b = np.arange(len(rows))[:, None]
-    value_read.append(mask[b, :, queries, values].mean())  # [batch, Q, heads]
+    first_asks = np.stack([r.first_asks for r in rows])
+    value_read.append(mask[b, :, queries, values][first_asks].mean())  # [batch, Q, heads] at first asks
   np.testing.assert_allclose(summary["value_read"], value_read, atol=1e-4)
   assert 0 < min(summary["value_read"]) and max(summary["value_read"]) < 1
   # A scanned model (the recall configs') with the same weights reads the same keys.

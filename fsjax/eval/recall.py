@@ -93,19 +93,19 @@ def probe_rows(model, variables, rows, chunk=512):
   in `pool ∪ recent`, and `random_pool`, the rate a random set of as many eligible cells would reach. For ZHA,
   instead, `keys_read` `[layers]`: the mean fraction of its visible keys a query key attends, and `value_read`
   `[layers]`: how often the query's value is among the keys it attends (in a leaf its descent reached, in its own
-  chunk, or key 0), over queries and heads.
+  chunk, or key 0), over queries and heads. Rates about a query's value count each key's first ask only, as the
+  accuracy does (`score_rows`); `keys_read`, a cost, counts every query.
   """
   config, att = model.config, model.config.attention
   if att.kind not in PROBED_KINDS:
     raise ConfigError(f"the routing probe needs an FS, FS-L, FS-B or ZHA model, got attention kind {att.kind!r}")
   tokens = np.stack([r.tokens for r in rows]) if len({r.tokens.size for r in rows}) == 1 else None
-  pairs = rows[0].query_positions.size
-  at_end = lambda r: np.array_equal(np.sort(r.query_positions), r.tokens.size - 2 * pairs + 2 * np.arange(pairs))
+  count = rows[0].query_positions.size
+  at_end = lambda r: np.array_equal(np.sort(r.query_positions), r.tokens.size - 2 * count + 2 * np.arange(count))
   if tokens is None or not all(at_end(r) for r in rows):
     raise ConfigError("the routing probe needs rows of one length with their queries at the end")
   batch, length = tokens.shape
-  first = length - 2 * pairs
-  split = first // att.block * att.block
+  split = (length - 2 * count) // att.block * att.block
   chunk = max(att.block, min(chunk, length) // att.block * att.block)
   bounds = [*range(0, split, chunk), split, *range(split, length, chunk), length]
   bounds = sorted(set(bounds))
@@ -131,25 +131,26 @@ def probe_rows(model, variables, rows, chunk=512):
     selections.append(np.asarray(sown_by_layer(intermediates, config, sown))[:, : end - start])
   selections = np.concatenate(selections, axis=1)  # [batch, length, layers, heads(, K)]
   queries = np.stack([r.query_positions for r in rows])  # [batch, Q]
+  first = np.stack([r.first_asks for r in rows])  # [batch, Q]
   if att.kind == "zha":
     read = np.take_along_axis(selections, queries[:, :, None, None], axis=1)  # [batch, Q, layers, heads]
     own = np.take_along_axis(np.concatenate(values_read, axis=1), (queries - split)[:, :, None, None, None], axis=1)
-    own = own[:, np.arange(pairs), :, :, np.arange(pairs)]  # query i's own value: [Q, batch, layers, heads]
+    own = own[:, np.arange(count), :, :, np.arange(count)]  # query i's own value: [Q, batch, layers, heads]
     return dict(
       kind=att.kind,
       length=int(length),
       keys_read=read.mean(axis=(0, 1, 3)).round(4).tolist(),
-      value_read=own.mean(axis=(0, 1, 3)).round(4).tolist(),
+      value_read=np.moveaxis(own, 0, 1)[first].mean(axis=(0, 2)).round(4).tolist(),
     )
   targets = np.stack([(r.pair_positions + 1) // att.cell for r in rows])  # the cells holding the values
   chosen = np.take_along_axis(selections, queries[:, :, None, None, None], axis=1)  # [batch, Q, layers, heads, K]
   hit = (chosen == targets[:, :, None, None, None]).any(-1)  # [batch, Q, layers, heads]
-  summary = dict(kind=att.kind, length=int(length), selected=hit.mean(axis=(0, 1, 3)).round(4).tolist())
+  summary = dict(kind=att.kind, length=int(length), selected=hit[first].mean(axis=(0, 2)).round(4).tolist())
   if retained is not None:
     held = (retained[:, :, :, None, :] == targets[None, :, None, :, None]).any(-1)  # [layers, batch, heads, Q]
     eligible = split // att.cell
     summary.update(
-      retained=held.mean(axis=(1, 2, 3)).round(4).tolist(),
+      retained=np.moveaxis(held, (1, 3), (0, 1))[first].mean(axis=(0, 2)).round(4).tolist(),
       random_pool=float(np.mean((retained >= 0).sum(-1)) / max(eligible, 1)),
     )
   return summary
