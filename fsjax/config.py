@@ -243,6 +243,9 @@ class AssociativeConfig:
       elimination without binding keys to values: `fsjax.data.associative`).
     query_count: queries per row; null = pairs. Another count needs query_keys sampled, queries at the end and
       no distance bound.
+    filler_loss: train on the filler text too (the language-model loss; needs filler text), not on the answers
+      alone: text rewards previous-token heads, the first half of the circuit that binds a value to its key.
+      Held-out losses stay the answers'.
   """
 
   pairs: int = 8
@@ -254,6 +257,7 @@ class AssociativeConfig:
   distance: tuple[int, ...] | None = None
   query_keys: str = "sampled"
   query_count: int | None = None
+  filler_loss: bool = False
 
   def __post_init__(self):
     _positive(self, "data.associative.", "pairs")
@@ -282,6 +286,8 @@ class AssociativeConfig:
           f"data.associative.query_count ({self.query_count}) other than pairs ({self.pairs}) needs query_keys "
           "sampled, queries end and no distance"
         )
+    if self.filler_loss and self.filler != "text":
+      raise ConfigError("data.associative.filler_loss needs filler: text (uniform random filler predicts nothing)")
     if self.distance is not None and (len(self.distance) != 2 or not 2 <= self.distance[0] <= self.distance[1]):
       raise ConfigError(f"data.associative.distance must be [min, max] with 2 <= min <= max, got {self.distance}")
 
@@ -296,6 +302,7 @@ class AssociativeConfig:
       distance=self.distance,
       query_keys=self.query_keys,
       query_count=self.query_count,
+      filler_loss=self.filler_loss,
       filler_tokens=filler_tokens,
     )
 

@@ -393,3 +393,22 @@ def test_fsb_tau_of_a_recall_checkpoint_is_calibrated_on_its_own_task(tmp_path):
   text = tmp_path / "text.txt"
   text.write_text("Some held-out text. " * 200)
   assert calibrate.main(["--checkpoint", str(tmp_path), "--length", "64", "--data", str(text)]) == 2
+
+
+def test_filler_loss_marks_the_text_and_the_answers_and_held_out_rows_mark_answers_only():
+  text = np.random.default_rng(0).integers(3, 300, 5000).astype(np.int32)
+  task = dict(TASK, filler_ids=(67, 300), filler_loss=True, query_keys="each")  # every pair's position known
+  row = recall_row(2, seed=0, stream=TRAIN, length=120, filler_tokens=text, **task)
+  p, q = row.pair_positions, row.query_positions
+  own = np.concatenate([p, p + 1, q])  # what the row cannot predict: the pairs, the query keys
+  expected = np.ones(120, bool)
+  expected[own] = False
+  expected[0] = False
+  expected[q + 1] = True
+  np.testing.assert_array_equal(row.loss_mask, expected)
+  plain = recall_row(2, seed=0, stream=TRAIN, length=120, filler_tokens=text, **dict(task, filler_loss=False))
+  np.testing.assert_array_equal(plain.tokens, row.tokens)  # the same row, only the mask differs
+  held = held_out_batches(task=dict(task, filler_tokens=text), length=120, batch_size=2, batches=1, seed=0)[0]
+  assert held["loss_mask"].sum() == 2 * TASK["pairs"]  # the held-out loss is the answers'
+  with pytest.raises(ConfigError, match="filler_loss needs filler: text"):
+    AssociativeConfig(filler_loss=True)

@@ -116,6 +116,7 @@ def recall_row(
   distance=None,
   query_keys="sampled",
   query_count=None,
+  filler_loss=False,
   filler_tokens=None,
 ):
   """Row `index` of stream `stream` (`TRAIN` or `TEST`) as a `RecallRow`.
@@ -131,6 +132,8 @@ def recall_row(
       `distance`) or "each" (every pair asked once, Zoology's MQAR).
     query_count: queries in the row, None for `pairs`; another count needs sampled keys asked at the end with no
       distance bound.
+    filler_loss: `loss_mask` also marks the filler tokens (text filler: the language-model loss on the text), not
+      the answers alone.
     filler_tokens: None for uniform filler from `filler_ids`, else a 1-D int array of text tokens (longer than
       `length`) from which the row's filler is a random window.
 
@@ -170,6 +173,9 @@ def recall_row(
     asked = np.array([rng.choice(_askable(pair_positions, q, distance)) for q in query_positions])
   tokens[query_positions], tokens[query_positions + 1] = row_keys[asked], row_values[asked]
   loss_mask = np.zeros(length, bool)
+  if filler_loss:  # every token but the pairs' and queries' own, and the first, which nothing predicts
+    loss_mask[1:] = True
+    loss_mask[np.concatenate([pair_positions, pair_positions + 1, query_positions])] = False
   loss_mask[query_positions + 1] = True
   earlier = query_positions[None, :] < query_positions[:, None]  # [j, i]: query i comes before query j
   first_asks = ~np.any(earlier & (asked[None, :] == asked[:, None]), axis=1)
@@ -235,7 +241,9 @@ def associative_row(index, **task):
 
 def held_out_batches(*, task, length, batch_size, batches, seed):
   """`batches` batches of the test stream (`TEST`): `{"tokens": int32, "loss_mask": bool}` `[batch_size, length]`
-  each (held-out evaluation of a recall run, FS-B's τ calibration on recall rows)."""
+  each (held-out evaluation of a recall run, FS-B's τ calibration on recall rows). The mask marks the answers
+  only, whatever the training loss takes (`filler_loss`): the held-out loss is the answers' loss."""
+  task = dict(task, filler_loss=False)
   rows = [associative_row(i, seed=seed, stream=TEST, length=length, **task) for i in range(batches * batch_size)]
   stack = lambda part, key: np.stack([row[key] for row in part])
   return [
