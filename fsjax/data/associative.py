@@ -6,7 +6,8 @@ values from another (disjoint), keys are distinct within a row and values drawn 
 MQAR. Unlike Zoology, the pairs lie anywhere in a long context of filler tokens (uniform ids from a third range,
 or text), the queries sit at the end of the row or each somewhere after its pair, and the distance from a pair to
 its query can be bounded, so the same task runs at any length. Only the answers are predictable from the row:
-`loss_mask` marks them, and training takes its loss there alone (`fsjax.train.objectives.loss_weights`).
+`loss_mask` marks them, and training takes its loss there alone (`fsjax.train.objectives.loss_weights`), or
+with `filler_loss` on the text filler as well.
 
 Which key a query asks (`query_keys`): Zoology queries every pair once ("each"). The answers are in the row
 (teacher forcing), so with every pair queried once a model can answer a query with a value of the row that no
