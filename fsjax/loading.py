@@ -76,16 +76,21 @@ def load_model(checkpoint, overrides=()):
     print(f"warning: {checkpoint} (step {step}) holds {fault}", file=sys.stderr)
   model_config = override_model(config.model, list(overrides))
   variables = {"params": params, **attach_tau(model_config, frozen, checkpoint)}
-  name = f"{Path(calibration_path(checkpoint)[0]).parent.name}@{step}" + "".join(
+  name = f"{Path(workdir_of(checkpoint)[0]).name}@{step}" + "".join(
     f"[{key.split('.')[-1]}={value}]" for key, value in (a.split("=", 1) for a in overrides)
   )
   return LoadedModel(name=name, config=config, model=Transformer(model_config), variables=variables, step=step)
 
 
+def workdir_of(checkpoint_path):
+  """The training workdir of a workdir or one of its step directories, and the step it resolves to."""
+  directory, step = resolve(checkpoint_path)
+  return (os.path.dirname(directory) if os.path.basename(directory) == CHECKPOINT_SUBDIR else directory), step
+
+
 def calibration_path(checkpoint_path):
   """`<workdir>/calibration.json` of a training workdir or step directory, and the step it resolves to."""
-  directory, step = resolve(checkpoint_path)
-  workdir = os.path.dirname(directory) if os.path.basename(directory) == CHECKPOINT_SUBDIR else directory
+  workdir, step = workdir_of(checkpoint_path)
   return os.path.join(workdir, CALIBRATION_FILE), step
 
 

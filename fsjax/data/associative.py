@@ -126,8 +126,8 @@ def recall_row(
     length: tokens in the row; pairs: key-value pairs (`2 * pairs + 2 * query_count <= length`).
     keys, values, filler_ids: `[min, max)` id ranges; keys and values must not overlap each other or the filler
       range (`filler_ids` is also what replaces a row's keys in text filler).
-    queries: "end" (the last `2 * pairs` tokens, pairs in random order) or "interleaved" (each query at a random
-      place after its pair).
+    queries: "end" (the last `2 * query_count` tokens) or "interleaved" (each query at a random place after its
+      pair).
     distance: `(min, max)` tokens from a pair's key to its query's key, or None for anywhere before the query.
     query_keys: "sampled" (each query asks a pair drawn uniformly, with replacement, from those before it within
       `distance`) or "each" (every pair asked once, Zoology's MQAR).
