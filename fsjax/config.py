@@ -189,6 +189,8 @@ class ModelConfig:
     scan_layers: run the layers with `nn.scan` over parameters stacked `[num_layers, ...]` (under
       "layers/layer/..."): one compiled layer body instead of num_layers, so GPU compile time (and each Pallas
       kernel's Triton compile) does not grow with depth. Checkpoints of the two layouts do not mix.
+    short_conv: kernel of a causal depthwise convolution over each layer's attention input (`fsjax.short_conv`,
+      Zoology's hybrid: it hands attention the previous tokens); 0, the default, is the papers' architecture.
     attention: the attention config.
   """
 
@@ -204,10 +206,13 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False
   scan_layers: bool = False
+  short_conv: int = 0
   attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
 
   def __post_init__(self):
     p = "model."
+    if self.short_conv == 1 or self.short_conv < 0:
+      raise ConfigError(f"{p}short_conv must be 0 (none) or a kernel of at least 2 taps, got {self.short_conv}")
     _positive(self, p, "vocab_size", "num_layers", "d_model", "num_heads", "head_dim", "norm_eps")
     if self.ffn_hidden is not None:
       _positive(self, p, "ffn_hidden")

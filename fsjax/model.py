@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fsjax import kinds
+from fsjax import kinds, short_conv
 from fsjax.attention.freesolo import ROUTING
 from fsjax.cache import layer_of, write_back
 from fsjax.config import ModelConfig
@@ -46,7 +46,11 @@ class SwiGLU(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """`x + attention(RMSNorm(x))`, then `x + SwiGLU(RMSNorm(x))`; with a cache, returns `(x, new_cache)`.
+  """`x + attention(RMSNorm(x))`, then `x + SwiGLU(RMSNorm(x))`; with a cache, returns `(x, new_cache, history)`.
+
+  With `config.short_conv` (kernel k > 0) the attention reads `fsjax.short_conv.causal_conv` of its normed input
+  (parameter `short_conv` `[k, d_model]`); decoding then passes each layer's `history` `[batch, k - 1, d_model]`,
+  its last inputs before the chunk, and gets the next one back (None without the convolution).
 
   `first_chunk`: the cache is empty and the chunk starts at position 0 in every row (a prompt's first chunk),
   so attention runs the training operator over the chunk and writes the cache in bulk.
@@ -56,21 +60,30 @@ class DecoderLayer(nn.Module):
   first_chunk: bool = False
 
   @nn.compact
-  def __call__(self, x, cache=None, positions=None, valid=None):
+  def __call__(self, x, cache=None, positions=None, valid=None, history=None):
     c = self.config
     norm = lambda name: nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name=name)
     attention = make_attention(c, name="attention")
+    h = norm("attention_norm")(x)
+    if c.short_conv:
+      init = lambda _, shape: short_conv.init_weights(*shape, c.param_dtype)
+      w = self.param("short_conv", init, (c.short_conv, c.d_model))
+      h, history = (
+        short_conv.causal_conv(h, w, history),
+        None if cache is None else short_conv.next_history(h, history, valid),
+      )
     if cache is None:
-      x = x + attention(norm("attention_norm")(x))
+      x = x + attention(h)
     else:
-      y, cache = attention(norm("attention_norm")(x), cache, positions, valid, first_chunk=self.first_chunk)
+      y, cache = attention(h, cache, positions, valid, first_chunk=self.first_chunk)
       x = x + y
     x = x + SwiGLU(c.ffn_hidden_size, dtype=c.dtype, param_dtype=c.param_dtype, name="mlp")(norm("mlp_norm")(x))
-    return x if cache is None else (x, cache)
+    return x if cache is None else (x, cache, history)
 
 
 class ScannedLayer(nn.Module):
-  """A DecoderLayer as the body of `nn.scan` over layer indices: carry `(x, stacked cache | None)`.
+  """A DecoderLayer as the body of `nn.scan` over layer indices: carry `(x, stacked cache | None)`; the short
+  convolution's history (None without one) is scanned in `[num_layers, ...]` and out as the scan's output.
 
   The whole stacked cache is carried, and the layer reads and writes its own layer in place
   (`fsjax.cache.layer_of`): scanning the cache as per-layer slices would copy every layer's cache out and
@@ -81,15 +94,15 @@ class ScannedLayer(nn.Module):
   first_chunk: bool = False
 
   @nn.compact
-  def __call__(self, carry, index, positions, valid):
+  def __call__(self, carry, index, history, positions, valid):
     x, cache = carry
     layer = (nn.remat(DecoderLayer) if self.config.remat else DecoderLayer)(
       self.config, first_chunk=self.first_chunk, name="layer"
     )
     if cache is None:
       return (layer(x), None), None
-    x, view = layer(x, layer_of(cache, index), positions, valid)
-    return (x, write_back(cache, view, index)), None
+    x, view, history = layer(x, layer_of(cache, index), positions, valid, history)
+    return (x, write_back(cache, view, index)), history
 
 
 def _scanned_layers(config: ModelConfig, first_chunk=False):
@@ -99,7 +112,7 @@ def _scanned_layers(config: ModelConfig, first_chunk=False):
     ScannedLayer,
     variable_axes={"params": 0, ROUTING: 0, "intermediates": 0},
     split_rngs={"params": True},
-    in_axes=(0, nn.broadcast, nn.broadcast),
+    in_axes=(0, 0, nn.broadcast, nn.broadcast),
     length=config.num_layers,
   )(config, first_chunk=first_chunk, name="layers")
 
@@ -113,7 +126,8 @@ class Transformer(nn.Module):
   every row: each layer then runs its training operator over the chunk (the fused kernels on a GPU) and writes
   its cache in bulk. `logits_at` `[batch]` (chunk indices) keeps only those positions' logits, `[batch, vocab]`
   (`[batch, n]` indices: `[batch, n, vocab]`): at 256k tokens and a 32k vocabulary all of them would take 32
-  GiB. Layers are `layer_0..layer_{L-1}`, or one scanned `layers` (`config.scan_layers`).
+  GiB. Layers are `layer_0..layer_{L-1}`, or one scanned `layers` (`config.scan_layers`); with `short_conv`,
+  the cache's `conv` holds every layer's convolution history.
   """
 
   config: ModelConfig
@@ -131,18 +145,27 @@ class Transformer(nn.Module):
     )
     x = embed(tokens)
     new_cache = {}
+    history = None if cache is None else cache.get(short_conv.STATE_KEY)
     if c.scan_layers:
-      (x, new_cache["layers"]), _ = _scanned_layers(c, first_chunk)(
-        (x, None if cache is None else cache["layers"]), jnp.arange(c.num_layers), positions, valid
+      (x, new_cache["layers"]), history = _scanned_layers(c, first_chunk)(
+        (x, None if cache is None else cache["layers"]), jnp.arange(c.num_layers), history, positions, valid
       )
     else:
       layer = nn.remat(DecoderLayer) if c.remat else DecoderLayer
+      histories = []
       for i in range(c.num_layers):
         name = f"layer_{i}"
         if cache is None:
           x = layer(c, name=name)(x)
         else:
-          x, new_cache[name] = layer(c, first_chunk=first_chunk, name=name)(x, cache[name], positions, valid)
+          layer_history = None if history is None else history[i]
+          x, new_cache[name], layer_history = layer(c, first_chunk=first_chunk, name=name)(
+            x, cache[name], positions, valid, layer_history
+          )
+          histories.append(layer_history)
+      history = jnp.stack(histories) if histories and histories[0] is not None else None
+    if history is not None:
+      new_cache[short_conv.STATE_KEY] = history
     if logits_at is not None:
       at = jnp.asarray(logits_at)
       x = jnp.take_along_axis(x, (at[:, None] if at.ndim == 1 else at)[..., None], axis=1)
@@ -163,7 +186,8 @@ def init_variables(config: ModelConfig, rng, seq_len=None):
 
 
 def _param_group(names):
-  for module, group in (("attention", "attention"), ("mlp", "mlp"), ("embed", "embedding"), ("lm_head", "lm_head")):
+  groups = ("attention", "attention"), ("short_conv", "attention"), ("mlp", "mlp"), ("embed", "embedding")
+  for module, group in (*groups, ("lm_head", "lm_head")):
     if module in names:
       return group
   return "norm"

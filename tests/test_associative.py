@@ -212,17 +212,17 @@ RECALL_CONFIG = "tests/micro_recall.yaml"
 
 @pytest.fixture(scope="module")
 def recall_workdir(tmp_path_factory):
-  """The micro recall config trained until it answers above chance (about 30 s on 2 cores)."""
+  """The micro recall config trained until it binds values to keys (about a minute on 2 cores)."""
   path = tmp_path_factory.mktemp("recall_run")
   summary = loop.train(load_config(RECALL_CONFIG, ["checkpoint.async_save=false"]), str(path))
   return path, summary
 
 
-def test_a_small_model_learns_recall_above_chance_and_is_scored_on_test_rows(recall_workdir):
+def test_a_small_model_learns_recall_and_is_scored_on_test_rows(recall_workdir):
   path, summary = recall_workdir
   assert summary["heldout_loss"] < 0.5 * np.log(32)  # answers-only loss on test-stream rows; chance is ln 32
   rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
-  assert rows[-1]["step"] == 250
+  assert rows[-1]["step"] == 400
 
 
 def test_the_recall_cli_answers_through_prefill_as_a_full_forward_pass_does(recall_workdir, tmp_path, capsys):
@@ -239,7 +239,9 @@ def test_the_recall_cli_answers_through_prefill_as_a_full_forward_pass_does(reca
   with open(f"{out}.csv") as f:
     rows = list(csv.DictReader(f))
   overall = {int(r["length"]): float(r["accuracy"]) for r in rows if r["bucket"] == "all"}
-  assert overall[64] > 4 / 32  # well above chance at the training length
+  in_row = {int(r["length"]): float(r["in_row"]) for r in rows if r["bucket"] == "all"}
+  # Binding, not copying: a model that copies some value of its row answers about in_row / 4 of 4 pairs' asks.
+  assert overall[64] > max(0.8, 2 * in_row[64] / 4)
   buckets = [r for r in rows if r["bucket"] != "all" and r["length"] == "160"]
   assert (tmp_path / "recall.png").stat().st_size > 0
 
@@ -250,10 +252,9 @@ def test_the_recall_cli_answers_through_prefill_as_a_full_forward_pass_does(reca
   logits = loaded.model.apply(loaded.variables, jnp.asarray(np.stack([r.tokens for r in samples])))
   answers = [np.argmax(np.asarray(logits)[i, r.query_positions], -1) for i, r in enumerate(samples)]
   first = np.concatenate([r.first_asks for r in samples])
-  assert sum(int(r["queries"]) for r in buckets) == first.sum() < 24 * 2  # repeated asks are not scored
+  assert sum(int(r["queries"]) for r in buckets) == first.sum() <= 24 * 4 < 24 * 12  # repeated asks are not scored
   correct = np.concatenate([a == r.values for a, r in zip(answers, samples)])
   assert np.mean(correct[first]) == pytest.approx(overall[160])
-  in_row = {int(r["length"]): float(r["in_row"]) for r in rows if r["bucket"] == "all"}
   copied = np.concatenate([np.isin(a, r.pair_values) for a, r in zip(answers, samples)])
   assert np.mean(copied[first]) == pytest.approx(in_row[160])
   assert in_row[160] >= overall[160]

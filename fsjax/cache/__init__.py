@@ -8,6 +8,7 @@ each kind's module (`fsjax.attention`).
 import jax
 import jax.numpy as jnp
 
+from fsjax import short_conv
 from fsjax.cache.archive import Archive
 from fsjax.cache.bounded import BoundedCache
 from fsjax.cache.forest import Forest, ForestCache
@@ -39,6 +40,7 @@ def init_cache(config, batch, max_len, dtype=jnp.float32, bounded=True):
 
   FS-L gets the bounded cache (its size ignores `max_len`) and FS-B the streaming forest cache unless
   `bounded=False` asks for the plain archive (FS-B then rebuilds its forests at every step: the reference).
+  A model with `short_conv` also gets `conv`, every layer's convolution history (`fsjax.short_conv`).
   """
   from fsjax import kinds  # at call time: the kind registry imports these caches
 
@@ -46,8 +48,13 @@ def init_cache(config, batch, max_len, dtype=jnp.float32, bounded=True):
   capacity = cache_capacity(config, max_len)
   make = lambda: kinds.get(att.kind).cache(att, batch, capacity, config.num_heads, config.head_dim, dtype, bounded)
   if config.scan_layers:
-    return {"layers": jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (config.num_layers, *x.shape)), make())}
-  return {f"layer_{i}": make() for i in range(config.num_layers)}
+    cache = {"layers": jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (config.num_layers, *x.shape)), make())}
+  else:
+    cache = {f"layer_{i}": make() for i in range(config.num_layers)}
+  if config.short_conv:
+    kernel = config.short_conv
+    cache[short_conv.STATE_KEY] = short_conv.init_state(config.num_layers, batch, kernel, config.d_model, dtype)
+  return cache
 
 
 __all__ = [
