@@ -48,9 +48,9 @@ class SwiGLU(nn.Module):
 class DecoderLayer(nn.Module):
   """`x + attention(RMSNorm(x))`, then `x + SwiGLU(RMSNorm(x))`; with a cache, returns `(x, new_cache, history)`.
 
-  With `config.short_conv` (kernel k > 0) the attention reads `fsjax.short_conv.causal_conv` of its normed input
-  (parameter `short_conv` `[k, d_model]`); decoding then passes each layer's `history` `[batch, k - 1, d_model]`,
-  its last inputs before the chunk, and gets the next one back (None without the convolution).
+  With `config.short_conv` (a kernel of k ≥ 2 taps) the attention reads `fsjax.short_conv.causal_conv` of its
+  normed input (parameter `short_conv` `[k, d_model]`); decoding then passes each layer's `history`
+  `[batch, k - 1, d_model]`, its last inputs before the chunk, and gets the next one back (None without it).
 
   `first_chunk`: the cache is empty and the chunk starts at position 0 in every row (a prompt's first chunk),
   so attention runs the training operator over the chunk and writes the cache in bulk.
