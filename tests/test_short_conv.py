@@ -51,7 +51,7 @@ def test_the_history_stops_at_each_rows_last_valid_token(rng):
 
 def _conv_model(kind, scan_layers, kernel=3):
   """The tiny model of `kind` with a short convolution whose taps are random (a fresh one is the identity)."""
-  config, _, variables = tiny_model(kind, scan_layers)
+  config = tiny_model(kind, scan_layers)[0]
   config = dataclasses.replace(config, short_conv=kernel)
   fresh = init_variables(config, jax.random.PRNGKey(0), 64)
   params = jax.tree_util.tree_map_with_path(
