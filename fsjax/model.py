@@ -163,8 +163,8 @@ class Transformer(nn.Module):
             x, cache[name], positions, valid, layer_history
           )
           histories.append(layer_history)
-      history = jnp.stack(histories) if histories and histories[0] is not None else None
-    if history is not None:
+      history = jnp.stack(histories) if c.short_conv and cache is not None else None
+    if c.short_conv and cache is not None:
       new_cache[short_conv.STATE_KEY] = history
     if logits_at is not None:
       at = jnp.asarray(logits_at)

@@ -32,12 +32,10 @@ def causal_conv(h, w, history=None):
     history: `[batch, kernel - 1, d]`, the inputs just before the chunk (oldest first), or None for zeros (a
       sequence that starts at the chunk).
   """
-  kernel = w.shape[0]
+  kernel, length = w.shape[0], h.shape[1]
   if history is None:
     history = jnp.zeros((h.shape[0], kernel - 1, h.shape[2]), h.dtype)
-  padded = jnp.concatenate([history.astype(h.dtype), h], axis=1)
-  length = h.shape[1]
-  w = w.astype(h.dtype)
+  padded, w = _after(history, h), w.astype(h.dtype)
   return sum(w[j] * padded[:, kernel - 1 - j : kernel - 1 - j + length] for j in range(kernel))
 
 
@@ -48,10 +46,14 @@ def next_history(h, history, valid):
     h: `[batch, C, d]` the chunk's inputs; history: `[batch, kernel - 1, d]` before it; valid: `[batch, C]` bool,
       a prefix of each row (right padding is not consumed: a row with no valid token keeps its history).
   """
-  padded = jnp.concatenate([history.astype(h.dtype), h], axis=1)
   consumed = jnp.sum(valid, axis=1, dtype=jnp.int32)  # [batch]
   index = consumed[:, None] + jnp.arange(history.shape[1])  # [batch, kernel - 1]
-  return jnp.take_along_axis(padded, index[..., None], axis=1).astype(history.dtype)
+  return jnp.take_along_axis(_after(history, h), index[..., None], axis=1).astype(history.dtype)
+
+
+def _after(history, h):
+  """The chunk `h` `[batch, C, d]` after its history `[batch, kernel - 1, d]`: `[batch, kernel - 1 + C, d]`."""
+  return jnp.concatenate([history.astype(h.dtype), h], axis=1)
 
 
 def init_state(num_layers, batch, kernel, d_model, dtype=jnp.float32):
