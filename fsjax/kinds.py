@@ -27,8 +27,8 @@ class Kind:
     family: "freesolo" (shares FS parameters and routing buffers), "dense" (RoPE baselines) or "zha".
     section: the `AttentionConfig` sub-config the kind reads besides the shared fields ("moba", "zha"), or None.
     validate: `(attention_config, prefix)` → None; raises ValueError naming the field.
-    module: `(attention_config, **common)` → the Flax module; `common` holds num_heads, head_dim, rope_theta,
-      dtype, param_dtype and name.
+    module: `(attention_config, **common)` → the Flax module; `common` holds num_heads, head_dim, rope_theta
+      (a `fsjax.reference.rope.RoPE`), dtype, param_dtype and name.
     cache: `(attention_config, batch, capacity, heads, head_dim, dtype, bounded)` → one layer's empty decode
       cache; `bounded=False` asks for the kind's unbounded reference cache where it has one.
     capacity: `(attention_config, max_len)` → token slots per layer of that cache.

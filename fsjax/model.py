@@ -23,7 +23,7 @@ def make_attention(config: ModelConfig, name=None):
     att,
     num_heads=config.num_heads,
     head_dim=config.head_dim,
-    rope_theta=att.rope_theta,
+    rope_theta=att.rope,
     dtype=jnp.dtype(config.dtype),
     param_dtype=jnp.dtype(config.param_dtype),
     name=name,

@@ -11,7 +11,7 @@ from fsjax.cache import store as kv
 from fsjax.cache.layered import LayerSlice, read
 from fsjax.ops import dispatch
 from fsjax.reference.common import PRECISION, compute_dtype
-from fsjax.reference.rope import apply_rope
+from fsjax.reference.rope import RoPE, apply_rope
 
 KINDS = ("tfpp", "swa", "moba")
 
@@ -55,6 +55,7 @@ class DenseAttention(nn.Module):
 
   `kind`: "tfpp" (full causal), "swa" (radius `window`) or "moba" (`moba_block`, `moba_top_k`; see
   `fsjax.reference.dense` for MoBA's documented choices). Params: `q_proj`, `k_proj`, `v_proj`, `o_proj`.
+  `rope_theta`: θ or a `fsjax.reference.rope.RoPE`.
   `impl` ("reference" | "auto" | "pallas", `fsjax.ops.dispatch`): "reference" always runs the references;
   otherwise TF++ and SWA use cuDNN on a GPU in bf16/fp16.
 
@@ -71,7 +72,7 @@ class DenseAttention(nn.Module):
   window: int = 512
   moba_block: int = 512
   moba_top_k: int = 3
-  rope_theta: float = 10000.0
+  rope_theta: float | RoPE = 10000.0
   impl: str = "auto"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32

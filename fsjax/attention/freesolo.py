@@ -10,6 +10,7 @@ from fsjax.ops import freesolo as freesolo_ops
 from fsjax.reference.cells import cell_summaries
 from fsjax.reference.common import compute_dtype
 from fsjax.reference.freesolo import mix_branches
+from fsjax.reference.rope import RoPE
 from fsjax.reference.routing import Routing
 
 ROUTING = "routing"  # collection of λ, σ (and FS-B's τ): buffers with no gradient (FS Sec. 3.3 "Training")
@@ -19,8 +20,8 @@ class FreeSoloAttention(nn.Module):
   """`x [batch, seq, d_model]` → `[batch, seq, d_model]` through FS/FS-L/FS-B attention.
 
   Fields: `routing` (a `Routing`: variant, window, cell, block, top_k, pool, recent cells, beam, bound c), the
-  initial λ and σ of Eq. 7, the RoPE base of the local branch, `impl` ("reference" | "auto" | "pallas",
-  `fsjax.ops.dispatch`) and the dtypes.
+  initial λ and σ of Eq. 7, the RoPE of the local branch (θ or a `fsjax.reference.rope.RoPE`), `impl`
+  ("reference" | "auto" | "pallas", `fsjax.ops.dispatch`) and the dtypes.
 
   Variables: params `q_proj`, `k_proj`, `v_proj` (`[d_model, heads, head_dim]`), `o_proj`, `alpha` `[heads]`
   (Eq. 2, init 1), `lr_gain` `[head_dim]` (readout RMSNorm gain, init 1); collection "routing": `lam`, `sigma`
@@ -41,7 +42,7 @@ class FreeSoloAttention(nn.Module):
   routing: Routing = Routing()
   lam: float = 1.0
   sigma: float = 4.0
-  rope_theta: float = 10000.0
+  rope_theta: float | RoPE = 10000.0
   impl: str = "auto"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32

@@ -9,6 +9,7 @@ from fsjax.attention.projections import project_heads, project_out
 from fsjax.ops import dispatch
 from fsjax.ops import zha as zha_ops
 from fsjax.reference.common import compute_dtype
+from fsjax.reference.rope import RoPE
 from fsjax.reference.zha import ZHATree
 
 # Small random reference queries: tangents start near q = 0 (mean key, bias log C) yet differ, so the R copies
@@ -22,6 +23,7 @@ class ZHAAttention(nn.Module):
 
   Params: `q_proj`, `k_proj`, `v_proj`, `o_proj` (named as in `DenseAttention`, so a TF++ checkpoint converts by
   adding the reference queries) and `ref_queries` `[heads, tree.refs, head_dim]`, the only weights ZHA trains.
+  `rope_theta`: θ, a `fsjax.reference.rope.RoPE`, or None (NoPE).
 
   `distill=True` (ZHA III-B training): the layer runs the frozen model's dense attention and sows its KL loss per
   level, `[levels]`, as intermediates/zha_kl. Otherwise it sows the fraction of visible keys each query read,
@@ -38,7 +40,7 @@ class ZHAAttention(nn.Module):
   head_dim: int
   tree: ZHATree = ZHATree()
   distill: bool = False
-  rope_theta: float = 10000.0
+  rope_theta: float | RoPE = 10000.0
   impl: str = "auto"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32

@@ -184,7 +184,7 @@ def _zha_extend_reading(model, variables, tokens, cache, positions, valid, value
     at = (lambda x: x[i]) if i is not None else (lambda x: x)
     q = at(attention["q_proj"]["__call__"][0])  # [batch, C, heads, d]
     dtype = compute_dtype(q.dtype)
-    q_rot = zha_ref.rotate(q.astype(dtype), positions, config.attention.rope_theta)
+    q_rot = zha_ref.rotate(q.astype(dtype), positions, config.attention.rope)
     nodes = [(at(keys).astype(dtype), at(bias).astype(dtype)) for keys, bias in zip(layer.keys, layer.bias)]
     scores = [zha_ref.node_scores(q_rot, *level) for level in nodes]
     leaves = zha_ref.route(scores, positions, chunk=tree.chunk, top_p=tree.level_top_p, max_nodes=tree.max_nodes)
