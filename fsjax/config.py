@@ -240,8 +240,14 @@ class ModelConfig:
     vocab_size: tokenizer vocabulary size.
     num_layers: decoder layers.
     d_model: residual width.
-    num_heads: attention heads.
+    num_heads: attention (query) heads.
+    num_kv_heads: key/value heads (grouped-query attention, Llama 3 / Qwen); null = num_heads. It must divide
+      num_heads: query head h reads key/value head `h // (num_heads // num_kv_heads)` (Hugging Face's
+      `repeat_kv` layout), and decode caches hold num_kv_heads heads. Dense kinds only (tfpp, swa, moba).
     head_dim: width per head; even (RoPE rotates pairs).
+    qk_norm: RMSNorm over head_dim (epsilon norm_eps, one gain `[head_dim]` each, params `q_norm`, `k_norm`) on
+      every head's query and key after projection, before RoPE (Qwen3).
+    qkv_bias: biases `[heads, head_dim]` on the query, key and value projections, none on the output (Qwen2.5).
     ffn_hidden: SwiGLU hidden width; None means 256·⌈(8/3)·d_model/256⌉.
     tie_embeddings: share the input embedding with the output projection.
     norm_eps: RMSNorm epsilon of the decoder norms.
@@ -260,7 +266,10 @@ class ModelConfig:
   num_layers: int = 24
   d_model: int = 1024
   num_heads: int = 16
+  num_kv_heads: int | None = None
   head_dim: int = 64
+  qk_norm: bool = False
+  qkv_bias: bool = False
   ffn_hidden: int | None = None
   tie_embeddings: bool = True
   norm_eps: float = 1e-6
@@ -280,6 +289,7 @@ class ModelConfig:
       _positive(self, p, "ffn_hidden")
     if self.head_dim % 2:
       raise ConfigError(f"{p}head_dim must be even (RoPE rotates pairs of features), got {self.head_dim}")
+    self._check_kv_heads(p)
     try:
       self.attention.rope.rotary_dim(self.head_dim)
     except ValueError:
@@ -289,6 +299,26 @@ class ModelConfig:
       ) from None
     _one_of(self, p, "dtype", DTYPES)
     _one_of(self, p, "param_dtype", DTYPES)
+
+  def _check_kv_heads(self, p):
+    if self.num_kv_heads is None:
+      return
+    if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+      raise ConfigError(
+        f"{p}num_kv_heads must be positive and divide {p}num_heads ({self.num_heads}), got {self.num_kv_heads}"
+      )
+    kind = kinds.get(self.attention.kind)
+    if self.num_kv_heads < self.num_heads and not kind.grouped_kv:
+      grouped = ", ".join(kinds.names(grouped_kv=True))
+      raise ConfigError(
+        f"{p}num_kv_heads ({self.num_kv_heads}) below {p}num_heads ({self.num_heads}) is grouped-query attention, "
+        f"which attention.kind {kind.name} does not support (only {grouped})"
+      )
+
+  @property
+  def kv_heads(self):
+    """Key/value heads: `num_kv_heads`, or `num_heads` when null."""
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
   @property
   def ffn_hidden_size(self):

@@ -66,6 +66,8 @@ def test_dense_kinds_skip_freesolo_geometry():
     (dict(vocab_size=-5), "model.vocab_size must be positive"),
     (dict(ffn_hidden=0), "model.ffn_hidden must be positive"),
     (dict(dtype="float8"), "model.dtype must be one of"),
+    (dict(num_kv_heads=3), r"model.num_kv_heads must be positive and divide model.num_heads \(16\), got 3"),
+    (dict(num_kv_heads=0), "model.num_kv_heads must be positive and divide model.num_heads"),
     (
       dict(head_dim=16, attention=AttentionConfig(rope_fraction=0.3)),
       r"model.attention.rope_fraction \(0.3\) times model.head_dim \(16\) must be an even whole number",
@@ -78,23 +80,34 @@ def test_model_rules(fields, message):
   assert "\n" not in str(error.value)
 
 
-def test_the_rope_options_load_from_yaml_and_overrides(tmp_path):
+@pytest.mark.parametrize("kind", ["fs", "fsl", "fsb", "zha"])
+def test_grouped_query_attention_is_refused_where_the_kind_lacks_it(kind):
+  with pytest.raises(ConfigError, match=rf"model.num_kv_heads \(4\) below model.num_heads \(16\) .*kind {kind} ") as e:
+    ModelConfig(num_kv_heads=4, attention=AttentionConfig(kind=kind))
+  assert "\n" not in str(e.value)
+
+
+def test_the_hugging_face_options_load_from_yaml_and_overrides(tmp_path):
   """`attention.rope_scaling` is null by default: an override of one of its keys starts it empty."""
   config = load_config(
     None,
     [
       "model.attention.kind=tfpp",
+      "model.num_kv_heads=4",
+      "model.qk_norm=true",
+      "model.qkv_bias=true",
       "model.attention.rope_fraction=0.5",
       "model.attention.rope_scaling.type=llama3",
       "model.attention.rope_scaling.original_max_position_embeddings=4096",
     ],
   )
   model = config.model
+  assert (model.kv_heads, model.qk_norm, model.qkv_bias) == (4, True, True)
   assert model.attention.rope.fraction == 0.5 and model.attention.rope.scaling.original_max_position_embeddings == 4096
   path = tmp_path / "c.yaml"
   path.write_text(yaml.safe_dump(to_dict(config)))
   assert load_config(str(path)) == config
-  assert Config().model.attention.rope_scaling is None
+  assert Config().model.attention.rope_scaling is None and Config().model.kv_heads == Config().model.num_heads
 
 
 def test_yaml_round_trip_and_overrides(tmp_path):
