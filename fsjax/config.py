@@ -14,6 +14,7 @@ import yaml
 from fsjax import kinds
 from fsjax.data.associative import TRAIN, recall_row
 from fsjax.data.copies import validate_copies
+from fsjax.reference.rope import Llama3Scaling, RoPE
 from fsjax.reference.routing import Routing
 from fsjax.reference.zha import ZHATree
 
@@ -89,6 +90,52 @@ class ZHAConfig:
     return ZHATree(refs=self.refs, chunk=self.chunk, levels=self.levels, top_p=self.top_p, max_nodes=self.max_nodes)
 
 
+ROPE_SCALINGS = ("llama3",)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoPEScalingConfig:
+  """RoPE frequency scaling (`attention.rope_scaling`), as Hugging Face configs write it; `fsjax.reference.rope`.
+
+  Attributes:
+    type: "llama3" (Llama 3.1-3.3's `rope_type`; HF's older configs call it `type`); required.
+    factor: frequencies of wavelength above `original_max_position_embeddings / low_freq_factor` are divided
+      by it; >= 1.
+    low_freq_factor, high_freq_factor: the band between the two wavelengths blends the two; 0 < low < high.
+    original_max_position_embeddings: the pre-training context the bands are measured against.
+
+  The numeric defaults are Llama 3.1's (8, 1, 4, 8192).
+  """
+
+  type: str | None = None
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    p = "attention.rope_scaling."
+    _one_of(self, p, "type", ROPE_SCALINGS)
+    _positive(self, p, "low_freq_factor", "original_max_position_embeddings")
+    if self.factor < 1:
+      raise ConfigError(f"{p}factor must be >= 1, got {self.factor}")
+    if self.high_freq_factor <= self.low_freq_factor:
+      raise ConfigError(
+        f"{p}high_freq_factor must be greater than {p}low_freq_factor, got {self.high_freq_factor} <= "
+        f"{self.low_freq_factor}"
+      )
+
+  @property
+  def scaling(self):
+    """The scaling rule for `fsjax.reference.rope.RoPE`."""
+    return Llama3Scaling(
+      factor=self.factor,
+      low_freq_factor=self.low_freq_factor,
+      high_freq_factor=self.high_freq_factor,
+      original_max_position_embeddings=self.original_max_position_embeddings,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """Which attention a model uses and its geometry (FS App. A defaults).
@@ -107,6 +154,10 @@ class AttentionConfig:
     lam: initial λ_h of the norm prior (Eq. 7), a buffer without gradient; >= 0.
     sigma: initial σ_h of the erf prior (Eq. 7), a buffer without gradient; > 0.
     rope_theta: RoPE base θ.
+    rope_fraction: share of each head's features that RoPE rotates (HF's `partial_rotary_factor`): the first
+      `rope_fraction * model.head_dim` features, which must be an even whole number; the rest pass unrotated.
+    rope_scaling: null, or the frequency scaling of a Hugging Face checkpoint (`{type: llama3, factor: 8, ...}`,
+      `RoPEScalingConfig`).
     impl: "reference" | "auto" | "pallas": kernel dispatch (`fsjax.ops.dispatch`; auto: Pallas kernels and
       cuDNN on GPU).
     moba: MoBA's section (`attention.moba.block`, `attention.moba.top_k`).
@@ -128,6 +179,8 @@ class AttentionConfig:
   lam: float = 1.0
   sigma: float = 4.0
   rope_theta: float = 10000.0
+  rope_fraction: float = 1.0
+  rope_scaling: RoPEScalingConfig | None = None
   impl: str = "auto"
   moba: MoBAConfig = dataclasses.field(default_factory=MoBAConfig)
   zha: ZHAConfig = dataclasses.field(default_factory=ZHAConfig)
@@ -137,6 +190,8 @@ class AttentionConfig:
     _one_of(self, p, "kind", ATTENTION_KINDS)
     _one_of(self, p, "impl", IMPLS)
     _positive(self, p, "window", "sigma", "rope_theta", "beam")
+    if not 0 < self.rope_fraction <= 1:
+      raise ConfigError(f"{p}rope_fraction must be in (0, 1], got {self.rope_fraction}")
     if self.bound_c < 1:
       raise ConfigError(f"{p}bound_c must be >= 1 (U_v then bounds Eq. 7 for every cell below), got {self.bound_c}")
     if self.lam < 0:
@@ -152,6 +207,13 @@ class AttentionConfig:
       kinds.get(self.kind).validate(self, p)
     except ValueError as e:
       raise ConfigError(str(e)) from None
+
+  @property
+  def rope(self):
+    """The RoPE every kind rotates with, as one frozen `RoPE` (the same rotation as the float `rope_theta` when
+    `rope_fraction` is 1 and `rope_scaling` null)."""
+    scaling = None if self.rope_scaling is None else self.rope_scaling.scaling
+    return RoPE(theta=self.rope_theta, fraction=self.rope_fraction, scaling=scaling)
 
   @property
   def routing(self):
@@ -178,8 +240,14 @@ class ModelConfig:
     vocab_size: tokenizer vocabulary size.
     num_layers: decoder layers.
     d_model: residual width.
-    num_heads: attention heads.
+    num_heads: attention (query) heads.
+    num_kv_heads: key/value heads (grouped-query attention, Llama 3 / Qwen); null = num_heads. It must divide
+      num_heads: query head h reads key/value head `h // (num_heads // num_kv_heads)` (Hugging Face's
+      `repeat_kv` layout), and decode caches hold num_kv_heads heads. Dense kinds only (tfpp, swa, moba).
     head_dim: width per head; even (RoPE rotates pairs).
+    qk_norm: RMSNorm over head_dim (epsilon norm_eps, one gain `[head_dim]` each, params `q_norm`, `k_norm`) on
+      every head's query and key after projection, before RoPE (Qwen3).
+    qkv_bias: biases `[heads, head_dim]` on the query, key and value projections, none on the output (Qwen2.5).
     ffn_hidden: SwiGLU hidden width; None means 256·⌈(8/3)·d_model/256⌉.
     tie_embeddings: share the input embedding with the output projection.
     norm_eps: RMSNorm epsilon of the decoder norms.
@@ -198,7 +266,10 @@ class ModelConfig:
   num_layers: int = 24
   d_model: int = 1024
   num_heads: int = 16
+  num_kv_heads: int | None = None
   head_dim: int = 64
+  qk_norm: bool = False
+  qkv_bias: bool = False
   ffn_hidden: int | None = None
   tie_embeddings: bool = True
   norm_eps: float = 1e-6
@@ -218,8 +289,36 @@ class ModelConfig:
       _positive(self, p, "ffn_hidden")
     if self.head_dim % 2:
       raise ConfigError(f"{p}head_dim must be even (RoPE rotates pairs of features), got {self.head_dim}")
+    self._check_kv_heads(p)
+    try:
+      self.attention.rope.rotary_dim(self.head_dim)
+    except ValueError:
+      raise ConfigError(
+        f"{p}attention.rope_fraction ({self.attention.rope_fraction}) times {p}head_dim ({self.head_dim}) must be "
+        f"an even whole number of rotated features, got {self.attention.rope_fraction * self.head_dim:g}"
+      ) from None
     _one_of(self, p, "dtype", DTYPES)
     _one_of(self, p, "param_dtype", DTYPES)
+
+  def _check_kv_heads(self, p):
+    if self.num_kv_heads is None:
+      return
+    if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+      raise ConfigError(
+        f"{p}num_kv_heads must be positive and divide {p}num_heads ({self.num_heads}), got {self.num_kv_heads}"
+      )
+    kind = kinds.get(self.attention.kind)
+    if self.num_kv_heads < self.num_heads and not kind.grouped_kv:
+      grouped = ", ".join(kinds.names(grouped_kv=True))
+      raise ConfigError(
+        f"{p}num_kv_heads ({self.num_kv_heads}) below {p}num_heads ({self.num_heads}) is grouped-query attention, "
+        f"which attention.kind {kind.name} does not support (only {grouped})"
+      )
+
+  @property
+  def kv_heads(self):
+    """Key/value heads: `num_kv_heads`, or `num_heads` when null."""
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
   @property
   def ffn_hidden_size(self):
@@ -734,8 +833,19 @@ def from_dict(cls, data, path=""):
   for name, value in data.items():
     where = f"{path}.{name}" if path else name
     hint = hints[name]
-    kwargs[name] = from_dict(hint, value, where) if dataclasses.is_dataclass(hint) else _check_type(value, hint, where)
+    section = _section(hint)
+    if section is not None and not (value is None and section is not hint):  # a null optional section stays null
+      kwargs[name] = from_dict(section, value, where)
+    else:
+      kwargs[name] = _check_type(value, hint, where)
   return cls(**kwargs)
+
+
+def _section(hint):
+  """The dataclass of a section field annotated `X` or `X | None` (a null optional section), else None."""
+  if typing.get_origin(hint) in (typing.Union, types.UnionType):
+    hint = next((a for a in typing.get_args(hint) if a is not type(None)), None)
+  return hint if dataclasses.is_dataclass(hint) else None
 
 
 # Flat attention keys of earlier configs (and of checkpoints' config.json) and the section field they now fill.
@@ -780,7 +890,9 @@ def apply_override(data, assignment):
     parents.append(section)
   node = data
   for part in parents:
-    node = node.setdefault(part, {})
+    if node.get(part) is None:  # a null optional section (e.g. attention.rope_scaling) starts empty
+      node[part] = {}
+    node = node[part]
     if not isinstance(node, dict):
       raise ConfigError(f"override {key}: {part} is not a section")
   node[leaf] = yaml.safe_load(raw)

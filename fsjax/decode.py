@@ -48,7 +48,7 @@ def activation_bytes_per_token(config):
   bf16). The compiled first chunk's temporaries on an H200 (341M, bf16, scanned): 21-23 KB per token for TF++,
   FS and FS-L at 128k-256k, but 42.6 KB for FS-L at 1M, where its selection's share grows with the number of
   cells; `activation_budget` keeps the other half of the free memory as headroom."""
-  width = 4 * config.d_model + 4 * config.num_heads * config.head_dim + 3 * config.ffn_hidden_size
+  width = 4 * config.d_model + 2 * (config.num_heads + config.kv_heads) * config.head_dim + 3 * config.ffn_hidden_size
   return width * jnp.dtype(config.dtype).itemsize
 
 

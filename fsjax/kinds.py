@@ -27,14 +27,17 @@ class Kind:
     family: "freesolo" (shares FS parameters and routing buffers), "dense" (RoPE baselines) or "zha".
     section: the `AttentionConfig` sub-config the kind reads besides the shared fields ("moba", "zha"), or None.
     validate: `(attention_config, prefix)` → None; raises ValueError naming the field.
-    module: `(attention_config, **common)` → the Flax module; `common` holds num_heads, head_dim, rope_theta,
-      dtype, param_dtype and name.
+    module: `(attention_config, **common)` → the Flax module; `common` holds num_heads, head_dim, rope_theta
+      (a `fsjax.reference.rope.RoPE`), projection (a `fsjax.attention.projections.Projection`), dtype,
+      param_dtype and name.
     cache: `(attention_config, batch, capacity, heads, head_dim, dtype, bounded)` → one layer's empty decode
       cache; `bounded=False` asks for the kind's unbounded reference cache where it has one.
     capacity: `(attention_config, max_len)` → token slots per layer of that cache.
     prefill_op: the `fsjax.ops.dispatch` op whose fast implementation keeps the kind's training forward linear
       in memory (so prefill may take a whole prompt as one chunk, `fsjax.decode.prefill_chunk`); None where the
       training form materializes query-by-key masks (MoBA, ZHA) or rebuilds forests per block (FS-B).
+    grouped_kv: the kind's module, references and cache read fewer key/value heads than query heads
+      (`model.num_kv_heads`, grouped-query attention); the others refuse it in config validation.
     bounded_chunks: the cache path takes a chunk in memory linear in the chunk and independent of the context
       (FS-L's bounded cache, block by block), so a prompt's later chunks may be as long as its first; the other
       caches' chunks attend to every cached slot at once, so prefill keeps their later chunks short.
@@ -49,6 +52,7 @@ class Kind:
   capacity: Callable
   prefill_op: str | None = None
   bounded_chunks: bool = False
+  grouped_kv: bool = False
 
 
 def _routing_rules(att, prefix):
@@ -119,7 +123,7 @@ def _zha_cache(att, batch, capacity, heads, head_dim, dtype, bounded):
 _FREESOLO = dict(
   family="freesolo", section=None, validate=_routing_rules, module=_freesolo_module, capacity=_block_capacity
 )
-_DENSE = dict(family="dense", validate=_no_rules, module=_dense_module, cache=_store)
+_DENSE = dict(family="dense", validate=_no_rules, module=_dense_module, cache=_store, grouped_kv=True)
 
 REGISTRY = {
   kind.name: kind
@@ -150,9 +154,13 @@ REGISTRY = {
 }
 
 
-def names(family=None):
-  """Kind names, in registry order; only those of `family` when given."""
-  return tuple(name for name, kind in REGISTRY.items() if family is None or kind.family == family)
+def names(family=None, grouped_kv=None):
+  """Kind names, in registry order; only those of `family`, and those whose `grouped_kv` is that, when given."""
+  return tuple(
+    name
+    for name, kind in REGISTRY.items()
+    if (family is None or kind.family == family) and (grouped_kv is None or kind.grouped_kv == grouped_kv)
+  )
 
 
 def get(name):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from fsjax import kinds, short_conv
 from fsjax.attention.freesolo import ROUTING
+from fsjax.attention.projections import Projection
 from fsjax.cache import layer_of, write_back
 from fsjax.config import ModelConfig
 
@@ -19,11 +20,15 @@ EMBED_INIT_STD = 0.02  # keeps tied-embedding logits O(1) at init (LLaMA's choic
 def make_attention(config: ModelConfig, name=None):
   """The attention module of `config.attention.kind`, built by its entry in `fsjax.kinds`."""
   att = config.attention
+  projection = Projection(
+    num_kv_heads=config.num_kv_heads, qk_norm=config.qk_norm, qkv_bias=config.qkv_bias, norm_eps=config.norm_eps
+  )
   return kinds.get(att.kind).module(
     att,
     num_heads=config.num_heads,
     head_dim=config.head_dim,
-    rope_theta=att.rope_theta,
+    rope_theta=att.rope,
+    projection=projection,
     dtype=jnp.dtype(config.dtype),
     param_dtype=jnp.dtype(config.param_dtype),
     name=name,

@@ -1,5 +1,6 @@
 """Independent per-query NumPy loops (float64) for the attention references. Written from the paper, not from
 fsjax.ops: the FS-L pool is recomputed per block by sorting (no death blocks), cells and tokens by Python sets.
+The RoPE of Hugging Face checkpoints (`hf_*`) is written from `transformers`' formulas.
 """
 
 import math
@@ -285,3 +286,45 @@ def fsb_cells(q, k, *, tau, lam, sigma, cell, block, top_k, beam, bound_c):
           chosen = sorted(found, key=lambda c: (-score[c], c))[:top_k]
           out[b, i, h, : len(chosen)] = chosen
   return out
+
+
+def hf_inverse_frequencies(theta, rotary_dim, scaling=None):
+  """`transformers`' `_compute_default_rope_parameters`, then `_compute_llama3_parameters` when scaled:
+
+  inv_freq = 1 / theta^(arange(0, dim, 2) / dim)
+  wavelen = 2π / inv_freq;  low_freq_wavelen = old_context_len / low_freq_factor;
+  high_freq_wavelen = old_context_len / high_freq_factor
+  inv_freq_llama = where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+  smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+  smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+  is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+  inv_freq_llama = where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+  """
+  inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2) / rotary_dim)
+  if scaling is None:
+    return inv_freq
+  old_context_len = scaling.original_max_position_embeddings
+  low_freq_wavelen = old_context_len / scaling.low_freq_factor
+  high_freq_wavelen = old_context_len / scaling.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  inv_freq_llama = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+  smooth_factor = (old_context_len / wavelen - scaling.low_freq_factor) / (
+    scaling.high_freq_factor - scaling.low_freq_factor
+  )
+  smoothed = (1 - smooth_factor) * inv_freq_llama / scaling.factor + smooth_factor * inv_freq_llama
+  is_medium_freq = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+  return np.where(is_medium_freq, smoothed, inv_freq_llama)
+
+
+def hf_apply_rope(x, positions, theta, rotary_dim, scaling=None):
+  """`transformers`' rotary embedding with partial rotation (`apply_rotary_pos_emb` of its partial-rotary
+  models): emb = cat(freqs, freqs), q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:],
+  q_embed = cat(q_rot * cos + rotate_half(q_rot) * sin, q_pass), rotate_half(x) = cat(-x2, x1).
+
+  x: `[batch, seq, heads, d]`; positions: `[seq]`."""
+  freqs = positions[:, None] * hf_inverse_frequencies(theta, rotary_dim, scaling)[None]  # [seq, r/2]
+  emb = np.concatenate([freqs, freqs], axis=-1)[None, :, None]  # [1, seq, 1, r]
+  x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+  x1, x2 = x_rot[..., : rotary_dim // 2], x_rot[..., rotary_dim // 2 :]
+  rotated_half = np.concatenate([-x2, x1], axis=-1)
+  return np.concatenate([x_rot * np.cos(emb) + rotated_half * np.sin(emb), x_pass], axis=-1)

@@ -5,6 +5,7 @@ import csv
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from fsjax.eval import perplexity
 from fsjax.eval import recall as recall_eval
 from fsjax.eval.probe import availability_at
 from fsjax.loading import load_model
-from fsjax.model import Transformer
+from fsjax.model import Transformer, init_variables
 from fsjax.reference import zha as zha_ref
 from fsjax.train import loop
 from fsjax.train.objectives import loss_weights
@@ -335,10 +336,24 @@ def test_the_probe_finds_every_eligible_value_when_a_query_reads_all_cells():
     recall_eval.probe_rows(model, variables, interleaved)
 
 
-def test_the_zha_probe_reads_the_fraction_of_keys_the_full_forward_attends():
+def _zha_with_qk_norm_and_partial_rope():
+  """The tiny ZHA model with q/k RMSNorm and half the features rotated; its query gains doubled, so that routing
+  the projection's queries instead of the normed ones would read other keys."""
+  config, _, _ = tiny_model("zha")
+  config = dataclasses.replace(config, qk_norm=True, attention=dataclasses.replace(config.attention, rope_fraction=0.5))
+  variables = init_variables(config, jax.random.PRNGKey(0), 64)
+  for i in range(config.num_layers):
+    norm = variables["params"][f"layer_{i}"]["attention"]["q_norm"]
+    norm["scale"] = 2 * norm["scale"]
+  return config, Transformer(config), variables
+
+
+@pytest.mark.parametrize("options", [False, True], ids=["default", "qk-norm-partial-rope"])
+def test_the_zha_probe_reads_the_fraction_of_keys_the_full_forward_attends(options):
   """ZHA's keys read at the query keys, through the decode cache chunk by chunk, equal the attended fractions
-  the training form sows over the whole row (ZHA III-C)."""
-  config, model, variables = tiny_model("zha")
+  the training form sows over the whole row (ZHA III-C); also where queries and keys leave their projection
+  through q/k RMSNorm and rotate with a partial RoPE."""
+  config, model, variables = _zha_with_qk_norm_and_partial_rope() if options else tiny_model("zha")
   rows = _probe_rows()
   summary = recall_eval.probe_rows(model, variables, rows, chunk=64)
   _, state = model.apply(variables, jnp.asarray(np.stack([r.tokens for r in rows])), mutable=["intermediates"])
@@ -353,15 +368,16 @@ def test_the_zha_probe_reads_the_fraction_of_keys_the_full_forward_attends():
   # Whether a query reads its value: the training form's key sets over the whole row (tree built from every key,
   # the descent from every query) at (query key, value position).
   tokens = jnp.asarray(np.stack([r.tokens for r in rows]))
-  capture = lambda module, method: module.name in ("q_proj", "k_proj")
+  names = ("q_norm", "k_norm") if config.qk_norm else ("q_proj", "k_proj")
+  capture = lambda module, method: module.name in names
   _, state = model.apply(variables, tokens, capture_intermediates=capture, mutable=["intermediates"])
-  tree, theta = config.attention.zha.tree, config.attention.rope_theta
+  tree, theta = config.attention.zha.tree, config.attention.rope
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   values = np.stack([r.pair_positions + 1 for r in rows])
   value_read = []
   for i in range(config.num_layers):
     attention = state["intermediates"][f"layer_{i}"]["attention"]
-    q, k = (zha_ref.rotate(attention[n]["__call__"][0], positions, theta) for n in ("q_proj", "k_proj"))
+    q, k = (zha_ref.rotate(attention[n]["__call__"][0], positions, theta) for n in names)
     refs = variables["params"][f"layer_{i}"]["attention"]["ref_queries"]
     nodes = zha_ref.build_tree(k, refs, chunk=tree.chunk, levels=tree.levels, rope_theta=theta)
     scores = [zha_ref.node_scores(q, *level) for level in nodes]
@@ -372,6 +388,8 @@ def test_the_zha_probe_reads_the_fraction_of_keys_the_full_forward_attends():
     value_read.append(mask[b, :, queries, values][first_asks].mean())  # [batch, Q, heads] at first asks
   np.testing.assert_allclose(summary["value_read"], value_read, atol=1e-4)
   assert 0 < min(summary["value_read"]) and max(summary["value_read"]) < 1
+  if options:
+    return
   # A scanned model (the recall configs') with the same weights reads the same keys.
   scanned = Transformer(dataclasses.replace(config, scan_layers=True))
   stacked = recall_eval.probe_rows(scanned, stack_layers(variables, config.num_layers), rows, chunk=64)

@@ -34,6 +34,15 @@ ATTENTION_RULES = [
   (dict(kind="moba", moba=dict(top_k=0)), "attention.moba.top_k must be positive"),
   (dict(kind="moba", moba_top_k=0), "attention.moba.top_k must be positive"),  # a flat key of earlier configs
   (dict(kind="tfpp", zha=dict(distill=True)), "attention.zha.distill needs attention.kind zha"),
+  (dict(rope_fraction=1.5), r"attention.rope_fraction must be in \(0, 1\]"),
+  (dict(rope_scaling=dict(type="yarn")), "attention.rope_scaling.type must be one of"),
+  (dict(rope_scaling=dict(factor=8.0)), "attention.rope_scaling.type must be one of"),  # the type is required
+  (dict(rope_scaling=dict(type="llama3", factor=0.5)), "attention.rope_scaling.factor must be >= 1"),
+  (
+    dict(rope_scaling=dict(type="llama3", low_freq_factor=4.0, high_freq_factor=2.0)),
+    "attention.rope_scaling.high_freq_factor must be greater than attention.rope_scaling.low_freq_factor",
+  ),
+  (dict(rope_scaling=dict(type="llama3", beta=1)), "unknown key model.attention.rope_scaling.beta"),
 ]
 
 
@@ -57,11 +66,48 @@ def test_dense_kinds_skip_freesolo_geometry():
     (dict(vocab_size=-5), "model.vocab_size must be positive"),
     (dict(ffn_hidden=0), "model.ffn_hidden must be positive"),
     (dict(dtype="float8"), "model.dtype must be one of"),
+    (dict(num_kv_heads=3), r"model.num_kv_heads must be positive and divide model.num_heads \(16\), got 3"),
+    (dict(num_kv_heads=0), "model.num_kv_heads must be positive and divide model.num_heads"),
+    (
+      dict(head_dim=16, attention=AttentionConfig(rope_fraction=0.3)),
+      r"model.attention.rope_fraction \(0.3\) times model.head_dim \(16\) must be an even whole number",
+    ),
   ],
 )
 def test_model_rules(fields, message):
-  with pytest.raises(ConfigError, match=message):
+  with pytest.raises(ConfigError, match=message) as error:
     ModelConfig(**fields)
+  assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("kind", ["fs", "fsl", "fsb", "zha"])
+def test_grouped_query_attention_is_refused_where_the_kind_lacks_it(kind):
+  with pytest.raises(ConfigError, match=rf"model.num_kv_heads \(4\) below model.num_heads \(16\) .*kind {kind} ") as e:
+    ModelConfig(num_kv_heads=4, attention=AttentionConfig(kind=kind))
+  assert "\n" not in str(e.value)
+
+
+def test_the_hugging_face_options_load_from_yaml_and_overrides(tmp_path):
+  """`attention.rope_scaling` is null by default: an override of one of its keys starts it empty."""
+  config = load_config(
+    None,
+    [
+      "model.attention.kind=tfpp",
+      "model.num_kv_heads=4",
+      "model.qk_norm=true",
+      "model.qkv_bias=true",
+      "model.attention.rope_fraction=0.5",
+      "model.attention.rope_scaling.type=llama3",
+      "model.attention.rope_scaling.original_max_position_embeddings=4096",
+    ],
+  )
+  model = config.model
+  assert (model.kv_heads, model.qk_norm, model.qkv_bias) == (4, True, True)
+  assert model.attention.rope.fraction == 0.5 and model.attention.rope.scaling.original_max_position_embeddings == 4096
+  path = tmp_path / "c.yaml"
+  path.write_text(yaml.safe_dump(to_dict(config)))
+  assert load_config(str(path)) == config
+  assert Config().model.attention.rope_scaling is None and Config().model.kv_heads == Config().model.num_heads
 
 
 def test_yaml_round_trip_and_overrides(tmp_path):

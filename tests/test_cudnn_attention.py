@@ -9,11 +9,12 @@ import pytest
 
 from fsjax import ops
 from fsjax.cache import init_cache
-from fsjax.config import model_preset
+from fsjax.config import RoPEScalingConfig, model_preset
 from fsjax.decode import extend, prefill
 from fsjax.model import Transformer, init_variables
 from fsjax.ops import dispatch
 from fsjax.ops.cudnn import causal_rope_attention_cudnn
+from fsjax.reference.rope import Llama3Scaling, RoPE
 
 from helpers import assert_close, random_qkv
 
@@ -52,10 +53,34 @@ def test_cudnn_gradients_match_the_reference(rng, window):
     assert_close(np.asarray(fast, np.float32), np.asarray(exact, np.float32), jnp.bfloat16)
 
 
-def test_tfpp_cache_on_cudnn_matches_the_reference_cache_path(rng):
+@pytest.mark.parametrize("window", [None, 64], ids=["tfpp", "swa"])
+def test_cudnn_reads_fewer_kv_heads_and_any_rope_as_the_reference_does(rng, window):
+  """Grouped-query attention (8 query heads over 2 key/value heads) with partial, Llama 3-scaled RoPE."""
+  q = jnp.asarray(rng.standard_normal((2, 384, 8, 64)), jnp.bfloat16)
+  k, v = (jnp.asarray(rng.standard_normal((2, 384, 2, 64)), jnp.bfloat16) for _ in range(2))
+  rope = RoPE(theta=500000.0, fraction=0.5, scaling=Llama3Scaling(original_max_position_embeddings=256))
+  fast = causal_rope_attention_cudnn(q, k, v, window=window, rope_theta=rope)
+  reference = (
+    ops.tfpp_attention(q, k, v, rope_theta=rope)
+    if window is None
+    else ops.swa_attention(q, k, v, window=window, rope_theta=rope)
+  )
+  assert_close(np.asarray(fast, np.float32), np.asarray(reference, np.float32), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("options", [False, True], ids=["mha", "gqa-qknorm-bias-rope"])
+def test_tfpp_cache_on_cudnn_matches_the_reference_cache_path(rng, options):
   """Chunked prefill through cuDNN and a one-token step through `store.attend_one`, over the bf16 dense cache,
-  against impl="reference" (the jnp chunk path for both)."""
+  against impl="reference" (the jnp chunk path for both); also with the Hugging Face options (2 key/value heads
+  for 4 query heads, q/k RMSNorm, biases, partial Llama 3-scaled RoPE)."""
   config = dataclasses.replace(model_preset("tiny", kind="tfpp"), dtype="bfloat16", param_dtype="bfloat16")
+  if options:
+    attention = dataclasses.replace(
+      config.attention,
+      rope_fraction=0.5,
+      rope_scaling=RoPEScalingConfig(type="llama3", original_max_position_embeddings=64),
+    )
+    config = dataclasses.replace(config, num_kv_heads=2, qk_norm=True, qkv_bias=True, attention=attention)
   variables = init_variables(config, jax.random.PRNGKey(0), 64)
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 100)))
   lengths = jnp.array([96, 57])

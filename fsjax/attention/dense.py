@@ -6,12 +6,13 @@ import jax.numpy as jnp
 
 from fsjax import ops
 from fsjax.attention.cached import attend, attend_one, by_head_groups, visible
-from fsjax.attention.projections import project_heads, project_out
+from fsjax.attention.projections import Projection, project_out, project_qkv
 from fsjax.cache import store as kv
 from fsjax.cache.layered import LayerSlice, read
 from fsjax.ops import dispatch
-from fsjax.reference.common import PRECISION, compute_dtype
-from fsjax.reference.rope import apply_rope
+from fsjax.reference.common import compute_dtype
+from fsjax.reference.grouped import grouped_logits
+from fsjax.reference.rope import RoPE, apply_rope
 
 KINDS = ("tfpp", "swa", "moba")
 
@@ -31,12 +32,12 @@ def moba_block_mask(q_rot, q_pos, keys, *, moba_block, moba_top_k):
   (lower index wins ties). The capacity must be a multiple of `moba_block`.
 
   Args:
-    q_rot: `[batch, C, heads, d]` at `q_pos` `[batch, C]`; keys: `[batch, capacity, heads, d]` rotated.
+    q_rot: `[batch, C, heads, d]` at `q_pos` `[batch, C]`; keys: `[batch, capacity, kv_heads, d]` rotated.
   """
-  batch, capacity, heads, head_dim = keys.shape
+  batch, capacity, kv_heads, head_dim = keys.shape
   num_blocks = capacity // moba_block
-  mean_keys = keys.reshape(batch, num_blocks, moba_block, heads, head_dim).mean(axis=2)
-  gate = jnp.einsum("bqhd,bnhd->bhqn", q_rot, mean_keys, precision=PRECISION)
+  mean_keys = keys.reshape(batch, num_blocks, moba_block, kv_heads, head_dim).mean(axis=2)
+  gate = grouped_logits(q_rot, mean_keys)  # [batch, heads, C, num_blocks]
   own = q_pos // moba_block  # [batch, C]
   blocks = jnp.arange(num_blocks)
   past = (blocks < own[..., None])[:, None]  # [batch, 1, C, num_blocks]
@@ -54,7 +55,9 @@ class DenseAttention(nn.Module):
   """`x [batch, seq, d_model]` → `[batch, seq, d_model]` through a RoPE baseline attention.
 
   `kind`: "tfpp" (full causal), "swa" (radius `window`) or "moba" (`moba_block`, `moba_top_k`; see
-  `fsjax.reference.dense` for MoBA's documented choices). Params: `q_proj`, `k_proj`, `v_proj`, `o_proj`.
+  `fsjax.reference.dense` for MoBA's documented choices). Params: `q_proj`, `k_proj`, `v_proj`, `o_proj`, and
+  what `projection` adds (`fsjax.attention.projections`: grouped-query attention with fewer key/value heads,
+  which the cache then holds; q/k/v biases; q/k RMSNorm). `rope_theta`: θ or a `fsjax.reference.rope.RoPE`.
   `impl` ("reference" | "auto" | "pallas", `fsjax.ops.dispatch`): "reference" always runs the references;
   otherwise TF++ and SWA use cuDNN on a GPU in bf16/fp16.
 
@@ -71,7 +74,8 @@ class DenseAttention(nn.Module):
   window: int = 512
   moba_block: int = 512
   moba_top_k: int = 3
-  rope_theta: float = 10000.0
+  rope_theta: float | RoPE = 10000.0
+  projection: Projection = Projection()
   impl: str = "auto"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
@@ -80,10 +84,7 @@ class DenseAttention(nn.Module):
   def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False):
     if self.kind not in KINDS:
       raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-    q, k, v = (
-      project_heads(x, self.num_heads, self.head_dim, name, self.dtype, self.param_dtype)
-      for name in ("q_proj", "k_proj", "v_proj")
-    )
+    q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.projection, self.dtype, self.param_dtype)
     if cache is None:
       return project_out(self._causal(q, k, v), x.shape[-1], self.dtype, self.param_dtype)
     if first_chunk:  # an empty cache and positions 0..C-1: the training operator, then one bulk write
@@ -142,13 +143,14 @@ class DenseAttention(nn.Module):
   def _extend_cudnn(self, q, k, v, cache, positions, valid):
     """TF++ prefill/decode on cuDNN's fused kernel: the chunk attends the half-precision dense cache through a
     position mask (the chunk is written first), so a 2048-token chunk at 256k never materializes its logits. A
-    scanned model's layer is copied for cuDNN, a group of heads at a time (`dispatch.cache_head_groups`)."""
+    scanned model's layer is copied for cuDNN, a group of heads at a time (`dispatch.cache_head_groups`). cuDNN
+    takes fewer key/value heads than query heads as they come (grouped-query attention)."""
     q_rot = apply_rope(q, positions, self.rope_theta).astype(cache.k.dtype)
     cache = kv.write(cache, apply_rope(k, positions, self.rope_theta), v, positions, valid)
     mask = visible(positions, read(cache.pos))[:, None]  # [batch, 1, C, N]
-    batch, capacity, heads, head_dim = cache.k.shape
+    batch, capacity, kv_heads, head_dim = cache.k.shape
     groups = dispatch.cache_head_groups(
-      batch, capacity, heads, head_dim, cache.k.dtype, copied=isinstance(cache.k, LayerSlice)
+      batch, capacity, kv_heads, head_dim, cache.k.dtype, copied=isinstance(cache.k, LayerSlice)
     )
     attend_heads = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
     return by_head_groups(attend_heads, groups, q_rot, cache.k, cache.v), cache

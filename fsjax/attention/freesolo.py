@@ -4,12 +4,13 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from fsjax.attention import freesolo_step
-from fsjax.attention.projections import project_heads, project_out
+from fsjax.attention.projections import Projection, project_out, project_qkv
 from fsjax.cache.bounded import BoundedCache
 from fsjax.ops import freesolo as freesolo_ops
 from fsjax.reference.cells import cell_summaries
 from fsjax.reference.common import compute_dtype
 from fsjax.reference.freesolo import mix_branches
+from fsjax.reference.rope import RoPE
 from fsjax.reference.routing import Routing
 
 ROUTING = "routing"  # collection of λ, σ (and FS-B's τ): buffers with no gradient (FS Sec. 3.3 "Training")
@@ -19,8 +20,10 @@ class FreeSoloAttention(nn.Module):
   """`x [batch, seq, d_model]` → `[batch, seq, d_model]` through FS/FS-L/FS-B attention.
 
   Fields: `routing` (a `Routing`: variant, window, cell, block, top_k, pool, recent cells, beam, bound c), the
-  initial λ and σ of Eq. 7, the RoPE base of the local branch, `impl` ("reference" | "auto" | "pallas",
-  `fsjax.ops.dispatch`) and the dtypes.
+  initial λ and σ of Eq. 7, the RoPE of the local branch (θ or a `fsjax.reference.rope.RoPE`), `projection`
+  (`fsjax.attention.projections`: q/k RMSNorm and q/k/v biases; one key/value head per query head), `impl`
+  ("reference" | "auto" | "pallas", `fsjax.ops.dispatch`) and the dtypes. The projection options act before
+  anything FreeSolo computes, so the long-range branch sees the normed keys.
 
   Variables: params `q_proj`, `k_proj`, `v_proj` (`[d_model, heads, head_dim]`), `o_proj`, `alpha` `[heads]`
   (Eq. 2, init 1), `lr_gain` `[head_dim]` (readout RMSNorm gain, init 1); collection "routing": `lam`, `sigma`
@@ -41,7 +44,8 @@ class FreeSoloAttention(nn.Module):
   routing: Routing = Routing()
   lam: float = 1.0
   sigma: float = 4.0
-  rope_theta: float = 10000.0
+  rope_theta: float | RoPE = 10000.0
+  projection: Projection = Projection()
   impl: str = "auto"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
@@ -49,9 +53,9 @@ class FreeSoloAttention(nn.Module):
   @nn.compact
   def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False):
     heads, dim, routing = self.num_heads, self.head_dim, self.routing
-    q, k, v = (
-      project_heads(x, heads, dim, name, self.dtype, self.param_dtype) for name in ("q_proj", "k_proj", "v_proj")
-    )
+    if self.projection.kv_heads(heads) != heads:
+      raise ValueError(f"FreeSolo attention needs one key/value head per query head, got {self.projection}")
+    q, k, v = project_qkv(x, heads, dim, self.projection, self.dtype, self.param_dtype)
     alpha = self.param("alpha", nn.initializers.ones, (heads,), self.param_dtype)
     lr_gain = self.param("lr_gain", nn.initializers.ones, (dim,), self.param_dtype)
     lam = self.variable(ROUTING, "lam", lambda: jnp.full((heads,), self.lam, jnp.float32)).value

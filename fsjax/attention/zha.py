@@ -5,10 +5,11 @@ import jax.numpy as jnp
 
 from fsjax.attention import zha_step
 from fsjax.attention.dense import causal_attention
-from fsjax.attention.projections import project_heads, project_out
+from fsjax.attention.projections import Projection, project_out, project_qkv
 from fsjax.ops import dispatch
 from fsjax.ops import zha as zha_ops
 from fsjax.reference.common import compute_dtype
+from fsjax.reference.rope import RoPE
 from fsjax.reference.zha import ZHATree
 
 # Small random reference queries: tangents start near q = 0 (mean key, bias log C) yet differ, so the R copies
@@ -21,7 +22,9 @@ class ZHAAttention(nn.Module):
   each query to (`fsjax.reference.zha`).
 
   Params: `q_proj`, `k_proj`, `v_proj`, `o_proj` (named as in `DenseAttention`, so a TF++ checkpoint converts by
-  adding the reference queries) and `ref_queries` `[heads, tree.refs, head_dim]`, the only weights ZHA trains.
+  adding the reference queries; with `projection`'s q/k RMSNorm and biases too, but one key/value head per query
+  head) and `ref_queries` `[heads, tree.refs, head_dim]`, the only weights ZHA trains. `rope_theta`: θ, a
+  `fsjax.reference.rope.RoPE`, or None (NoPE).
 
   `distill=True` (ZHA III-B training): the layer runs the frozen model's dense attention and sows its KL loss per
   level, `[levels]`, as intermediates/zha_kl. Otherwise it sows the fraction of visible keys each query read,
@@ -38,7 +41,8 @@ class ZHAAttention(nn.Module):
   head_dim: int
   tree: ZHATree = ZHATree()
   distill: bool = False
-  rope_theta: float = 10000.0
+  rope_theta: float | RoPE = 10000.0
+  projection: Projection = Projection()
   impl: str = "auto"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
@@ -46,10 +50,9 @@ class ZHAAttention(nn.Module):
   @nn.compact
   def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False):
     tree = self.tree
-    q, k, v = (
-      project_heads(x, self.num_heads, self.head_dim, name, self.dtype, self.param_dtype)
-      for name in ("q_proj", "k_proj", "v_proj")
-    )
+    if self.projection.kv_heads(self.num_heads) != self.num_heads:
+      raise ValueError(f"ZHA attention needs one key/value head per query head, got {self.projection}")
+    q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.projection, self.dtype, self.param_dtype)
     ref_queries = self.param(
       "ref_queries", nn.initializers.normal(REF_INIT_STD), (self.num_heads, tree.refs, self.head_dim), self.param_dtype
     )

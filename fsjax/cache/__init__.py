@@ -46,7 +46,7 @@ def init_cache(config, batch, max_len, dtype=jnp.float32, bounded=True):
 
   att = config.attention
   capacity = cache_capacity(config, max_len)
-  make = lambda: kinds.get(att.kind).cache(att, batch, capacity, config.num_heads, config.head_dim, dtype, bounded)
+  make = lambda: kinds.get(att.kind).cache(att, batch, capacity, config.kv_heads, config.head_dim, dtype, bounded)
   if config.scan_layers:
     cache = {"layers": jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (config.num_layers, *x.shape)), make())}
   else:

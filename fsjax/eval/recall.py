@@ -161,10 +161,12 @@ def _zha_extend_reading(model, variables, tokens, cache, positions, valid, value
   """A ZHA model's cache step over one chunk (`extend`), also telling whether each of its queries reads the keys
   at `values_at` `[batch, V]`: `(cache, intermediates, read [batch, C, layers, heads, V] bool)`.
 
-  Each layer's queries are captured at its `q_proj` and routed over the layer's cached tree after the chunk is
-  written, as `fsjax.attention.zha_step.attend` routes them (`fsjax.reference.zha.route`, then `key_mask`)."""
+  Each layer's queries are captured where they leave the projection (`q_proj`, or `q_norm` with `qk_norm`) and
+  routed over the layer's cached tree after the chunk is written, as `fsjax.attention.zha_step.attend` routes them
+  (`fsjax.reference.zha.route`, then `key_mask`)."""
   config = model.config
   tree = config.attention.zha.tree
+  query_module = "q_norm" if config.qk_norm else "q_proj"
   (_, cache), state = model.apply(
     variables,
     tokens,
@@ -172,7 +174,7 @@ def _zha_extend_reading(model, variables, tokens, cache, positions, valid, value
     positions,
     valid,
     mutable=["intermediates"],
-    capture_intermediates=lambda module, method: module.name == "q_proj",
+    capture_intermediates=lambda module, method: module.name == query_module,
   )
   intermediates = state["intermediates"]
   if config.scan_layers:
@@ -182,9 +184,9 @@ def _zha_extend_reading(model, variables, tokens, cache, positions, valid, value
   reads = []
   for attention, layer, i in layers:
     at = (lambda x: x[i]) if i is not None else (lambda x: x)
-    q = at(attention["q_proj"]["__call__"][0])  # [batch, C, heads, d]
+    q = at(attention[query_module]["__call__"][0])  # [batch, C, heads, d]
     dtype = compute_dtype(q.dtype)
-    q_rot = zha_ref.rotate(q.astype(dtype), positions, config.attention.rope_theta)
+    q_rot = zha_ref.rotate(q.astype(dtype), positions, config.attention.rope)
     nodes = [(at(keys).astype(dtype), at(bias).astype(dtype)) for keys, bias in zip(layer.keys, layer.bias)]
     scores = [zha_ref.node_scores(q_rot, *level) for level in nodes]
     leaves = zha_ref.route(scores, positions, chunk=tree.chunk, top_p=tree.level_top_p, max_nodes=tree.max_nodes)

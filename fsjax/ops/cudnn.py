@@ -13,7 +13,9 @@ def causal_rope_attention_cudnn(q, k, v, *, window=None, rope_theta=10000.0):
   """Attention over `i - window <= j <= i` (all `j <= i` when window is None) after RoPE, via cuDNN.
 
   Args:
-    q, k, v: `[batch, T, heads, head_dim]` unrotated, bf16 or fp16.
+    q: `[batch, T, heads, head_dim]`, k, v: `[batch, T, kv_heads, head_dim]`, unrotated, bf16 or fp16; cuDNN reads
+      fewer key/value heads than query heads natively, in the layout of `fsjax.reference.grouped`.
+    rope_theta: θ or a `fsjax.reference.rope.RoPE`, applied here before the kernel, so every RoPE option works.
 
   Returns:
     `[batch, T, heads, head_dim]` in the dtype of `q`.

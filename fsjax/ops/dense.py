@@ -1,6 +1,7 @@
 """Local and dense RoPE attention ops with their implementation chosen by `fsjax.ops.dispatch`: the references
 (`fsjax.reference.local`, `fsjax.reference.dense`) or cuDNN's fused kernel (`fsjax.ops.cudnn`, on a GPU in
-half precision)."""
+half precision). Both take fewer key/value heads than query heads (k, v `[batch, T, kv_heads, d]`, grouped-query
+attention) and any RoPE (`rope_theta`: θ or a `fsjax.reference.rope.RoPE`)."""
 
 from fsjax.ops import dispatch
 from fsjax.ops.cudnn import causal_rope_attention_cudnn

@@ -7,6 +7,9 @@ MoBA (Lu et al., 2025) leaves freedom that FS does not pin down; our choices:
   the other `moba_top_k - 1` are the fully past blocks with the largest gate `q_i · mean(k over block)`;
 - the gate uses the RoPE-rotated q and k, as MoBA's implementation gates inside attention after RoPE;
 - ties go to the lower block index; the softmax runs jointly over all selected tokens.
+
+Every baseline takes fewer key/value heads than query heads (grouped-query attention, `fsjax.reference.grouped`):
+a MoBA query head gates with the mean keys of the key/value head it reads.
 """
 
 import math
@@ -14,7 +17,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fsjax.reference.common import PRECISION, check_qkv, compute_dtype
+from fsjax.reference.common import compute_dtype
+from fsjax.reference.grouped import check_grouped_qkv, grouped_logits, grouped_readout
 from fsjax.reference.local import local_attention
 from fsjax.reference.rope import apply_rope
 from fsjax.reference.softmax import masked_softmax
@@ -23,7 +27,8 @@ SWA_WINDOW = 512
 
 
 def tfpp_attention(q, k, v, *, rope_theta=10000.0):
-  """TF++: full causal RoPE attention. q, k, v `[batch, T, heads, d]` → `[batch, T, heads, d]`."""
+  """TF++: full causal RoPE attention. q `[batch, T, heads, d]`, k, v `[batch, T, kv_heads, d]` →
+  `[batch, T, heads, d]`."""
   return local_attention(q, k, v, window=max(q.shape[1] - 1, 0), rope_theta=rope_theta)
 
 
@@ -36,17 +41,17 @@ def moba_block_mask(q_rot, k_rot, *, moba_block, moba_top_k):
   """Which key blocks each query reads: its own block plus the top `moba_top_k - 1` past blocks by mean key.
 
   Args:
-    q_rot, k_rot: `[batch, T, heads, d]` RoPE-rotated queries and keys.
+    q_rot: `[batch, T, heads, d]`, k_rot: `[batch, T, kv_heads, d]`, RoPE-rotated queries and keys.
 
   Returns:
     `[batch, heads, T, num_blocks]` boolean.
   """
-  batch, seq, heads, head_dim = k_rot.shape
+  batch, seq, kv_heads, head_dim = k_rot.shape
   num_blocks = -(-seq // moba_block)
   k_pad = jnp.pad(k_rot, ((0, 0), (0, num_blocks * moba_block - seq), (0, 0), (0, 0)))
   # The zero padding only touches the last block, which is never fully past for any query, so never gated.
-  mean_keys = k_pad.reshape(batch, num_blocks, moba_block, heads, head_dim).mean(axis=2)
-  gate = jnp.einsum("bthd,bnhd->bhtn", q_rot, mean_keys, precision=PRECISION)
+  mean_keys = k_pad.reshape(batch, num_blocks, moba_block, kv_heads, head_dim).mean(axis=2)
+  gate = grouped_logits(q_rot, mean_keys)  # [batch, heads, T, num_blocks]
   query_block = jnp.arange(seq) // moba_block
   past = jnp.arange(num_blocks)[None, :] < query_block[:, None]  # [T, num_blocks]
   current = jnp.arange(num_blocks)[None, :] == query_block[:, None]
@@ -62,15 +67,15 @@ def moba_attention(q, k, v, *, moba_block=512, moba_top_k=3, rope_theta=10000.0)
   """MoBA: causal RoPE attention restricted to the selected key blocks (choices in the module docstring).
 
   Args:
-    q, k, v: `[batch, T, heads, d]` unrotated.
+    q: `[batch, T, heads, d]`, k, v: `[batch, T, kv_heads, d]`, unrotated.
     moba_block: block size in tokens.
     moba_top_k: blocks read per query, the current block included (>= 1).
-    rope_theta: RoPE base.
+    rope_theta: RoPE base θ, or a `fsjax.reference.rope.RoPE`.
 
   Returns:
     `[batch, T, heads, d]` in the dtype of `q`.
   """
-  check_qkv(q, k, v)
+  check_grouped_qkv(q, k, v)
   if moba_block < 1 or moba_top_k < 1:
     raise ValueError(f"moba_block and moba_top_k must be >= 1, got {moba_block}, {moba_top_k}")
   batch, seq, heads, head_dim = q.shape
@@ -82,6 +87,6 @@ def moba_attention(q, k, v, *, moba_block=512, moba_top_k=3, rope_theta=10000.0)
   key_block = positions // moba_block
   causal = positions[None, :] <= positions[:, None]  # [T, T]
   mask = jnp.take(blocks, key_block, axis=-1) & causal  # [batch, heads, T, T]
-  logits = jnp.einsum("bthd,bshd->bhts", q_rot, k_rot, precision=PRECISION) / math.sqrt(head_dim)
+  logits = grouped_logits(q_rot, k_rot) / math.sqrt(head_dim)
   probs = masked_softmax(logits, mask)
-  return jnp.einsum("bhts,bshd->bthd", probs, v.astype(dtype), precision=PRECISION).astype(q.dtype)
+  return grouped_readout(probs, v.astype(dtype)).astype(q.dtype)

@@ -1,10 +1,12 @@
-"""Causal sliding-window RoPE attention: FreeSolo's local branch (FS Eq. 3-4), SWA and TF++."""
+"""Causal sliding-window RoPE attention: FreeSolo's local branch (FS Eq. 3-4), SWA and TF++; with grouped-query
+attention (`fsjax.reference.grouped`) for the baselines of Hugging Face checkpoints."""
 
 import math
 
 import jax.numpy as jnp
 
-from fsjax.reference.common import PRECISION, check_qkv, compute_dtype
+from fsjax.reference.common import compute_dtype
+from fsjax.reference.grouped import check_grouped_qkv, grouped_logits, grouped_readout
 from fsjax.reference.rope import apply_rope
 from fsjax.reference.softmax import masked_softmax
 
@@ -19,14 +21,16 @@ def local_attention(q, k, v, *, window, rope_theta=10000.0):
   A full window holds `window + 1` tokens. `window >= seq - 1` is full causal attention (TF++).
 
   Args:
-    q, k, v: `[batch, seq, heads, head_dim]`, unrotated; head_dim even.
+    q: `[batch, seq, heads, head_dim]`, unrotated; head_dim even.
+    k, v: `[batch, seq, kv_heads, head_dim]`, unrotated; kv_heads divides heads (query head h reads key/value
+      head `h // (heads // kv_heads)`; equal heads is multi-head attention).
     window: look-back radius `w >= 0`.
-    rope_theta: RoPE base.
+    rope_theta: RoPE base θ, or a `fsjax.reference.rope.RoPE`.
 
   Returns:
     `o_sr`: `[batch, seq, heads, head_dim]` in the dtype of `q`.
   """
-  check_qkv(q, k, v)
+  check_grouped_qkv(q, k, v)
   if window < 0:
     raise ValueError(f"window must be >= 0, got {window}")
   if q.shape[-1] % 2:
@@ -55,8 +59,7 @@ def local_attention(q, k, v, *, window, rope_theta=10000.0):
   k_span = k_rot[:, safe_pos]  # [batch, n, span, heads, d]
   v_span = v[:, safe_pos]
 
-  logits = jnp.einsum("bnqhd,bnkhd->bnhqk", q_chunks, k_span, precision=PRECISION)
-  logits = logits / math.sqrt(head_dim)
+  logits = grouped_logits(q_chunks, k_span) / math.sqrt(head_dim)  # [batch, n, heads, chunk, span]
   probs = masked_softmax(logits, mask[None, :, None])
-  out = jnp.einsum("bnhqk,bnkhd->bnqhd", probs, v_span, precision=PRECISION)
+  out = grouped_readout(probs, v_span)
   return out.reshape(batch, padded, heads, head_dim)[:, :seq].astype(q.dtype)
