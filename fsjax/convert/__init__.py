@@ -1,0 +1,115 @@
+"""Pretrained Hugging Face checkpoints in and out of fsjax: Llama 3.x, Qwen2.5 and Qwen3 dense models.
+
+    from fsjax.convert import import_checkpoint, export_checkpoint
+    import_checkpoint("Qwen3-0.6B/", "runs/qwen3")   # an Orbax workdir: init_from, generate, evaluations
+    export_checkpoint("runs/qwen3", "qwen3_out/")   # config.json + safetensors, as transformers reads them
+
+An imported model is a TF++ model (`attention.kind: tfpp`): the dense parent from which ZHA is distilled
+(`train.objective: zha_kl`) or FS / FS-L are continued-pretrained (`train.init_from`). The workdir holds the
+parameters as step 0 (no optimizer state: `train.init_from` starts a fresh optimizer, as it does for any
+parent), `model.yaml` (its model section, and `data.tokenizer`: a training config's `base:`), the checkpoint's
+own `config.json` as `hf_config.json` (export writes its other fields back), and its `tokenizer.json` when there
+is one. Continued pretraining or distillation from it:
+
+    # configs/my_zha.yaml
+    base: ../runs/qwen3/model.yaml
+    model: {attention: {kind: zha}}
+    train: {init_from: runs/qwen3, objective: zha_kl}
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import yaml
+
+from fsjax.config import Config, DataConfig, ModelConfig, to_dict
+from fsjax.convert.hf_config import ConversionError, hf_config_from_model, model_config_from_hf
+from fsjax.convert.hf_weights import hf_tensors, read_params, write_tensors
+from fsjax.train import checkpoint as ckpt_lib
+
+HF_CONFIG = "hf_config.json"
+MODEL_YAML = "model.yaml"
+TOKENIZER = "tokenizer.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's own default shard size
+
+__all__ = ["ConversionError", "export_checkpoint", "import_checkpoint", "load_hf", "model_config_from_hf"]
+
+
+def _read_json(path):
+  try:
+    return json.loads(Path(path).read_text())
+  except FileNotFoundError:
+    raise ConversionError(f"{path}: no such file") from None
+  except ValueError as e:
+    raise ConversionError(f"{path}: not JSON ({e})") from None
+
+
+def load_hf(directory, *, dtype="bfloat16", param_dtype=None, scan_layers=True):
+  """A Hugging Face checkpoint directory as `(ModelConfig, params)` (numpy arrays), without writing anything.
+
+  Args:
+    directory: holds `config.json` and `model.safetensors` or a sharded `model.safetensors.index.json`.
+    dtype: the fsjax model's activation dtype.
+    param_dtype: the dtype parameters are stored in; None keeps the checkpoint's (`torch_dtype` / `dtype` in
+      its config.json), so the host holds no more than the weights themselves.
+    scan_layers: stack the layers for `nn.scan`.
+  """
+  hf = _read_json(Path(directory) / "config.json")
+  if param_dtype is None:
+    param_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+  config = model_config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers)
+  return config, read_params(directory, config)
+
+
+def import_checkpoint(directory, workdir, *, dtype="bfloat16", param_dtype=None, scan_layers=True):
+  """Converts a Hugging Face checkpoint directory into an fsjax workdir (see the module docstring).
+
+  Returns the workdir's `Config`. Raises ConversionError for an unsupported checkpoint or a workdir that already
+  holds checkpoints (nothing is overwritten).
+  """
+  workdir = Path(workdir)
+  if (workdir / ckpt_lib.CHECKPOINT_SUBDIR).exists():
+    raise ConversionError(f"{workdir} already holds checkpoints: import into a new workdir")
+  model_config, params = load_hf(directory, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers)
+  workdir.mkdir(parents=True, exist_ok=True)
+  tokenizer = None
+  if (Path(directory) / TOKENIZER).is_file():
+    tokenizer = str((workdir / TOKENIZER).resolve())
+    shutil.copyfile(Path(directory) / TOKENIZER, tokenizer)
+  shutil.copyfile(Path(directory) / "config.json", workdir / HF_CONFIG)
+  config = Config(model=model_config, data=DataConfig(tokenizer=tokenizer))
+  base = {"model": to_dict(model_config), **({"data": {"tokenizer": tokenizer}} if tokenizer else {})}
+  (workdir / MODEL_YAML).write_text(yaml.safe_dump(base, sort_keys=False))
+  checkpointer = ckpt_lib.Checkpointer(workdir / ckpt_lib.CHECKPOINT_SUBDIR, keep=1, async_save=False)
+  try:
+    checkpointer.save(0, {"params": params, "frozen": {}}, None, config, 0)
+    checkpointer.wait()
+  finally:
+    checkpointer.close()
+  return config
+
+
+def export_checkpoint(checkpoint, out, *, max_shard_bytes=DEFAULT_MAX_SHARD_BYTES):
+  """Writes an fsjax TF++ checkpoint (a workdir or one step's directory) as a Hugging Face checkpoint directory:
+  `config.json` and safetensors in the parameters' dtype, sharded past `max_shard_bytes`."""
+  config, params, _, _ = ckpt_lib.load(checkpoint)
+  params = jax.device_get(params)
+  workdir = Path(ckpt_lib.resolve(checkpoint)[0]).parent
+  base = _read_json(workdir / HF_CONFIG) if (workdir / HF_CONFIG).is_file() else None
+  dtype = str(jax.tree_util.tree_leaves(params)[0].dtype)
+  hf = hf_config_from_model(config.model, dtype, base)
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  write_tensors(out, hf_tensors(params, config.model), max_shard_bytes)
+  (out / "config.json").write_text(json.dumps(hf, indent=2) + os.linesep)
+  if (workdir / TOKENIZER).is_file():
+    shutil.copyfile(workdir / TOKENIZER, out / TOKENIZER)
+  return hf
+
+
+def model_config_of(hf_config_path) -> ModelConfig:
+  """The fsjax model config of a Hugging Face `config.json` file (nothing else read)."""
+  return model_config_from_hf(_read_json(hf_config_path))

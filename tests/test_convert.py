@@ -1,0 +1,215 @@
+"""fsjax.convert: Hugging Face Llama / Qwen2.5 / Qwen3 checkpoints in and out.
+
+The committed fixtures (`tests/fixtures/hf/`, written by `python tests/hf_models.py` with `transformers`) hold
+the reference logits, so the import is checked against `transformers` without torch; where `transformers` is
+installed, fresh checkpoints of other seeds are checked too, and an export is read back by `transformers`.
+"""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_models import FAMILIES, FIXTURES, read_reference, write_checkpoint
+from safetensors.numpy import load_file, save_file
+
+from fsjax import loading
+from fsjax.config import ConfigError, load_config
+from fsjax.convert import ConversionError, export_checkpoint, import_checkpoint, load_hf
+from fsjax.convert.__main__ import main as convert_main
+from fsjax.model import Transformer
+from fsjax.train import checkpoint as ckpt_lib
+from fsjax.train import loop
+
+RELATIVE = 1e-5  # the issue's bound: max |fsjax - transformers| / max |transformers| on float32 logits
+
+
+def logits_of(config, params, tokens):
+  return np.asarray(Transformer(config).apply({"params": params}, jnp.asarray(tokens)))
+
+
+def max_relative(actual, expected):
+  return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+def copy_fixture(family, tmp_path):
+  directory = tmp_path / family
+  shutil.copytree(FIXTURES / family, directory)
+  return directory
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fixture_logits_equal_transformers(family, scan_layers):
+  config, params = load_hf(FIXTURES / family, dtype="float32", scan_layers=scan_layers)
+  assert config.attention.kind == "tfpp" and config.param_dtype == "float32"
+  tokens, expected = read_reference(FIXTURES / family)
+  error = max_relative(logits_of(config, params, tokens), expected)
+  assert error <= RELATIVE, f"{family}: max relative error {error:.2e}"
+
+
+def test_fixture_features_are_read():
+  """Each fixture exercises the feature its family adds (a fixture that lost one would test nothing)."""
+  llama, _ = load_hf(FIXTURES / "llama", dtype="float32")
+  qwen2, _ = load_hf(FIXTURES / "qwen2", dtype="float32")
+  qwen3, _ = load_hf(FIXTURES / "qwen3", dtype="float32")
+  assert llama.num_kv_heads == 2 and not llama.tie_embeddings and llama.attention.rope_scaling is not None
+  assert qwen2.qkv_bias and qwen2.tie_embeddings and not qwen2.qk_norm
+  assert qwen3.qk_norm and qwen3.head_dim == 16 and qwen3.d_model == 32
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_workdir_round_trip_is_bit_exact(family, tmp_path):
+  """import → workdir → export (sharded) → import gives the same parameters bit for bit, the same config, and the
+  checkpoint's other config.json fields back; the workdir loads as a model that gives the reference logits."""
+  import_checkpoint(FIXTURES / family, tmp_path / "work", dtype="float32")
+  loaded = loading.load_model(tmp_path / "work")
+  tokens, expected = read_reference(FIXTURES / family)
+  assert max_relative(np.asarray(loaded.model.apply(loaded.variables, jnp.asarray(tokens))), expected) <= RELATIVE
+  export_checkpoint(tmp_path / "work", tmp_path / "out", max_shard_bytes=20_000)
+  assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+  original = json.loads((FIXTURES / family / "config.json").read_text())
+  exported = json.loads((tmp_path / "out" / "config.json").read_text())
+  for field in ("bos_token_id", "eos_token_id", "max_position_embeddings", "vocab_size", "num_key_value_heads"):
+    assert exported[field] == original[field], field
+  config_a, params_a = load_hf(FIXTURES / family, dtype="float32")
+  config_b, params_b = load_hf(tmp_path / "out", dtype="float32")
+  assert config_a == config_b
+  same = jax.tree_util.tree_map(lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), params_a, params_b)
+  assert all(jax.tree_util.tree_leaves(same))
+
+
+def test_tensors_round_trip_bit_exact_in_bfloat16(tmp_path):
+  """A bfloat16 checkpoint stays bfloat16 (`param_dtype` defaults to the checkpoint's) and exports unchanged."""
+  directory = copy_fixture("qwen3", tmp_path)
+  tensors = load_file_any(directory / "model.safetensors")
+  import ml_dtypes
+
+  save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}, str(directory / "model.safetensors"))
+  hf = json.loads((directory / "config.json").read_text())
+  (directory / "config.json").write_text(json.dumps({**hf, "dtype": "bfloat16"}))
+  config, params = load_hf(directory)
+  assert config.param_dtype == "bfloat16"
+  import_checkpoint(directory, tmp_path / "work")
+  export_checkpoint(tmp_path / "work", tmp_path / "out")
+  back = load_file_any(tmp_path / "out" / "model.safetensors")
+  assert set(back) == set(tensors)
+  for name, value in back.items():
+    assert value.dtype == ml_dtypes.bfloat16 and np.array_equal(value, tensors[name].astype(ml_dtypes.bfloat16))
+
+
+def load_file_any(path):
+  """safetensors → numpy, bfloat16 included (safetensors' numpy reader has no bfloat16)."""
+  from safetensors import safe_open
+
+  with jax.default_device(jax.devices("cpu")[0]), safe_open(str(path), framework="flax") as f:
+    return {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
+
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (lambda hf: hf.update(model_type="mistral"), "model_type 'mistral' is not supported"),
+    (lambda hf: hf.update(use_sliding_window=True), "use_sliding_window True is not supported"),
+    (lambda hf: hf.update(attention_bias=True), "attention_bias True is not supported"),
+    (lambda hf: hf.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (lambda hf: hf["rope_parameters"].update(rope_type="yarn"), "rope type 'yarn' is not supported"),
+    (lambda hf: hf["rope_parameters"].pop("factor"), "llama3 rope scaling lacks factor"),
+    (lambda hf: hf.update(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported"),
+    (lambda hf: hf.update(num_key_value_heads=3), "model.num_kv_heads"),
+    (lambda hf: hf.pop("intermediate_size"), "config.json lacks intermediate_size"),
+  ],
+  ids=["family", "sliding", "o_bias", "act", "rope_type", "llama3_field", "partial", "kv_heads", "missing"],
+)
+def test_unsupported_configs_are_refused_in_one_line(change, message, tmp_path):
+  directory = copy_fixture("llama", tmp_path)
+  hf = json.loads((directory / "config.json").read_text())
+  change(hf)
+  (directory / "config.json").write_text(json.dumps(hf))
+  with pytest.raises(ConversionError, match="config.json") as e:
+    load_hf(directory)
+  assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fault", ["missing", "unexpected", "shape"])
+def test_weights_that_do_not_fit_the_config_are_refused(fault, tmp_path):
+  directory = copy_fixture("qwen2", tmp_path)
+  tensors = load_file(str(directory / "model.safetensors"))
+  name = "model.layers.1.self_attn.k_proj.bias"
+  if fault == "missing":
+    del tensors[name]
+  elif fault == "unexpected":
+    tensors["model.layers.1.self_attn.o_proj.bias"] = np.zeros(32, np.float32)
+  else:
+    tensors[name] = np.zeros(8, np.float32)
+  save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+  expected = {"missing": f"{name} is missing", "unexpected": "o_proj.bias has no place", "shape": "has shape [8]"}
+  with pytest.raises(ConversionError, match=expected[fault].replace("[", r"\[")):
+    load_hf(directory)
+
+
+def test_cli_imports_exports_and_refuses_with_status_2(tmp_path, capsys):
+  assert convert_main(["import", str(FIXTURES / "llama"), "--workdir", str(tmp_path / "w")]) == 0
+  assert "2 KV" in capsys.readouterr().out
+  assert convert_main(["import", str(FIXTURES / "llama"), "--workdir", str(tmp_path / "w")]) == 2
+  assert "already holds checkpoints" in capsys.readouterr().err
+  assert convert_main(["export", str(tmp_path / "w"), "--out", str(tmp_path / "hf")]) == 0
+  assert (tmp_path / "hf" / "model.safetensors").is_file()
+  assert convert_main(["import", str(tmp_path / "nowhere"), "--workdir", str(tmp_path / "v")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error:") and "config.json" in err and len(err.splitlines()) == 1
+  assert not (tmp_path / "v").exists()
+
+
+def _continued_config(tmp_path, workdir, kind):
+  """A training config on the imported model (`base:` its model.yaml), trained on recall rows its 96 ids hold."""
+  path = tmp_path / f"{kind}.yaml"
+  path.write_text(
+    f"""base: {workdir / "model.yaml"}
+model: {{attention: {{kind: {kind}}}}}
+data:
+  seq_len: 32
+  source: associative
+  associative: {{pairs: 2, keys: [3, 20], values: [20, 40], filler_ids: [40, 96]}}
+train: {{init_from: {workdir}, steps: 1, batch_size: 2, warmup_steps: 2}}
+checkpoint: {{async_save: false}}
+eval: {{batches: 1, batch_size: 2}}
+"""
+  )
+  return load_config(str(path))
+
+
+def test_continued_pretraining_starts_from_the_imported_weights(tmp_path):
+  """`base: <workdir>/model.yaml` + `train.init_from` trains the imported model; step 1 runs at the warmup
+  learning rate 0, so its parameters are exactly the imported ones. A kind that cannot take the imported grouped
+  KV heads is refused in one line before anything compiles."""
+  import_checkpoint(FIXTURES / "llama", tmp_path / "work", dtype="float32", param_dtype="float32")
+  loop.train(_continued_config(tmp_path, tmp_path / "work", "tfpp"), str(tmp_path / "child"))
+  _, imported, _, _ = ckpt_lib.load(str(tmp_path / "work"))
+  _, child, _, step = ckpt_lib.load(str(tmp_path / "child"))
+  assert step == 1
+  jax.tree_util.tree_map(np.testing.assert_array_equal, child, imported)
+  with pytest.raises(ConfigError, match="model.num_kv_heads") as e:
+    _continued_config(tmp_path, tmp_path / "work", "fsl")
+  assert "\n" not in str(e.value)
+
+
+transformers = pytest.importorskip("transformers", reason="fresh checkpoints need transformers (and torch)")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fresh_checkpoints_equal_transformers_and_export_reads_back(family, tmp_path):
+  """Other seeds than the fixtures'; then the export, read by `transformers`, gives the same logits."""
+  import torch
+
+  tokens, expected = write_checkpoint(family, tmp_path / "hf", seed=100 + len(family))
+  config, params = load_hf(tmp_path / "hf", dtype="float32", scan_layers=False)
+  assert max_relative(logits_of(config, params, tokens), expected) <= RELATIVE
+  import_checkpoint(tmp_path / "hf", tmp_path / "work", dtype="float32")
+  export_checkpoint(tmp_path / "work", tmp_path / "out")
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+  with torch.no_grad():
+    again = model.float()(torch.from_numpy(tokens).long()).logits.numpy()
+  np.testing.assert_array_equal(again, expected)
