@@ -5,14 +5,17 @@ the reference logits, so the import is checked against `transformers` without to
 installed, fresh checkpoints of other seeds are checked too, and an export is read back by `transformers`.
 """
 
+import importlib.util
 import json
 import shutil
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from hf_models import FAMILIES, FIXTURES, read_reference, write_checkpoint
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from fsjax import loading
@@ -85,8 +88,6 @@ def test_tensors_round_trip_bit_exact_in_bfloat16(tmp_path):
   """A bfloat16 checkpoint stays bfloat16 (`param_dtype` defaults to the checkpoint's) and exports unchanged."""
   directory = copy_fixture("qwen3", tmp_path)
   tensors = load_file_any(directory / "model.safetensors")
-  import ml_dtypes
-
   save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}, str(directory / "model.safetensors"))
   hf = json.loads((directory / "config.json").read_text())
   (directory / "config.json").write_text(json.dumps({**hf, "dtype": "bfloat16"}))
@@ -102,8 +103,6 @@ def test_tensors_round_trip_bit_exact_in_bfloat16(tmp_path):
 
 def load_file_any(path):
   """safetensors → numpy, bfloat16 included (safetensors' numpy reader has no bfloat16)."""
-  from safetensors import safe_open
-
   with jax.default_device(jax.devices("cpu")[0]), safe_open(str(path), framework="flax") as f:
     return {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
 
@@ -196,13 +195,14 @@ def test_continued_pretraining_starts_from_the_imported_weights(tmp_path):
   assert "\n" not in str(e.value)
 
 
-transformers = pytest.importorskip("transformers", reason="fresh checkpoints need transformers (and torch)")
-
-
+@pytest.mark.skipif(
+  not all(importlib.util.find_spec(m) for m in ("transformers", "torch")), reason="needs transformers and torch"
+)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fresh_checkpoints_equal_transformers_and_export_reads_back(family, tmp_path):
   """Other seeds than the fixtures'; then the export, read by `transformers`, gives the same logits."""
   import torch
+  import transformers
 
   tokens, expected = write_checkpoint(family, tmp_path / "hf", seed=100 + len(family))
   config, params = load_hf(tmp_path / "hf", dtype="float32", scan_layers=False)
