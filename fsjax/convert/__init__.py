@@ -17,12 +17,15 @@ is one. Continued pretraining or distillation from it:
     train: {init_from: runs/qwen3, objective: zha_kl}
 """
 
+import contextlib
 import json
 import os
 import shutil
 from pathlib import Path
 
 import jax
+import numpy as np
+import orbax.checkpoint as ocp
 import yaml
 
 from fsjax.config import Config, DataConfig, ModelConfig, to_dict
@@ -83,13 +86,28 @@ def import_checkpoint(directory, workdir, *, dtype="bfloat16", param_dtype=None,
   config = Config(model=model_config, data=DataConfig(tokenizer=tokenizer))
   base = {"model": to_dict(model_config), **({"data": {"tokenizer": tokenizer}} if tokenizer else {})}
   (workdir / MODEL_YAML).write_text(yaml.safe_dump(base, sort_keys=False))
-  checkpointer = ckpt_lib.Checkpointer(workdir / ckpt_lib.CHECKPOINT_SUBDIR, keep=1, async_save=False)
-  try:
-    checkpointer.save(0, {"params": params, "frozen": {}}, None, config, 0)
-    checkpointer.wait()
-  finally:
-    checkpointer.close()
+  with _host_arrays_written_in_place():
+    checkpointer = ckpt_lib.Checkpointer(workdir / ckpt_lib.CHECKPOINT_SUBDIR, keep=1, async_save=False, ocdbt=False)
+    try:
+      checkpointer.save(0, {"params": params, "frozen": {}}, None, config, 0)
+      checkpointer.wait()
+    finally:
+      checkpointer.close()
   return config
+
+
+@contextlib.contextmanager
+def _host_arrays_written_in_place():
+  """Orbax deep-copies every numpy array it saves (so an asynchronous save survives the caller changing it):
+  a second copy of the whole model in host memory. The import saves synchronously and never changes its
+  arrays, so within this block they are written from where they lie."""
+  handlers = ocp.type_handlers
+  previous = handlers.get_type_handler(np.ndarray)
+  handlers.register_type_handler(np.ndarray, handlers.NumpyHandler(deepcopy_host_arrays=False), override=True)
+  try:
+    yield
+  finally:
+    handlers.register_type_handler(np.ndarray, previous, override=True)
 
 
 def export_checkpoint(checkpoint, out, *, max_shard_bytes=DEFAULT_MAX_SHARD_BYTES):

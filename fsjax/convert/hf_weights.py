@@ -174,32 +174,32 @@ def read_params(directory, config: ModelConfig):
       "the config.json does not describe these weights"
     )
   params, stacked = {}, {}
-  by_file = {}
-  for name in wanted:
-    by_file.setdefault(files[name], []).append(name)
-  cpu = jax.devices("cpu")[0]
-  for file, names in by_file.items():
-    with jax.default_device(cpu), safe_open(file, framework="flax") as f:
-      for name in names:
-        tensor, layer = wanted[name]
-        array = np.asarray(f.get_tensor(name))
-        expected = _expected_hf_shape(config, tensor)
-        if array.shape != expected:
-          raise ConversionError(
-            f"{file}: tensor {name} has shape {list(array.shape)}, the config says {list(expected)}"
-          )
-        value = to_fsjax(array, tensor, config).astype(dtype)
-        if layer is None:
-          _set(params, tensor.path, value)
-        elif config.scan_layers:
-          if tensor.path not in stacked:
-            stacked[tensor.path] = np.empty((config.num_layers, *value.shape), dtype)
-          stacked[tensor.path][layer] = value
-        else:
-          _set(params.setdefault(f"layer_{layer}", {}), tensor.path, value)
+  for name, (tensor, layer) in wanted.items():
+    file = files[name]
+    array = _read_tensor(file, name)
+    expected = _expected_hf_shape(config, tensor)
+    if array.shape != expected:
+      raise ConversionError(f"{file}: tensor {name} has shape {list(array.shape)}, the config says {list(expected)}")
+    value = to_fsjax(array, tensor, config).astype(dtype, copy=False)
+    if layer is None:
+      _set(params, tensor.path, value)
+    elif config.scan_layers:
+      if tensor.path not in stacked:
+        stacked[tensor.path] = np.empty((config.num_layers, *value.shape), dtype)
+      stacked[tensor.path][layer] = value
+    else:
+      _set(params.setdefault(f"layer_{layer}", {}), tensor.path, value)
   for path, value in stacked.items():
     _set(params, ("layers", "layer", *path), value)
   return params
+
+
+def _read_tensor(file, name):
+  """One tensor as a numpy array on the host. The file is mapped for this tensor only: its pages count as the
+  process's memory while mapped, so a file held open across tensors would add the whole shard to the peak.
+  safetensors' numpy reader has no bfloat16; its flax reader does (on the CPU device)."""
+  with jax.default_device(jax.devices("cpu")[0]), safe_open(file, framework="flax") as f:
+    return np.asarray(f.get_tensor(name))
 
 
 def _expected_hf_shape(config, tensor):

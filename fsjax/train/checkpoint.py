@@ -20,14 +20,17 @@ from fsjax.train.sharding import path_name
 CHECKPOINT_SUBDIR = "checkpoints"
 
 
-def _manager(directory, **options):
+def _manager(directory, ocdbt=True, **options):
   """A CheckpointManager that knows how each item is stored, so a fresh process can read metadata.
 
   A `read_only` one gets the options Orbax would otherwise force with a warning each, and its remaining
   "Given directory is read only" warning is dropped: loading a checkpoint to run it is not worth three lines
-  through a progress bar."""
+  through a progress bar. `ocdbt=False` writes one TensorStore array per parameter instead of Orbax's default
+  database, which buffers what it writes (a second copy of a whole model in host memory); readers take both."""
   handlers = dict(
-    state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler(), config=ocp.JsonCheckpointHandler()
+    state=ocp.StandardCheckpointHandler(use_ocdbt=ocdbt),
+    data=ocp.JsonCheckpointHandler(),
+    config=ocp.JsonCheckpointHandler(),
   )
   if options.get("read_only"):
     options = dict(save_interval_steps=0, create=False, **options)
@@ -77,9 +80,9 @@ class CheckpointError(ValueError):
 class Checkpointer:
   """Saves and restores train states in one directory, keeping the newest `keep`."""
 
-  def __init__(self, directory, *, keep=3, async_save=True):
+  def __init__(self, directory, *, keep=3, async_save=True, ocdbt=True):
     self.directory = os.path.abspath(directory)
-    self.manager = _manager(self.directory, max_to_keep=keep, enable_async_checkpointing=async_save)
+    self.manager = _manager(self.directory, ocdbt, max_to_keep=keep, enable_async_checkpointing=async_save)
 
   def latest_step(self):
     return self.manager.latest_step()
