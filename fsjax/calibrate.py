@@ -1,10 +1,10 @@
-"""FS-B's τ per layer and head (FS Eq. 10): the median cell norm `a_c` over held-out windows, computed once per
-checkpoint and reused at every length.
+"""FS-B's τ per layer and key/value head (FS Eq. 10): the median cell norm `a_c` over held-out windows, computed
+once per checkpoint and reused at every length.
 
     python -m fsjax.calibrate --checkpoint runs/fs_743m [--batches 8] [--batch-size 8] [--length 4096]
         [--data FILE]
 
-Writes `<workdir>/calibration.json` ({"step", "length", "windows", "tau": [layers][heads]}), JSON like every
+Writes `<workdir>/calibration.json` ({"step", "length", "windows", "tau": [layers][kv_heads]}), JSON like every
 other artifact (no pickle). Loading a checkpoint as an FS-B model (`--set attention.kind=fsb` in the RULER and
 generation CLIs) reads it through `fsjax.loading.load_model`, which refuses a file computed for another step.
 `fsjax.loading.with_tau(model_config, variables, calibrate(...))` installs a τ computed in the same process.
@@ -32,15 +32,16 @@ from fsjax.train.checkpoint import CheckpointError
 
 
 def cell_norms(model, variables, tokens):
-  """Every layer's cell max key norms for a batch: `[layers, batch·M, heads]` (sown by FreeSoloAttention)."""
+  """Every layer's cell max key norms for a batch: `[layers, batch·M, kv_heads]` (sown by FreeSoloAttention)."""
   _, state = model.apply(variables, tokens, mutable=["intermediates"])
   norms = [entry["cell_norms"][0] for entry in attention_entries(state["intermediates"], model.config)]
-  stacked = norms[0] if model.config.scan_layers else jnp.stack(norms)  # [layers, batch, M, heads]
+  stacked = norms[0] if model.config.scan_layers else jnp.stack(norms)  # [layers, batch, M, kv_heads]
   return stacked.reshape(stacked.shape[0], -1, stacked.shape[-1])
 
 
 def calibrate(model, variables, batches):
-  """τ `[layers, heads]`: the median over all cells of all batches (tokens `[B, T]` each)."""
+  """τ `[layers, kv_heads]` (it thresholds a key/value head's cell norms): the median over all cells of all
+  batches (tokens `[B, T]` each)."""
   apply = jax.jit(lambda tokens: cell_norms(model, variables, tokens))
   norms = np.concatenate([np.asarray(apply(jnp.asarray(tokens))) for tokens in batches], axis=1)
   return np.median(norms, axis=1)

@@ -121,7 +121,12 @@ def _zha_cache(att, batch, capacity, heads, head_dim, dtype, bounded):
 
 
 _FREESOLO = dict(
-  family="freesolo", section=None, validate=_routing_rules, module=_freesolo_module, capacity=_block_capacity
+  family="freesolo",
+  section=None,
+  validate=_routing_rules,
+  module=_freesolo_module,
+  capacity=_block_capacity,
+  grouped_kv=True,
 )
 _DENSE = dict(family="dense", validate=_no_rules, module=_dense_module, cache=_store, grouped_kv=True)
 

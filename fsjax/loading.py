@@ -118,16 +118,16 @@ def attach_tau(model_config, frozen, checkpoint_path):
     raise CheckpointError(
       f"{path} was computed for step {saved['step']}, the checkpoint is step {step}: calibrate again"
     )
-  tau = jnp.asarray(saved["tau"], jnp.float32)  # [layers, heads]
-  if tau.shape != (model_config.num_layers, model_config.num_heads):
+  tau = jnp.asarray(saved["tau"], jnp.float32)  # [layers, kv_heads]
+  if tau.shape != (model_config.num_layers, model_config.kv_heads):
     raise CheckpointError(
-      f"{path} holds τ of shape {tuple(tau.shape)}, the model needs {(model_config.num_layers, model_config.num_heads)}"
+      f"{path} holds τ of shape {tuple(tau.shape)}, the model needs {(model_config.num_layers, model_config.kv_heads)}"
     )
   return with_tau(model_config, frozen, tau)
 
 
 def with_tau(model_config, variables, tau):
-  """`variables` with τ `[layers, heads]` set in every layer's "routing" entry (stacked for scanned layers)."""
+  """`variables` with τ `[layers, kv_heads]` set in every layer's "routing" entry (stacked for scanned layers)."""
   routing = variables.get("routing", {})
   tau = jnp.asarray(tau, jnp.float32)
   set_tau = lambda entry, value: {**entry, "tau": value}

@@ -13,6 +13,10 @@ layer at 4,096 cells on an H200). So the cells are split into ranges, one progra
 cannot fill the GPU; each range writes its own top-K with the scores, and `lax.top_k` merges the ranges. The
 merge keeps the kernel's ties: candidates are laid out by range, then rank, so equal scores stay in cell order.
 
+Grouped-query attention: the programs of query head h read the summaries, key norms and FS-L death blocks of
+key/value head `h // group` through their BlockSpec index maps, and h's own λ_h, σ_h; nothing is copied per
+query head.
+
 Cost per (batch, head): `T · m · (2d + ~40)` flops for `m` eligible cells per query (the dot product in float32,
 the erf prior and the selection network), `T·d` + `M·d` bytes read and `T·K` int32 written.
 """
@@ -26,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import NO_CELL, check_compilable, default_interpret, erf, pad_axis, pad_head_dim
+from pallas_kernels.common import NO_CELL, check_compilable, default_interpret, erf, group_size, pad_axis, pad_head_dim
 
 # About two programs per SM of an H200 (132 SMs). One decode query per head at 4,096 cells: 110 µs per layer
 # unsplit, 32 µs at 16 ranges, no better at 32-64 (the sweep in docs/results/h200_decode_splits.json).
@@ -78,8 +82,9 @@ def _cell_topk_kernel(
   q_ref,
   pos_ref,
   mean_ref,
-  amp_ref,
+  norm_ref,
   death_ref,
+  lam_ref,
   inv_sigma_ref,
   idx_ref,
   value_ref,
@@ -94,14 +99,15 @@ def _cell_topk_kernel(
   scale,
   precision,
 ):
-  """q_ref `[Bq, d]`, pos_ref `[Bq]`, mean_ref `[M', d]`, amp_ref / death_ref `[M']` (λ_h a_c and Eq. 8 death
-  blocks), inv_sigma_ref `[H']` (1/(2σ_h)) → idx_ref, value_ref `[Bq, K']`: the top-K of this program's cell
-  range (chunks `split · steps_per_split` onwards) and their scores."""
+  """q_ref `[Bq, d]`, pos_ref `[Bq]`, mean_ref `[M', d]`, norm_ref / death_ref `[M']` (a_c and Eq. 8 death
+  blocks of the key/value head this query head reads), lam_ref / inv_sigma_ref `[H']` (λ_h, 1/(2σ_h) of every
+  query head) → idx_ref, value_ref `[Bq, K']`: the top-K of this program's cell range (chunks
+  `split · steps_per_split` onwards) and their scores."""
   q = q_ref[...].astype(jnp.float32)
   pos = pos_ref[...]
   query_block = pos // block
   num_eligible = query_block * (block // cell)  # Eq. 6: m_n cells precede the query's block
-  inv_two_sigma = inv_sigma_ref[pl.program_id(2)]
+  lam, inv_two_sigma = lam_ref[pl.program_id(2)], inv_sigma_ref[pl.program_id(2)]
   lane = jnp.arange(chunk)
   nearest_query = jnp.min(pos).astype(jnp.float32)
 
@@ -114,7 +120,7 @@ def _cell_topk_kernel(
       jax.lax.dot_general(q, mean, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
       * scale
     )
-    amplitude = amp_ref[pl.ds(first, chunk)][None, :]
+    amplitude = (lam * norm_ref[pl.ds(first, chunk)])[None, :]  # λ_h a_c of Eq. 7
 
     def prior_with_erf():
       distance = pos.astype(jnp.float32)[:, None] - (c.astype(jnp.float32)[None, :] + 0.5) * cell
@@ -188,9 +194,10 @@ def select_from_summaries(
   Args:
     q: `[batch, T, heads, d]` unrotated queries.
     positions: `[batch, T]` int32 query positions, or None for `0..T-1`.
-    mean_keys: `[batch, M, heads, d]`; max_norms: `[batch, M, heads]` of cells `0..M-1` (only cells that
-      end before a query's block are ever read, so later cells may hold anything).
-    death: for "fsl", `[batch, M, heads]` int32: the first block at which each cell has left the top-P pool
+    mean_keys: `[batch, M, kv_heads, d]`; max_norms: `[batch, M, kv_heads]` of cells `0..M-1` (only cells that
+      end before a query's block are ever read, so later cells may hold anything); kv_heads divides heads and
+      query head h reads key/value head `h // (heads // kv_heads)`.
+    death: for "fsl", `[batch, M, kv_heads]` int32: the first block at which each cell has left the top-P pool
       (the reference's `retention_death_block`, computed once per sequence by the caller); unused by "fs".
     variant: "fs" or "fsl"; lam, sigma: scalars or `[heads]`; cell, block, top_k, retain_top, retain_recent:
       `s`, `B`, `K`, `P`, `W`.
@@ -205,7 +212,8 @@ def select_from_summaries(
   check_compilable(cell=cell, head_dim=head_dim, interpret=interpret)
   if variant not in ("fs", "fsl"):
     raise ValueError(f"variant must be 'fs' or 'fsl' for the cell-scoring kernel, got {variant!r}")
-  num_cells = max_norms.shape[1]
+  num_cells, kv_heads = max_norms.shape[1:]
+  group = group_size(heads, kv_heads)
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
   q, mean_keys, max_norms = (jax.lax.stop_gradient(x.astype(jnp.float32)) for x in (q, mean_keys, max_norms))
@@ -227,8 +235,9 @@ def select_from_summaries(
   q = pad_axis(pad_head_dim(q), 1, padded_seq)
   positions = pad_axis(positions.astype(jnp.int32), 1, padded_seq)
   mean_keys = pad_axis(pad_head_dim(mean_keys), 1, padded_cells)
-  amplitude = pad_axis(lam * max_norms, 1, padded_cells)  # λ_h a_c of Eq. 7
+  max_norms = pad_axis(max_norms, 1, padded_cells)
   death = pad_axis(death, 1, padded_cells)
+  lam = pad_axis(lam, 0, pl.next_power_of_2(heads))
   inv_two_sigma = pad_axis(1.0 / (2.0 * sigma), 0, pl.next_power_of_2(heads), 1.0)
   dim = q.shape[-1]
 
@@ -254,9 +263,10 @@ def select_from_summaries(
     in_specs=[
       pl.BlockSpec((None, tile, None, dim), lambda i, b, h, s: (b, i, h, 0)),
       pl.BlockSpec((None, tile), lambda i, b, h, s: (b, i)),
-      pl.BlockSpec((None, padded_cells, None, dim), lambda i, b, h, s: (b, 0, h, 0)),
-      pl.BlockSpec((None, padded_cells, None), lambda i, b, h, s: (b, 0, h)),
-      pl.BlockSpec((None, padded_cells, None), lambda i, b, h, s: (b, 0, h)),
+      pl.BlockSpec((None, padded_cells, None, dim), lambda i, b, h, s: (b, 0, h // group, 0)),
+      pl.BlockSpec((None, padded_cells, None), lambda i, b, h, s: (b, 0, h // group)),
+      pl.BlockSpec((None, padded_cells, None), lambda i, b, h, s: (b, 0, h // group)),
+      pl.BlockSpec(lam.shape, lambda i, b, h, s: (0,)),
       pl.BlockSpec(inv_two_sigma.shape, lambda i, b, h, s: (0,)),
     ],
     out_specs=[out_spec, out_spec],
@@ -264,7 +274,7 @@ def select_from_summaries(
     compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
     interpret=interpret,
     name="freesolo_cell_topk",
-  )(q, positions, mean_keys, amplitude, death, inv_two_sigma)
+  )(q, positions, mean_keys, max_norms, death, lam, inv_two_sigma)
   idx, values = idx[:, :seq, :, :, :top_k], values[:, :seq, :, :, :top_k]
   if splits == 1:
     return idx[..., 0, :]

@@ -53,6 +53,37 @@ def check_compilable(*, cell, head_dim, interpret):
     raise ValueError(f"head_dim must be >= {MIN_DOT_DIM} for the compiled Pallas kernels, got {head_dim}")
 
 
+def group_size(heads, kv_heads):
+  """Query heads per key/value head (grouped-query attention: query head h reads key/value head `h // group`);
+  ValueError unless `kv_heads` divides `heads`."""
+  if kv_heads <= 0 or heads % kv_heads:
+    raise ValueError(f"key/value heads ({kv_heads}) must divide the query heads ({heads})")
+  return heads // kv_heads
+
+
+def fold_group(x, kv_heads):
+  """Per-query-head `[batch, T, heads, ...]` as `[batch, T · group, kv_heads, ...]`: each key/value head's query
+  heads folded into the query axis, position-major (row `t · group + j` is query head `kv · group + j` at t), so
+  a kernel over key/value heads reads each key and value once for the whole group. Exact; the identity for
+  multi-head attention. (`fsjax.reference.grouped.fold_group` is its twin on the reference side.)"""
+  batch, seq, heads, *rest = x.shape
+  group = group_size(heads, kv_heads)
+  if group == 1:
+    return x
+  return jnp.moveaxis(x.reshape(batch, seq, kv_heads, group, *rest), 3, 2).reshape(batch, seq * group, kv_heads, *rest)
+
+
+def unfold_group(x, heads):
+  """The inverse of `fold_group`: `[batch, T · group, kv_heads, ...]` → `[batch, T, heads, ...]`."""
+  batch, folded, kv_heads, *rest = x.shape
+  group = group_size(heads, kv_heads)
+  if group == 1:
+    return x
+  return jnp.moveaxis(x.reshape(batch, folded // group, group, kv_heads, *rest), 2, 3).reshape(
+    batch, folded // group, heads, *rest
+  )
+
+
 def pad_axis(x, axis, size, value=0):
   """Pads `x` along `axis` up to `size` with `value` (no-op when already that size)."""
   extra = size - x.shape[axis]

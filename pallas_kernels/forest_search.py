@@ -4,6 +4,9 @@ queries). `fsjax.reference.forest.beam_search` is its jnp specification.
 The node table is one `[N]` row per field (μ `[N, d]`, ρ, a_max, p_min, first cell, leaf cell, two children);
 each beam step gathers the rows of its 2W pool entries, scores them by the bound U_v of Eq. 11 and refills the
 W slots in the reference's order without a sort (see `_beam_kernel`).
+
+Grouped-query attention: the programs of query head h read the node table of forest entry `h // group` through
+their BlockSpec index maps, with h's own λ_h, σ_h; the table is never copied per query head.
 """
 
 import functools
@@ -14,7 +17,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import check_power_of_two, default_interpret, erf, layer_stack, pad_axis, pad_head_dim
+from pallas_kernels.common import (
+  check_power_of_two,
+  default_interpret,
+  erf,
+  group_size,
+  layer_stack,
+  pad_axis,
+  pad_head_dim,
+)
 
 NO_NODE = -1
 
@@ -112,8 +123,9 @@ def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c,
   Args:
     q: `[batch, T, heads, d]` unrotated queries at `positions` `[batch, T]`; roots: `[batch, T, heads]` int32
       node id of each query's forest root (NO_NODE for an empty forest).
-    nodes: node table of `[batch, heads, N(, d)]` arrays, as `fsjax.cache.forest.Forest.nodes`: mu, rho, amax,
-      pmin, first, leaf, child0, child1.
+    nodes: node table of `[batch, forests, N(, d)]` arrays, as `fsjax.cache.forest.Forest.nodes`: mu, rho, amax,
+      pmin, first, leaf, child0, child1; `forests` divides heads and query head h searches forest
+      `h // (heads // forests)` (grouped-query attention; one forest per query head otherwise).
     lam, sigma: `[heads]`; beam: W (a power of two when compiled); steps: beam steps (≥ the forest height).
     layer: None, or an int32 scalar when `nodes` are a scanned model's stacks `[layers, batch, heads, N(, d)]`:
       the kernel reads that layer's rows where they lie, where slicing the layer out would copy the whole table.
@@ -133,7 +145,8 @@ def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c,
   mu, layer_index = layer_stack(nodes["mu"], layer, 4)
   nodes = {name: layer_stack(x, layer, 3)[0] for name, x in nodes.items() if name != "mu"}
   layers, num_nodes, width = mu.shape[0], mu.shape[3], q.shape[-1]
-  table_spec = pl.BlockSpec((layers, None, None, num_nodes), lambda b, h, t: (0, b, h, 0))
+  group = group_size(heads, mu.shape[2])
+  table_spec = pl.BlockSpec((layers, None, None, num_nodes), lambda b, h, t: (0, b, h // group, 0))
   order = ("rho", "amax", "pmin", "first", "leaf", "child0", "child1")
   out = pl.pallas_call(
     functools.partial(_beam_kernel, beam=beam, steps=steps, bound_c=bound_c, scale=1.0 / math.sqrt(dim)),
@@ -145,7 +158,7 @@ def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c,
       pl.BlockSpec((1,), lambda b, h, t: (h,)),
       pl.BlockSpec((1,), lambda b, h, t: (h,)),
       pl.BlockSpec((1,), lambda b, h, t: (0,)),
-      pl.BlockSpec((layers, None, None, num_nodes, width), lambda b, h, t: (0, b, h, 0, 0)),
+      pl.BlockSpec((layers, None, None, num_nodes, width), lambda b, h, t: (0, b, h // group, 0, 0)),
       *([table_spec] * len(order)),
     ],
     out_specs=pl.BlockSpec((None, block_q, None, beam), lambda b, h, t: (b, t, h, 0)),

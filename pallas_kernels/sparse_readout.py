@@ -12,6 +12,12 @@ query tile's cells as the forward does; dk, dv walk, for each cell, the query ti
 inverse lists come from one sort of the tile unions) and accumulate in registers. Adding each (tile, cell)
 contribution to float32 dk, dv with atomics instead is nondeterministic, and took 8 ms against the forward's 1.4 ms
 at 64k tokens on an H200; the key-major pass writes every cell once and is deterministic.
+
+Grouped-query attention: the query heads of a key/value head are folded into its query axis (position-major,
+`common.fold_group`), so the three kernels run over key/value heads unchanged: a tile's union covers the cells
+its group of heads selected (they score the same summaries, so they overlap), each cell's keys and values are
+loaded once for the whole group, and dk, dv sum the group's contributions in the key-major pass. K and V are
+never copied per query head.
 """
 
 import dataclasses
@@ -23,7 +29,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import NO_CELL, check_compilable, default_interpret, pad_axis, pad_head_dim
+from pallas_kernels.common import (
+  NO_CELL,
+  check_compilable,
+  default_interpret,
+  fold_group,
+  group_size,
+  pad_axis,
+  pad_head_dim,
+  unfold_group,
+)
 
 _UNUSED = jnp.iinfo(jnp.int32).max  # sorts after every cell index
 
@@ -306,8 +321,9 @@ def sparse_readout(q, k, v, cell_idx, *, cell, block_sizes=None, interpret=None)
 
   Args:
     q: `[batch, T, heads, d]` unrotated queries (NoPE readout).
-    k, v: `[batch, T_k, heads, d]` keys and values (T_k may differ from T, e.g. a decode archive); the
-      tiles multiply in the dtype of k.
+    k, v: `[batch, T_k, kv_heads, d]` keys and values (T_k may differ from T, e.g. a decode archive); the
+      tiles multiply in the dtype of k. kv_heads divides heads: query head h reads key/value head
+      `h // (heads // kv_heads)`.
     cell_idx: `[batch, T, heads, K]` int32 selected cells, -1 for none; each query's cells are distinct.
     cell: cell size `s`.
     block_sizes: `BlockSizes`; interpret: None = compiled on GPU, interpreted elsewhere.
@@ -315,10 +331,12 @@ def sparse_readout(q, k, v, cell_idx, *, cell, block_sizes=None, interpret=None)
   Returns:
     `u`: `[batch, T, heads, d]` in the dtype of `q`, zero (with zero gradients) where nothing is selected.
   """
-  if q.ndim != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+  if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
     raise ValueError(
-      f"q must be [batch, T, heads, d] and k, v equal [batch, T_k, heads, d], got {q.shape}, {k.shape}, {v.shape}"
+      f"q must be [batch, T, heads, d] and k, v equal [batch, T_k, kv_heads, d], got {q.shape}, {k.shape}, {v.shape}"
     )
+  heads, kv_heads = q.shape[2], k.shape[2]
+  group_size(heads, kv_heads)
   if cell_idx.shape[:3] != q.shape[:3]:
     raise ValueError(f"cell_idx must be [batch, T, heads, K] matching q {q.shape[:3]}, got {cell_idx.shape}")
   interpret = default_interpret() if interpret is None else interpret
@@ -326,12 +344,12 @@ def sparse_readout(q, k, v, cell_idx, *, cell, block_sizes=None, interpret=None)
   # The tiles multiply in the keys' storage dtype: casting the (short) queries is cheap, casting a decode
   # archive's keys and values would copy all of them at every step.
   u = _readout(
-    q.astype(k.dtype),
+    fold_group(q.astype(k.dtype), kv_heads),
     k,
     v.astype(k.dtype),
-    cell_idx.astype(jnp.int32),
+    fold_group(cell_idx.astype(jnp.int32), kv_heads),
     cell,
     block_sizes or BlockSizes.get_default(),
     interpret,
   )
-  return u.astype(q.dtype)
+  return unfold_group(u, heads).astype(q.dtype)

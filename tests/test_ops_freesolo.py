@@ -179,5 +179,7 @@ def test_bad_arguments_raise_before_tracing(rng):
     ops.freesolo_long_range(q, k, v, variant="fsb", cell=8, block=32, window=64)
   with pytest.raises(ValueError, match="lam must be a scalar or have shape"):
     ops.freesolo_long_range(q, k, v, lam=np.ones(3), cell=8, block=32, window=64)
-  with pytest.raises(ValueError, match="equal shapes"):
+  with pytest.raises(ValueError, match="k, v must be equal"):
     ops.freesolo_long_range(q, k[:, :32], v, cell=8, block=32, window=64)
+  with pytest.raises(ValueError, match="must divide the query heads"):  # 2 query heads, 3 key/value heads
+    ops.freesolo_long_range(q, *(jnp.concatenate([x, x[:, :, :1]], axis=2) for x in (k, v)), cell=8, window=64)

@@ -21,15 +21,18 @@ class FreeSoloAttention(nn.Module):
 
   Fields: `routing` (a `Routing`: variant, window, cell, block, top_k, pool, recent cells, beam, bound c), the
   initial λ and σ of Eq. 7, the RoPE of the local branch (θ or a `fsjax.reference.rope.RoPE`), `projection`
-  (`fsjax.attention.projections`: q/k RMSNorm and q/k/v biases; one key/value head per query head), `impl`
+  (`fsjax.attention.projections`: q/k RMSNorm, q/k/v biases, grouped key/value heads), `impl`
   ("reference" | "auto" | "pallas", `fsjax.ops.dispatch`) and the dtypes. The projection options act before
   anything FreeSolo computes, so the long-range branch sees the normed keys.
 
-  Variables: params `q_proj`, `k_proj`, `v_proj` (`[d_model, heads, head_dim]`), `o_proj`, `alpha` `[heads]`
-  (Eq. 2, init 1), `lr_gain` `[head_dim]` (readout RMSNorm gain, init 1); collection "routing": `lam`, `sigma`
-  `[heads]` (Eq. 7, init λ and σ) and for FS-B `tau` `[heads]` (Eq. 10, from `fsjax.calibrate`; +inf until
-  calibrated, which leaves the τ forest empty), which no gradient reaches. FS, FS-L and FS-B share every
-  parameter, so one checkpoint serves all three.
+  Variables: params `q_proj` (`[d_model, heads, head_dim]`), `k_proj`, `v_proj` (`[d_model, kv_heads,
+  head_dim]`), `o_proj`, `alpha` `[heads]` (Eq. 2, init 1), `lr_gain` `[head_dim]` (readout RMSNorm gain,
+  init 1); collection "routing": `lam`, `sigma` `[heads]` (Eq. 7, init λ and σ: they weight a query's scores)
+  and for FS-B `tau` `[kv_heads]` (Eq. 10, from `fsjax.calibrate`; +inf until calibrated, which leaves the τ
+  forest empty: it admits a key/value head's cells into that head's forest), which no gradient reaches. FS, FS-L
+  and FS-B share every parameter, so one checkpoint serves all three. With grouped-query attention
+  (`projection.num_kv_heads`) cell summaries, FS-L's pool and FS-B's forests, and every decode cache, are per
+  key/value head (`fsjax.reference.freesolo` states the reading).
 
   With a `cache` (an FS `Archive` for FS, a `ForestCache` (or the archive) for FS-B, a `BoundedCache` (or the
   archive) for FS-L), `x` is a chunk at `positions` `[batch, C]` with `valid` `[batch, C]`; the call returns
@@ -53,16 +56,15 @@ class FreeSoloAttention(nn.Module):
   @nn.compact
   def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False):
     heads, dim, routing = self.num_heads, self.head_dim, self.routing
-    if self.projection.kv_heads(heads) != heads:
-      raise ValueError(f"FreeSolo attention needs one key/value head per query head, got {self.projection}")
+    kv_heads = self.projection.kv_heads(heads)
     q, k, v = project_qkv(x, heads, dim, self.projection, self.dtype, self.param_dtype)
     alpha = self.param("alpha", nn.initializers.ones, (heads,), self.param_dtype)
     lr_gain = self.param("lr_gain", nn.initializers.ones, (dim,), self.param_dtype)
     lam = self.variable(ROUTING, "lam", lambda: jnp.full((heads,), self.lam, jnp.float32)).value
     sigma = self.variable(ROUTING, "sigma", lambda: jnp.full((heads,), self.sigma, jnp.float32)).value
     tau = None
-    if routing.variant == "fsb":  # τ per head, set by `python -m fsjax.calibrate` (inf until then: forest τ empty)
-      tau = self.variable(ROUTING, "tau", lambda: jnp.full((heads,), jnp.inf, jnp.float32)).value
+    if routing.variant == "fsb":  # τ per key/value head, set by `python -m fsjax.calibrate` (inf: forest τ empty)
+      tau = self.variable(ROUTING, "tau", lambda: jnp.full((kv_heads,), jnp.inf, jnp.float32)).value
     if cache is None or first_chunk:
       if cache is None:
         self.sow("intermediates", "cell_norms", cell_summaries(k, routing.cell)[1])  # for τ calibration (FS-B)

@@ -10,6 +10,9 @@ own the kernel choice) as maths.
   leaves the forests past its last complete block.
 - FS-L's bounded cache: segment by segment within query blocks, the local branch over the ring plus the segment,
   the long-range branch over `pool ∪ recent` (Eq. 8), then the cache update (Eq. 15).
+
+With grouped-query attention every cache holds its state per key/value head (tokens, summaries, FS-L's pool and
+recent cells, FS-B's forests); queries `[batch, C, heads, d]` read the state of key/value head `h // group`.
 """
 
 import functools
@@ -31,6 +34,7 @@ from fsjax.reference import cells as cells_ref
 from fsjax.reference import forest as forest_ref
 from fsjax.reference.common import PRECISION
 from fsjax.reference.freesolo import rms_norm
+from fsjax.reference.grouped import group_size, kv_head_of, per_query_head
 from fsjax.reference.rope import apply_rope
 from fsjax.reference.routing import Routing
 from fsjax.reference.softmax import masked_softmax
@@ -62,10 +66,13 @@ def archive_select(archive: Archive, q, pos, routing: Routing, *, lam, sigma, ta
 
 def fsb_archive_select(archive: Archive, q, pos, routing: Routing, *, lam, sigma, tau):
   """FS-B's cells (Eq. 10-12) from forests rebuilt over the archive's summaries, `[batch, C, heads, K]`. The
-  forests of a long archive are large (`dispatch.forest_head_groups`), so groups of heads run one after another;
-  heads are independent, so the cells are those of one call over all heads."""
+  forests of a long archive are large (`dispatch.forest_head_groups`), so groups of key/value heads (with the
+  query heads that read them) run one after another; they are independent, so the cells are those of one call
+  over all heads."""
   k, mean_keys, max_norms = read(archive.tokens.k), read(archive.mean_keys), read(archive.max_norms)
   batch, count, heads, head_dim = q.shape
+  kv_heads = max_norms.shape[2]
+  per_kv = group_size(heads, kv_heads)
   select = functools.partial(
     forest_ref.fsb_select_from_summaries,
     cell=routing.cell,
@@ -75,24 +82,25 @@ def fsb_archive_select(archive: Archive, q, pos, routing: Routing, *, lam, sigma
     bound_c=routing.bound_c,
   )
 
-  def heads_from(start, size):  # queries, keys, summaries and per-head parameters of heads start .. start+size
+  def heads_from(start, size):  # key/value heads start .. start+size, their summaries, query heads and parameters
     take = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+    take_q = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start * per_kv, size * per_kv, axis)
     return select(
-      take(q, 2),
+      take_q(q, 2),
       pos,
       take(k, 2).astype(q.dtype),
       take(mean_keys, 2).astype(q.dtype),
       take(max_norms, 2).astype(q.dtype),
       tau=take(tau, 0),
-      lam=take(lam, 0),
-      sigma=take(sigma, 0),
+      lam=take_q(lam, 0),
+      sigma=take_q(sigma, 0),
     )
 
-  groups = dispatch.forest_head_groups(batch, max_norms.shape[1], heads, head_dim)
+  groups = dispatch.forest_head_groups(batch, max_norms.shape[1], kv_heads, head_dim)
   if groups == 1:
-    return heads_from(0, heads)
-  size = heads // groups
-  cells = jax.lax.map(lambda group: heads_from(group * size, size), jnp.arange(groups))  # [groups, b, C, size, K]
+    return heads_from(0, kv_heads)
+  size = kv_heads // groups
+  cells = jax.lax.map(lambda group: heads_from(group * size, size), jnp.arange(groups))  # [groups, b, C, .., K]
   return jnp.moveaxis(cells, 0, 2).reshape(batch, count, heads, routing.top_k)
 
 
@@ -117,8 +125,9 @@ def archive_long_range(
 
 def forest_search(forests: forest.Forest, q, pos, routing: Routing, *, lam, sigma, impl="reference"):
   """Beam search (Eq. 11) of queries `[batch, C, heads, d]` at `pos` `[batch, C]`, all in the block the forests
-  were advanced to: `[batch, C, heads, beam]` cells (NO_NODE pad)."""
-  root = read(forests.root)
+  were advanced to: `[batch, C, heads, beam]` cells (NO_NODE pad). Query head h searches forest `h // group`
+  (`forests` holds heads / group of them)."""
+  root = per_query_head(read(forests.root), q.shape[2], axis=1)
   if isinstance(forests.root, LayerSlice):  # the kernel reads the stack in place; `read` would copy the layer
     nodes, layer = {name: x.stack for name, x in forests.nodes.items()}, forests.root.layer
   else:
@@ -142,7 +151,8 @@ def forest_search(forests: forest.Forest, q, pos, routing: Routing, *, lam, sigm
 def forest_select(cache: ForestCache, q, pos, routing: Routing, *, lam, sigma, impl="reference"):
   """FS-B's top-K cells (Eq. 11-12) for queries `[batch, C, heads, d]` at `pos`, all in the block the forests
   were advanced to: `[batch, C, heads, top_k]` int32, NO_NODE in unused slots. No gradient. The rerank reads at
-  most 2·beam cells per query and stays in XLA."""
+  most 2·beam cells per query and stays in XLA. The forests are per key/value head: the 2·kv_heads entries
+  (forest 0 of each, then forest τ) serve the 2·heads query entries below in order, `group` apiece."""
   q = jax.lax.stop_gradient(q).astype(cache.forests.nodes["mu"].dtype)
   batch, count, heads, _ = q.shape
   beam = routing.beam
@@ -262,9 +272,13 @@ def fill(cache, k, v, positions, valid, routing: Routing, *, rope_theta, tau=Non
 
 
 def bounded_long_range(cache: bounded.BoundedCache, q, pos, routing: Routing, *, lam, sigma, lr_gain):
-  """Eq. 7-9 for queries at `pos` over `pool ∪ recent` (Eq. 8): (o_lr `[batch, C, heads, d]`, cells `[.., K]`)."""
-  ids, mean, norm, k_cells, v_cells = bounded.candidates(cache)
-  head_dim = q.shape[-1]
+  """Eq. 7-9 for queries at `pos` over `pool ∪ recent` (Eq. 8): (o_lr `[batch, C, heads, d]`, cells `[.., K]`).
+  The cache's cells are per key/value head; each query head scores its key/value head's candidates (their ids
+  and summaries read per query head, small) and gathers only the K cells it selected."""
+  ids, mean, norm, k_cells, v_cells = bounded.candidates(cache)  # [batch, kv_heads, N, ..]
+  batch, _, heads, head_dim = q.shape
+  kv_of = kv_head_of(heads, ids.shape[1])
+  ids, mean, norm = (per_query_head(x, heads, axis=1) for x in (ids, mean, norm))
   q_sel = jax.lax.stop_gradient(q)
   content = jnp.einsum("bthd,bhnd->bthn", q_sel, mean, precision=PRECISION) / math.sqrt(head_dim)
   distance = pos.astype(q.dtype)[:, :, None, None] - (ids.astype(q.dtype)[:, None] + 0.5) * routing.cell
@@ -277,9 +291,8 @@ def bounded_long_range(cache: bounded.BoundedCache, q, pos, routing: Routing, *,
     jnp.take_along_axis(jnp.broadcast_to(ids[:, None], scores.shape), jnp.maximum(slots, 0), axis=-1),
     NO_CELL,
   )
-  gather = lambda x: jax.vmap(jax.vmap(lambda xh, ih: xh[ih], in_axes=(0, 1), out_axes=1))(
-    x, jnp.maximum(slots, 0)
-  )  # [batch, C, heads, K, s, d]
+  rows = jnp.arange(batch)[:, None, None, None]
+  gather = lambda x: x[rows, kv_of[None, None, :, None], jnp.maximum(slots, 0)]  # [batch, C, heads, K, s, d]
   k_sel, v_sel = gather(k_cells), gather(v_cells)
   logits = jnp.einsum("bthd,bthksd->bthks", q, k_sel, precision=PRECISION) / math.sqrt(head_dim)
   probs = masked_softmax(logits, (slots >= 0)[..., None], axis=(-2, -1))

@@ -3,10 +3,10 @@
 (`pallas_kernels.forest_search`)."""
 
 import jax
-import jax.numpy as jnp
 
 from fsjax.ops import dispatch
 from fsjax.reference import forest as reference
+from fsjax.reference.grouped import fold_group, unfold_group
 from pallas_kernels import forest_search
 
 
@@ -18,9 +18,10 @@ def forest_beam_search(
   Args:
     q: `[batch, T, heads, d]` unrotated queries at `positions` `[batch, T]`; roots: `[batch, T, heads]` int32 node
       id of each query's forest root (-1 for an empty forest).
-    nodes: node table of `[batch, heads, N(, d)]` arrays (`fsjax.cache.forest.Forest.nodes`), or a scanned
-      model's stacks `[layers, batch, heads, N(, d)]` with `layer` (int32 scalar): the kernel reads that layer
-      where it lies.
+    nodes: node table of `[batch, forests, N(, d)]` arrays (`fsjax.cache.forest.Forest.nodes`), or a scanned
+      model's stacks `[layers, batch, forests, N(, d)]` with `layer` (int32 scalar): the kernel reads that layer
+      where it lies. `forests` divides heads: query head h searches forest `h // (heads // forests)` (a
+      key/value head's, with grouped-query attention), never a copy of it.
     lam, sigma: `[heads]`; beam: W; steps: beam steps (>= the forest height); bound_c: c of Eq. 11; cell: the
       cell size (for the dispatch).
 
@@ -34,12 +35,15 @@ def forest_beam_search(
     )
   if layer is not None:
     nodes = {name: x[layer] for name, x in nodes.items()}
-  root = roots[:, 0]  # every query of a row and head starts from the same root
+  heads, forests = q.shape[2], nodes["mu"].shape[1]
+  # A forest's query heads are folded into its query axis: one search per forest reads its table once.
+  q, positions, lam, sigma = reference.folded_queries(q, positions, lam, sigma, forests)
 
-  def one(q, pos, nodes, root, lam, sigma):
-    return reference.beam_search(
-      q, pos, nodes, jnp.full(q.shape[:1], root), beam=beam, bound_c=bound_c, lam=lam, sigma=sigma, steps=steps
-    )
+  def one(q, pos, nodes, roots, lam, sigma):
+    return reference.beam_search(q, pos, nodes, roots, beam=beam, bound_c=bound_c, lam=lam, sigma=sigma, steps=steps)
 
-  per_head = jax.vmap(one, in_axes=(1, None, 0, 0, 0, 0), out_axes=1)
-  return jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None))(q, positions, nodes, root, lam, sigma)
+  per_head = jax.vmap(one, in_axes=(1, None, 0, 1, 0, 0), out_axes=1)
+  found = jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None))(
+    q, positions, nodes, fold_group(roots, forests), lam, sigma
+  )
+  return unfold_group(found, heads)

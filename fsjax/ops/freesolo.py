@@ -4,6 +4,9 @@
 Each op takes the reference's arguments plus `impl`. The kernels read q, k, v in their own dtype (bf16 on tensor
 cores) and score cells in float32; results agree with the reference within the dtype's tolerance, and selected
 cells exactly up to float32 near-ties.
+
+Every op takes grouped key/value heads (k, v, summaries `[.., kv_heads, ..]`, kv_heads dividing q's heads; the
+reading in `fsjax.reference.freesolo`); the kernels read each key/value head's state once for its query heads.
 """
 
 import dataclasses
@@ -15,7 +18,8 @@ from fsjax.ops import dispatch
 from fsjax.ops.dense import local_attention
 from fsjax.reference import cells as cells_ref
 from fsjax.reference import freesolo as reference
-from fsjax.reference.common import check_qkv, compute_dtype
+from fsjax.reference.common import compute_dtype
+from fsjax.reference.grouped import check_grouped_qkv
 from fsjax.reference.routing import Routing
 from pallas_kernels import cell_scoring
 from pallas_kernels import sparse_readout as readout_kernel
@@ -29,8 +33,8 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing: Routin
   """FS / FS-L top-K cells from cell summaries (`fsjax.reference.cells.select_from_summaries`).
 
   Args:
-    q: `[batch, T, heads, d]`; positions: `[batch, T]` or None for `0..T-1`; mean_keys `[batch, M, heads, d]`,
-      max_norms `[batch, M, heads]`; lam, sigma: `[heads]`.
+    q: `[batch, T, heads, d]`; positions: `[batch, T]` or None for `0..T-1`; mean_keys `[batch, M, kv_heads, d]`,
+      max_norms `[batch, M, kv_heads]`; lam, sigma: `[heads]`.
 
   Returns:
     `[batch, T, heads, K]` int32, -1 where fewer than K cells are available.
@@ -38,7 +42,7 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing: Routin
   if dispatch.resolve("select_from_summaries", impl, **_facts(routing, q.shape[-1])) == "reference":
     return cells_ref.select_from_summaries(q, positions, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma)
   death = None
-  if routing.variant == "fsl":  # FS-L's pool (Eq. 8), ranked once per sequence, as the kernel scores in float32
+  if routing.variant == "fsl":  # FS-L's pool (Eq. 8) per key/value head, ranked once per sequence in float32
     death = cells_ref.retention_death_block(
       jax.lax.stop_gradient(max_norms).astype(jnp.float32),
       cell=routing.cell,
@@ -118,7 +122,7 @@ def sparse_readout(q, k, v, cell_idx, *, cell, impl="reference"):
 
 
 def cached_readout(q, k, v, cell_idx, *, cell, impl="reference"):
-  """Eq. 9 before the norm for queries reading a decode cache's keys `k, v` `[batch, N, heads, d]`: a chunk reads
+  """Eq. 9 before the norm for queries reading a decode cache's keys `k, v` `[batch, N, kv_heads, d]`: a chunk reads
   through the readout kernel where `impl` selects it; a single token gathers its K cells with XLA, which reads a
   scanned model's stacked cache in place where a kernel would be handed a copy of the layer
   (`fsjax.cache.layered`). The cache is never converted whole: only the gathered cells are.
@@ -139,7 +143,7 @@ def cached_readout_runs_kernel(q, *, cell, impl="reference"):
 
 def long_range_routed(q, k, v, routing: Routing, *, lam=1.0, sigma=4.0, lr_gain=1.0, tau=None, impl="reference"):
   """`freesolo_long_range` with its geometry as one `Routing`."""
-  check_qkv(q, k, v)
+  check_grouped_qkv(q, k, v)
   reference.check_routing(routing, tau)
   if dispatch.resolve("freesolo_long_range", impl, **_facts(routing, q.shape[-1])) == "reference":
     return reference.freesolo_long_range(
@@ -197,7 +201,7 @@ def attention_routed(
   q, k, v, routing: Routing, *, alpha, lam=1.0, sigma=4.0, lr_gain=1.0, tau=None, rope_theta=10000.0, impl="reference"
 ):
   """`freesolo_attention` with its geometry as one `Routing`."""
-  check_qkv(q, k, v)
+  check_grouped_qkv(q, k, v)
   long_range = long_range_routed(q, k, v, routing, lam=lam, sigma=sigma, lr_gain=lr_gain, tau=tau, impl=impl)
   local = local_attention(
     q, k, v, window=routing.window, rope_theta=rope_theta, impl=dispatch.for_op("local_attention", impl)

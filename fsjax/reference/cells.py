@@ -11,17 +11,19 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.reference.common import PRECISION
+from fsjax.reference.grouped import per_query_head
 
 
 def cell_summaries(k, cell):
   """Mean key, max key norm and center of every complete cell (FS Eq. 5).
 
   Args:
-    k: `[batch, seq, heads, head_dim]` unrotated keys.
+    k: `[batch, seq, kv_heads, head_dim]` unrotated keys (a summary per key/value head, whatever reads it).
     cell: cell size `s`.
 
   Returns:
-    mean_keys `[batch, M, heads, head_dim]`, max_norms `[batch, M, heads]`, centers `[M]` with `M = seq // s`.
+    mean_keys `[batch, M, kv_heads, head_dim]`, max_norms `[batch, M, kv_heads]`, centers `[M]` with
+    `M = seq // s`.
   """
   batch, seq, heads, head_dim = k.shape
   num_cells = seq // cell
@@ -44,12 +46,15 @@ def retention_death_block(max_norms, *, cell, block, retain_top):
   `a` and lower index). Cells only arrive, so that count never falls: once out, a cell never returns. Its death
   block is the eligibility block of its P-th lowest-index outranker, computed once per sequence.
 
+  The ranking reads only `a_c`, a key statistic, so with grouped-query attention each key/value head has one
+  pool, shared by the query heads that read it.
+
   Args:
-    max_norms: `[batch, M, heads]` priorities `a_c`.
+    max_norms: `[batch, M, kv_heads]` priorities `a_c`.
     cell, block, retain_top: `s`, `B`, `P`.
 
   Returns:
-    `[batch, M, heads]` int32 death blocks; a cell with fewer than P outrankers never dies (int32 max).
+    `[batch, M, kv_heads]` int32 death blocks; a cell with fewer than P outrankers never dies (int32 max).
   """
   num_cells = max_norms.shape[1]
   idx = jnp.arange(num_cells)
@@ -71,13 +76,13 @@ def available_cells(max_norms, num_queries, *, variant, cell, block, retain_top,
   Recent_W is the W highest-index eligible cells (all of them when fewer).
 
   Args:
-    max_norms: `[batch, M, heads]`.
+    max_norms: `[batch, M, kv_heads]`.
     num_queries: sequence length `T`.
     variant: "fs" or "fsl".
     positions: `[batch, T]` query positions (decoding); None means `0..T-1`.
 
   Returns:
-    `[batch, T, heads, M]` boolean availability.
+    `[batch, T, kv_heads, M]` boolean availability (a function of the keys and the position only).
   """
   batch, num_cells, heads = max_norms.shape
   if positions is None:
@@ -140,10 +145,13 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing, lam, s
   """FS / FS-L selection (Eq. 6-8) from cell summaries for queries at `positions`: what a decode step or a
   prefill chunk scores against the cached summaries, and what `select_cells` scores in training.
 
+  Grouped-query attention: the summaries and FS-L's pool are those of the key/value head `h // group` that
+  query head h reads; the scores (with h's own λ_h, σ_h) and the top K are per query head.
+
   Args:
     q: `[batch, T, heads, d]` unrotated queries.
     positions: `[batch, T]` query positions; None means `0..T-1`.
-    mean_keys: `[batch, M, heads, d]`; max_norms: `[batch, M, heads]` (Eq. 5).
+    mean_keys: `[batch, M, kv_heads, d]`; max_norms: `[batch, M, kv_heads]` (Eq. 5); kv_heads divides heads.
     routing: a `Routing` with variant "fs" or "fsl".
     lam, sigma: `[heads]` (Eq. 7).
 
@@ -151,6 +159,7 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing, lam, s
     `[batch, T, heads, K]` int32 cell indices, best first, -1 where fewer than K cells are available.
   """
   q = jax.lax.stop_gradient(q)
+  heads = q.shape[2]
   centers = (jnp.arange(max_norms.shape[1]) + 0.5) * routing.cell
   available = available_cells(
     max_norms,
@@ -162,5 +171,7 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing, lam, s
     retain_recent=routing.retain_recent,
     positions=positions,
   )  # Eq. 6, 8
+  available = per_query_head(available, heads, axis=2)
+  mean_keys, max_norms = per_query_head(mean_keys, heads, axis=2), per_query_head(max_norms, heads, axis=2)
   scores = cell_scores(q, mean_keys, max_norms, centers, lam=lam, sigma=sigma, positions=positions)  # Eq. 7
   return top_k_cells(scores, available, routing.top_k)

@@ -12,7 +12,9 @@ join nodes (the prefill formulation).
 A query keeps `beam` nodes per level by U_v (Eq. 11, c = `bound_c`): leaves already in the beam stay, the
 remaining slots go to the highest-U children; ranking ties go to the node whose smallest cell index is lower.
 The candidates (the final beams' leaves, both forests, deduplicated) are reranked by Eq. 12 and the top K are
-read as in FS (Eq. 9). Readings (docs/design.md §4): splits put the first ⌈n/2⌉ cells by projection in the left child;
+read as in FS (Eq. 9). With grouped-query attention the forests (and τ) are a key/value head's, built once and
+searched by each query head of its group with that head's λ, σ (`fsb_select_from_summaries`). Readings
+(docs/design.md §4): splits put the first ⌈n/2⌉ cells by projection in the left child;
 projection ties and the farthest-cell choice go to the lower cell index; a zero direction (all cells equal)
 projects every cell to 0; of the two halves, the one holding the lower cell index is the left child (the
 direction's sign is arbitrary, so this makes the tree a function of the split alone).
@@ -27,6 +29,7 @@ import numpy as np
 
 from fsjax.reference.cells import cell_summaries
 from fsjax.reference.common import PRECISION
+from fsjax.reference.grouped import fold_group, group_size, unfold_group
 
 NO_NODE = -1
 
@@ -243,9 +246,11 @@ def beam_search(q, positions, table, roots, *, beam, bound_c, lam, sigma, steps)
 
   Args:
     q: `[T, d]` unrotated queries at `positions` `[T]`; roots: `[T]` root node id of each query's forest.
+    lam, sigma: scalars, or `[T]` (each query its head's, when a key/value head's forest serves a group).
   """
   dim = q.shape[-1]
   q_norm = jnp.linalg.norm(q, axis=-1)
+  lam, sigma = (jnp.broadcast_to(x, positions.shape)[:, None] for x in (lam, sigma))
 
   def priority(node):  # node [T, n] → U [T, n], -inf for NO_NODE
     safe = jnp.maximum(node, 0)
@@ -253,7 +258,7 @@ def beam_search(q, positions, table, roots, *, beam, bound_c, lam, sigma, steps)
       jnp.einsum("td,tnd->tn", q, table["mu"][safe], precision=PRECISION)
       + bound_c * q_norm[:, None] * table["rho"][safe]
     ) / math.sqrt(dim)
-    score = content + table["amax"][safe] * _prior(positions[:, None] - table["pmin"][safe], lam, sigma)
+    score = content + table["amax"][safe] * _prior(positions[:, None] - table["pmin"][safe], lam, sigma)  # Eq. 11
     return jnp.where(node >= 0, score, -jnp.inf)
 
   def descend(_, current):  # one level: the same shapes every step, so one compiled body
@@ -285,7 +290,7 @@ def forest_candidates(q, positions, mean_keys, max_norms, admitted, *, lam, sigm
 
   Args:
     q: `[C, d]` at `positions` `[C]`; mean_keys: `[M, d]`; max_norms: `[M]`; admitted: `[M]` bool (Eq. 10);
-    lam, sigma: scalars. Only cells complete before a query's block start are ever reached.
+    lam, sigma: scalars or `[C]`. Only cells complete before a query's block start are ever reached.
   """
   num_cells = mean_keys.shape[0]
   if num_cells == 0:
@@ -316,12 +321,13 @@ def token_rerank(q, positions, k, candidates, max_norms, *, lam, sigma, cell, to
   Args:
     q: `[C, d]` at `positions` `[C]`; k: `[S, d]` keys (one head, unrotated, slot = position; any float dtype, the
       gathered cells are computed in q's); candidates: `[C, n]` cell indices (NO_NODE pad, repeats allowed);
-      max_norms: `[M]`.
+      max_norms: `[M]`; lam, sigma: scalars or `[C]`.
 
   Returns:
     `[C, top_k]` int32 cells in decreasing Eq. 12 score, NO_NODE in unused slots.
   """
   count_q, dim = q.shape
+  lam, sigma = (jnp.broadcast_to(x, positions.shape)[:, None] for x in (lam, sigma))
   num_cells = max_norms.shape[0]
   safe = jnp.maximum(candidates, 0)
   tokens = k[: num_cells * cell].reshape(num_cells, cell, dim)[safe].astype(q.dtype)  # [C, n, s, d]
@@ -339,17 +345,32 @@ def token_rerank(q, positions, k, candidates, max_norms, *, lam, sigma, cell, to
   return jnp.pad(chosen, ((0, 0), (0, top_k - count)), constant_values=NO_NODE).astype(jnp.int32)
 
 
+def folded_queries(q, positions, lam, sigma, kv_heads):
+  """Each key/value head's query heads folded into the query axis (`fsjax.reference.grouped.fold_group`), so
+  one pass per key/value head reads its keys, summaries and forests once: q `[batch, C · group, kv_heads, d]`,
+  positions `[batch, C · group]`, lam and sigma `[kv_heads, C · group]` (each folded query its own head's)."""
+  heads, count = q.shape[2], q.shape[1]
+  group = group_size(heads, kv_heads)
+  per_query = lambda x: jnp.tile(x.reshape(kv_heads, group), (1, count))
+  return fold_group(q, kv_heads), jnp.repeat(positions, group, axis=1), per_query(lam), per_query(sigma)
+
+
 def rerank_candidates(q, positions, k, max_norms, candidates, *, lam, sigma, cell, top_k):
-  """`token_rerank` of every batch row and head: q `[batch, C, heads, d]` at `positions` `[batch, C]`, k
-  `[batch, S, heads, d]`, max_norms `[batch, M, heads]`, candidates `[batch, C, heads, n]`, lam, sigma `[heads]`
-  → `[batch, C, heads, top_k]`."""
+  """`token_rerank` of every batch row and query head, over the keys of the key/value head it reads: q
+  `[batch, C, heads, d]` at `positions` `[batch, C]`, k `[batch, S, kv_heads, d]`, max_norms
+  `[batch, M, kv_heads]`, candidates `[batch, C, heads, n]`, lam, sigma `[heads]` → `[batch, C, heads, top_k]`."""
+  heads, kv_heads = q.shape[2], k.shape[2]
   rerank = functools.partial(token_rerank, cell=cell, top_k=top_k)
+  q, positions, lam, sigma = folded_queries(q, positions, lam, sigma, kv_heads)
   per_head = jax.vmap(
     lambda q, p, k, c, m, lam, sigma: rerank(q, p, k, c, m, lam=lam, sigma=sigma),
     in_axes=(1, None, 1, 1, 1, 0, 0),
     out_axes=1,
   )
-  return jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0, None, None))(q, positions, k, candidates, max_norms, lam, sigma)
+  chosen = jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0, None, None))(
+    q, positions, k, fold_group(candidates, kv_heads), max_norms, lam, sigma
+  )
+  return unfold_group(chosen, heads)
 
 
 @functools.partial(jax.jit, static_argnames=("cell", "block", "top_k", "beam", "bound_c"))
@@ -361,9 +382,11 @@ def fsb_select_from_summaries(
 
   Args:
     q: `[batch, C, heads, d]` unrotated, at `positions` `[batch, C]`.
-    k: `[batch, S, heads, d]` unrotated keys, slot = position (the token rerank reads them).
-    mean_keys: `[batch, M, heads, d]`, max_norms: `[batch, M, heads]` cell summaries (Eq. 5), M = S // cell.
-    tau, lam, sigma: `[heads]` (τ from calibration, inclusive).
+    k: `[batch, S, kv_heads, d]` unrotated keys, slot = position (the token rerank reads them); kv_heads divides
+      heads.
+    mean_keys: `[batch, M, kv_heads, d]`, max_norms: `[batch, M, kv_heads]` cell summaries (Eq. 5), M = S // cell.
+    tau: `[kv_heads]` (from calibration, inclusive): it admits key/value cells into a key/value head's forest.
+    lam, sigma: `[heads]`: a query's prior.
 
   Returns:
     `[batch, C, heads, top_k]` int32 cell indices, -1 in unused slots.
@@ -376,15 +399,19 @@ def fsb_select_from_summaries(
     high_norm = forest_candidates(q, positions, mean_keys, max_norms, max_norms >= tau, **routing)
     return jnp.concatenate([everything, high_norm], axis=1)
 
+  # The forests are built once per key/value head and searched by its group's queries, folded (Eq. 10-11).
+  folded_q, folded_positions, folded_lam, folded_sigma = folded_queries(q, positions, lam, sigma, k.shape[2])
   per_head = jax.vmap(both_forests, in_axes=(1, None, 1, 1, 0, 0, 0), out_axes=1)
   candidates = jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None, None))(
-    q, positions, mean_keys, max_norms, tau, lam, sigma
+    folded_q, folded_positions, mean_keys, max_norms, tau, folded_lam, folded_sigma
   )
+  candidates = unfold_group(candidates, q.shape[2])
   return rerank_candidates(q, positions, k, max_norms, candidates, lam=lam, sigma=sigma, cell=cell, top_k=top_k)
 
 
 def fsb_select_cells(q, k, *, tau, lam, sigma, cell=32, block=128, top_k=4, beam=16, bound_c=8.0):
-  """FS-B's selected cells of a whole sequence: q, k `[batch, T, heads, d]` → `[batch, T, heads, top_k]`."""
+  """FS-B's selected cells of a whole sequence: q `[batch, T, heads, d]`, k `[batch, T, kv_heads, d]`, τ
+  `[kv_heads]`, λ, σ `[heads]` → `[batch, T, heads, top_k]`."""
   mean_keys, max_norms, _ = cell_summaries(k, cell)
   positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
   return fsb_select_from_summaries(

@@ -2,6 +2,16 @@
 
 This is the specification every faster path (Pallas kernels, caches, tree searches) is tested against:
 obvious jnp, at least float32 math (float64 stays float64), shapes in docstrings, equation numbers in comments.
+
+Grouped-query attention (k, v with `kv_heads` dividing q's `heads`; query head h reads key/value head
+`h // group`, `fsjax.reference.grouped`): the paper is multi-head only, so this reading is ours (docs/notes.md).
+What is computed from keys alone exists once per key/value head: cell summaries and key norms (Eq. 5), FS-L's
+retained pool (Eq. 8 ranks by key norms only), FS-B's τ admission and forests (Eq. 10, 18-21). What is computed
+with a query stays per query head, reading its key/value head's state: cell scores with λ_h, σ_h (Eq. 7), the
+top K, FS-B's beam search and rerank (Eq. 11-12), the readout (Eq. 9), the local branch and the mix α_h (Eq. 2).
+So λ, σ, α are per query head (they weight a query's score or output) and τ per key/value head (it thresholds a
+key norm into a forest). The result is multi-head FreeSolo over K and V repeated per group (Hugging Face's
+`repeat_kv`) with τ repeated likewise, computed without the repeat.
 """
 
 import math
@@ -10,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.reference import cells, forest
-from fsjax.reference.common import PRECISION, check_qkv, compute_dtype
+from fsjax.reference.common import PRECISION, compute_dtype
+from fsjax.reference.grouped import check_grouped_qkv, kv_head_of
 from fsjax.reference.local import local_attention
 from fsjax.reference.routing import Routing
 from fsjax.reference.softmax import masked_softmax
@@ -25,10 +36,10 @@ def check_routing(routing: Routing, tau=None):
     raise ValueError("tau must be given for variant 'fsb': the per-head median cell norm (python -m fsjax.calibrate)")
 
 
-def per_head(value, heads, name, dtype):
+def per_head(value, heads, name, dtype, axis_name="heads"):
   value = jnp.asarray(value, dtype)
   if value.ndim > 1 or (value.ndim == 1 and value.shape[0] != heads):
-    raise ValueError(f"{name} must be a scalar or have shape [heads]=[{heads}], got {value.shape}")
+    raise ValueError(f"{name} must be a scalar or have shape [{axis_name}]=[{heads}], got {value.shape}")
   return jnp.broadcast_to(value, (heads,))
 
 
@@ -51,12 +62,12 @@ def select_cells(
   """Per query and head, the cells read by the long-range branch (FS Eq. 5-8, FS-B Eq. 10-12). No gradient.
 
   Args:
-    q, k: `[batch, T, heads, d]` unrotated queries and keys.
+    q: `[batch, T, heads, d]` unrotated queries; k: `[batch, T, kv_heads, d]` unrotated keys.
     variant: "fs" (all eligible cells), "fsl" (norm-pruned, Eq. 8) or "fsb" (two-forest beam search and token
       rerank, `fsjax.reference.forest`).
     lam, sigma: scalars or `[heads]`; routing prior of Eq. 7.
     cell, block, top_k, retain_top, retain_recent: `s`, `B`, `K`, `P`, `W`.
-    tau, beam, bound_c: FS-B's τ (scalar or `[heads]`, inclusive), beam width W_b and c of Eq. 11.
+    tau, beam, bound_c: FS-B's τ (scalar or `[kv_heads]`, inclusive), beam width W_b and c of Eq. 11.
 
   Returns:
     `[batch, T, heads, K]` int32 cell indices, best first, -1 where fewer than K cells are available.
@@ -90,7 +101,7 @@ def select_cells_routed(q, k, routing: Routing, *, lam=1.0, sigma=4.0, tau=None)
   if seq < routing.cell:
     return jnp.full((batch, seq, heads, routing.top_k), -1, jnp.int32)
   if routing.variant == "fsb":
-    tau = jax.lax.stop_gradient(per_head(tau, heads, "tau", dtype))
+    tau = jax.lax.stop_gradient(per_head(tau, k.shape[2], "tau", dtype, "kv_heads"))
     return forest.fsb_select_cells(
       q,
       k,
@@ -108,29 +119,31 @@ def select_cells_routed(q, k, routing: Routing, *, lam=1.0, sigma=4.0, tau=None)
 
 
 def gather_cells(x, cell_idx, cell):
-  """Tokens of the selected cells.
+  """Tokens of the selected cells, each query head's from the key/value head it reads.
 
   Args:
-    x: `[batch, T, heads, d]` keys or values.
+    x: `[batch, S, kv_heads, d]` keys or values.
     cell_idx: `[batch, T, heads, K]` cell indices, -1 for none (gathers cell 0; mask it out).
     cell: cell size `s`.
 
   Returns:
     `[batch, heads, T, K, s, d]`.
   """
-  batch, seq, heads, head_dim = x.shape
+  batch, seq, kv_heads, head_dim = x.shape
+  heads = cell_idx.shape[2]
   num_cells = seq // cell
-  x_cells = x[:, : num_cells * cell].reshape(batch, num_cells, cell, heads, head_dim)
-  x_cells = jnp.transpose(x_cells, (0, 3, 1, 2, 4))  # [batch, heads, M, s, d]
+  x_cells = x[:, : num_cells * cell].reshape(batch, num_cells, cell, kv_heads, head_dim)
+  x_cells = jnp.transpose(x_cells, (0, 3, 1, 2, 4))  # [batch, kv_heads, M, s, d]
   idx = jnp.transpose(jnp.maximum(cell_idx, 0), (0, 2, 1, 3))  # [batch, heads, T, K]
-  return jax.vmap(jax.vmap(lambda cells_of_head, ix: cells_of_head[ix]))(x_cells, idx)
+  rows = jnp.arange(batch)[:, None, None, None]
+  return x_cells[rows, kv_head_of(heads, kv_heads)[None, :, None, None], idx]
 
 
 def sparse_readout(q, k, v, cell_idx, *, cell):
   """Eq. 9 before the norm: `u_i = softmax(q_i·k_j/√d over S_i) V_S`, jointly over all selected tokens.
 
   Args:
-    q, k, v: `[batch, T, heads, d]` unrotated (NoPE readout).
+    q: `[batch, T, heads, d]`; k, v: `[batch, S, kv_heads, d]`, unrotated (NoPE readout).
     cell_idx: `[batch, T, heads, K]` from `select_cells`.
     cell: cell size `s`.
 
@@ -173,13 +186,14 @@ def freesolo_long_range(
   """Long-range branch `o_lr = RMSNorm(u)` (FS Eq. 5-9), before the α mix.
 
   Args:
-    q, k, v: `[batch, T, heads, d]` unrotated; any T (cells past the last complete one are never eligible).
+    q: `[batch, T, heads, d]`; k, v: `[batch, T, kv_heads, d]`; unrotated; any T (cells past the last complete
+      one are never eligible).
     variant: "fs", "fsl" or "fsb".
     lam, sigma: scalars or `[heads]`; λ ≥ 0, σ > 0 (Eq. 7). No gradient reaches them.
     lr_gain: readout RMSNorm gain, scalar or `[d]`.
     cell, block, top_k, retain_top, retain_recent: `s`, `B`, `K`, `P`, `W`.
     window: only validated here (the local radius must cover a block: `w >= B - 1`).
-    tau, beam, bound_c: FS-B forest arguments (τ per head, beam width, c of Eq. 11); unused by fs/fsl.
+    tau, beam, bound_c: FS-B forest arguments (τ per key/value head, beam width, c of Eq. 11); unused by fs/fsl.
 
   Returns:
     `[batch, T, heads, d]` in the dtype of `q`; zero where nothing is available (e.g. the first block).
@@ -195,7 +209,7 @@ def freesolo_long_range(
     beam=beam,
     bound_c=bound_c,
   )
-  check_qkv(q, k, v)
+  check_grouped_qkv(q, k, v)
   check_routing(routing, tau)
   dtype = compute_dtype(q.dtype)
   cell_idx = select_cells_routed(q, k, routing, lam=lam, sigma=sigma, tau=tau)
@@ -238,18 +252,18 @@ def freesolo_attention(
   """FreeSolo attention `o_i = o_sr_i + α_h o_lr_i` (FS Eq. 2).
 
   Args:
-    q, k, v: `[batch, T, heads, d]` unrotated projections; d even.
+    q: `[batch, T, heads, d]`; k, v: `[batch, T, kv_heads, d]`; unrotated projections; d even.
     variant: "fs" | "fsl" | "fsb".
     alpha: scalar or `[heads]` branch mix.
     lam, sigma, lr_gain, cell, block, top_k, retain_top, retain_recent: see `freesolo_long_range`.
     window: local radius `w` (Eq. 3-4), `w >= B - 1`.
-    tau, beam, bound_c: FS-B forest arguments (τ per head, beam width, bound constant c of Eq. 11).
+    tau, beam, bound_c: FS-B forest arguments (τ per key/value head, beam width, bound constant c of Eq. 11).
     rope_theta: RoPE base of the local branch.
 
   Returns:
     `[batch, T, heads, d]` in the dtype of `q`.
   """
-  check_qkv(q, k, v)
+  check_grouped_qkv(q, k, v)
   long_range = freesolo_long_range(
     q,
     k,

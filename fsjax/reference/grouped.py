@@ -61,3 +61,40 @@ def grouped_readout(probs, v):
   folded = probs.reshape(*lead, kv_heads, group * seq, keys)
   out = jnp.einsum("...hqk,...khd->...qhd", folded, v, precision=PRECISION)  # [..., group · Tq, kv_heads, d]
   return jnp.moveaxis(out.reshape(*lead, group, seq, kv_heads, dim), -4, -2).reshape(*lead, seq, heads, dim)
+
+
+def kv_head_of(heads, kv_heads):
+  """`[heads]` int32: the key/value head each query head reads, `h // group`."""
+  return jnp.arange(heads, dtype=jnp.int32) // group_size(heads, kv_heads)
+
+
+def per_query_head(x, heads, axis):
+  """`x` with its key/value-head axis `axis` read once per query head (`h // group`): `x` itself when there are
+  as many key/value heads as query heads. For small per-cell state (summaries, availability), never K or V."""
+  if x.shape[axis] == heads:
+    return x
+  return jnp.take(x, kv_head_of(heads, x.shape[axis]), axis=axis)
+
+
+def fold_group(x, kv_heads, axis=1):
+  """Per-query-head `x` `[batch, T, heads, ...]` (`axis` = 1, the query axis; heads at `axis + 1`) as
+  `[batch, T · group, kv_heads, ...]`: each key/value head's query heads folded into the query axis,
+  position-major (row `t · group + j` is query head `kv · group + j` at t). Exact (a reshape and a transpose)."""
+  heads = x.shape[axis + 1]
+  group = group_size(heads, kv_heads)
+  if group == 1:
+    return x
+  lead, seq, rest = x.shape[:axis], x.shape[axis], x.shape[axis + 2 :]
+  split = x.reshape(*lead, seq, kv_heads, group, *rest)
+  return jnp.moveaxis(split, axis + 2, axis + 1).reshape(*lead, seq * group, kv_heads, *rest)
+
+
+def unfold_group(x, heads, axis=1):
+  """The inverse of `fold_group`: `[batch, T · group, kv_heads, ...]` → `[batch, T, heads, ...]`."""
+  kv_heads = x.shape[axis + 1]
+  group = group_size(heads, kv_heads)
+  if group == 1:
+    return x
+  lead, rest = x.shape[:axis], x.shape[axis + 2 :]
+  split = x.reshape(*lead, x.shape[axis] // group, group, kv_heads, *rest)
+  return jnp.moveaxis(split, axis + 1, axis + 2).reshape(*lead, x.shape[axis] // group, heads, *rest)
