@@ -19,6 +19,7 @@ is one. Continued pretraining or distillation from it:
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -103,11 +104,23 @@ def _host_arrays_written_in_place():
   arrays, so within this block they are written from where they lie."""
   handlers = ocp.type_handlers
   previous = handlers.get_type_handler(np.ndarray)
-  handlers.register_type_handler(np.ndarray, handlers.NumpyHandler(deepcopy_host_arrays=False), override=True)
+  register = lambda handler: _quietly(handlers.register_type_handler, np.ndarray, handler, override=True)
+  register(handlers.NumpyHandler(deepcopy_host_arrays=False))
   try:
     yield
   finally:
-    handlers.register_type_handler(np.ndarray, previous, override=True)
+    register(previous)
+
+
+def _quietly(function, *args, **kwargs):
+  """Calls `function` with absl's warnings off (Orbax warns on every handler it replaces)."""
+  absl = logging.getLogger("absl")
+  level = absl.level
+  absl.setLevel(logging.ERROR)
+  try:
+    return function(*args, **kwargs)
+  finally:
+    absl.setLevel(level)
 
 
 def export_checkpoint(checkpoint, out, *, max_shard_bytes=DEFAULT_MAX_SHARD_BYTES):

@@ -306,17 +306,23 @@ def _recall_eval_batches(config: Config):
 
 def _parent_variables(config: Config, objective, abstract_params, abstract_frozen):
   """Params and routing buffers of `train.init_from`, checked against this config's shapes for the arrays the
-  objective says a parent holds (`Objective.parent_params`)."""
+  objective says a parent holds (`Objective.parent_params`).
+
+  A frozen collection the parent has none of starts at its initial values: a dense parent (TF++, or a Hugging
+  Face import) continued as FreeSolo has no routing buffers, and FS's λ, σ start where FS from scratch starts
+  (Eq. 7). A collection the parent has must hold every array this config needs."""
   parent_config, params, frozen, step = ckpt_lib.load(config.train.init_from)
   params, frozen = jax.device_get((params, frozen))  # on the host: every process then places its shards
   where = f"{config.train.init_from} (step {step})"
   abstract_params = objective.parent_params(config, parent_config, abstract_params, where)
+  fresh = sorted(set(abstract_frozen) - set(frozen))
+  abstract_frozen = {name: value for name, value in abstract_frozen.items() if name not in fresh}
   ckpt_lib.check_shapes(
     {"params": params, "frozen": frozen}, {"params": abstract_params, "frozen": abstract_frozen}, where
   )
   print(
     f"continuing from {where}: {parent_config.model.attention.kind} -> {config.model.attention.kind}, "
-    "fresh optimizer and schedule",
+    "fresh optimizer and schedule" + "".join(f", fresh {name} buffers" for name in fresh),
     flush=True,
   )
   return params, frozen
@@ -408,8 +414,9 @@ def train(config: Config, workdir, final_evals=(), allow_config_change=False):
       parent_params, parent_frozen = parent
       fresh = flax.traverse_util.flatten_dict(sharding.to_host(state.params))
       fresh.update(flax.traverse_util.flatten_dict(parent_params))  # arrays the parent lacks stay fresh
+      frozen = {**sharding.to_host(state.frozen), **parent_frozen}  # collections the parent lacks stay fresh
       params, frozen = jax.device_put(
-        (flax.traverse_util.unflatten_dict(fresh), parent_frozen), (state_shardings.params, state_shardings.frozen)
+        (flax.traverse_util.unflatten_dict(fresh), frozen), (state_shardings.params, state_shardings.frozen)
       )
       state = state.replace(params=params, frozen=frozen, opt_state=optimizer.init(params))
   if primary:

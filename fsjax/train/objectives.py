@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from fsjax.config import ConfigError
+from fsjax.model import init_variables
 
 
 def loss_weights(batch, recall_beta, recall_switch_beta):
@@ -124,13 +125,24 @@ def _zha_parent_params(config, parent_config, abstract_params, where):
   return flax.traverse_util.unflatten_dict({k: v for k, v in flat.items() if "ref_queries" not in k})
 
 
+def _lm_parent_params(config, parent_config, abstract_params, where):
+  """The arrays of this run that the parent's own architecture defines: those of a FreeSolo kind that a dense
+  parent lacks (FS's branch mix α when a TF++ or imported model is continued as FS) start fresh; everything
+  else must be in the parent, with this run's shapes."""
+  del config, where
+  parent = jax.eval_shape(lambda: init_variables(parent_config.model, jax.random.PRNGKey(0)))["params"]
+  defined = set(flax.traverse_util.flatten_dict(parent))
+  flat = flax.traverse_util.flatten_dict(abstract_params)
+  return flax.traverse_util.unflatten_dict({k: v for k, v in flat.items() if k in defined})
+
+
 def _kl_levels(model_config):
   return tuple(f"kl_level_{i + 1}" for i in range(model_config.attention.zha.levels))
 
 
 OBJECTIVES = {
   # Next-token loss with FS Eq. 13's recall weights; every parameter trains.
-  "lm": Objective(name="lm", loss=_lm_loss),
+  "lm": Objective(name="lm", loss=_lm_loss, parent_params=_lm_parent_params),
   # ZHA III-B: the backbone frozen and run dense, only the reference queries train, on the per-level KL.
   "zha_kl": Objective(
     name="zha_kl",
