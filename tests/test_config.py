@@ -80,7 +80,7 @@ def test_model_rules(fields, message):
   assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("kind", ["fs", "fsl", "fsb", "zha"])
+@pytest.mark.parametrize("kind", ["fs", "fsl", "fsb"])
 def test_grouped_query_attention_is_refused_where_the_kind_lacks_it(kind):
   with pytest.raises(ConfigError, match=rf"model.num_kv_heads \(4\) below model.num_heads \(16\) .*kind {kind} ") as e:
     ModelConfig(num_kv_heads=4, attention=AttentionConfig(kind=kind))
