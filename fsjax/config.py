@@ -243,7 +243,8 @@ class ModelConfig:
     num_heads: attention (query) heads.
     num_kv_heads: key/value heads (grouped-query attention, Llama 3 / Qwen); null = num_heads. It must divide
       num_heads: query head h reads key/value head `h // (num_heads // num_kv_heads)` (Hugging Face's
-      `repeat_kv` layout), and decode caches hold num_kv_heads heads. Every kind but zha (`fsjax.kinds`, `grouped_kv`).
+      `repeat_kv` layout), and decode caches hold num_kv_heads heads; every kind takes it (`fsjax.kinds`,
+      `grouped_kv`).
     head_dim: width per head; even (RoPE rotates pairs).
     qk_norm: RMSNorm over head_dim (epsilon norm_eps, one gain `[head_dim]` each, params `q_norm`, `k_norm`) on
       every head's query and key after projection, before RoPE (Qwen3).

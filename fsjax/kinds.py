@@ -154,6 +154,7 @@ REGISTRY = {
       module=_zha_module,
       cache=_zha_cache,
       capacity=_block_capacity,
+      grouped_kv=True,
     ),
   )
 }

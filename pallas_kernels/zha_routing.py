@@ -14,6 +14,10 @@ Byte counts per (layer, head) for one decode token: scoring reads `K·R·d` node
 `(max_nodes·C + C + 1)·d` keys and as many values. At C=8, R=16, d=64, max_nodes=64 in bf16 that is 1 MB of
 level-1 node keys and 130 KB of keys and values, against `2·T·d·2` bytes (16 MB at 64k) for dense decode.
 
+Grouped-query attention: the trees and the dense cache hold `kv_heads` heads, queries, lists and leaves `heads`.
+Every grid runs per query head h and its BlockSpec index maps read key/value head `h // (heads // kv_heads)`, so
+no key, value or node is copied per query head; routing and attention stay per query head (ZHA III-C).
+
 Parallelism at batch 1: scoring runs one program per (batch, head, block of candidates), the selection one per
 (batch, head), and the attention splits each head's leaves over `splits` programs (flash-decoding) whose partial
 softmaxes are merged by log-sum-exp. Each program gathers its rows (a block of nodes `[BK, R, d]`, its leaves'
@@ -31,6 +35,13 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import check_power_of_two, default_interpret, layer_stack, pad_axis, pad_head_dim
 
 NO_NODE = -1
+
+
+def group_size(heads, kv_heads):
+  """Query heads per key/value head (`fsjax.reference.grouped.group_size`; the kernels import nothing from fsjax)."""
+  if kv_heads <= 0 or heads % kv_heads:
+    raise ValueError(f"key/value heads ({kv_heads}) must divide the query heads ({heads})")
+  return heads // kv_heads
 
 
 def compilable(*, chunk, refs):
@@ -132,11 +143,12 @@ def _scoring_call(
   name,
 ):
   """Runs a scoring kernel `(q, keys, bias, candidates, position, layer, *outputs, scale)` on a grid of (batch,
-  head, block of candidates) over one tree level (or a scanned stack's `layer`); one output `[batch, heads,
-  programs·block]` per dtype of `out_dtypes`."""
+  query head, block of candidates) over one tree level (or a scanned stack's `layer`), query head h reading the
+  tree of key/value head `h // group`; one output `[batch, heads, programs·block]` per dtype of `out_dtypes`."""
   batch, heads, dim = q.shape
   (node_keys, layer_index), (node_bias, _) = layer_stack(node_keys, layer, 5), layer_stack(node_bias, layer, 4)
-  layers, _, nodes, _, refs, _ = node_keys.shape
+  layers, _, nodes, kv_heads, refs, _ = node_keys.shape
+  group = group_size(heads, kv_heads)
   width = pl.next_power_of_2(dim)
   out_spec = pl.BlockSpec((None, None, block), lambda b, h, c: (b, h, c))
   return pl.pallas_call(
@@ -144,8 +156,8 @@ def _scoring_call(
     grid=(batch, heads, programs),
     in_specs=[
       pl.BlockSpec((None, None, width), lambda b, h, c: (b, h, 0)),
-      pl.BlockSpec((layers, None, nodes, None, refs, width), lambda b, h, c: (0, b, 0, h, 0, 0)),
-      pl.BlockSpec((layers, None, nodes, None, refs), lambda b, h, c: (0, b, 0, h, 0)),
+      pl.BlockSpec((layers, None, nodes, None, refs, width), lambda b, h, c: (0, b, 0, h // group, 0, 0)),
+      pl.BlockSpec((layers, None, nodes, None, refs), lambda b, h, c: (0, b, 0, h // group, 0)),
       candidates_spec,
       pl.BlockSpec((1,), lambda b, h, c: (b,)),
       pl.BlockSpec((1,), lambda b, h, c: (0,)),
@@ -166,7 +178,8 @@ def score_candidates(
 
   Args:
     q: `[batch, heads, d]` rotated queries (one decode token).
-    node_keys: `[batch, N, heads, R, d]`; node_bias: `[batch, N, heads, R]` (one tree level).
+    node_keys: `[batch, N, kv_heads, R, d]`; node_bias: `[batch, N, kv_heads, R]` (one tree level; `kv_heads`
+      divides `heads` and query head h reads key/value head `h // (heads // kv_heads)`).
     index: `[batch, heads, K]` int32 node indices, NO_NODE for none; or `[K]`, one list for every row and head
       (the top level's, read by every program from one array: broadcasting it would be a kernel of its own).
     position, span: with `position` `[batch]` int32 and `span` the level's keys per node (C^ℓ), nodes not yet
@@ -408,7 +421,8 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=None,
   """Attention of one decode token per row over `I(q) = {0} ∪ kept leaves ∪ current chunk` (ZHA III-C).
 
   Args:
-    q: `[batch, heads, d]` rotated; k, v: `[batch, S, heads, d]` the dense cache (slot = position, S >= chunk).
+    q: `[batch, heads, d]` rotated; k, v: `[batch, S, kv_heads, d]` the dense cache (slot = position, S >= chunk),
+      query head h reading key/value head `h // (heads // kv_heads)`.
     leaves: `[batch, heads, M]` int32 kept level-1 nodes (leaf m holds keys `1 + mC … (m+1)C`), NO_NODE for none.
     position: `[batch]` int32 query positions.
     layer: None, or an int32 scalar when `k` and `v` are a scanned model's stacks `[layers, batch, S, heads, d]`:
@@ -429,8 +443,9 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=None,
   leaves = pad_axis(leaves.astype(jnp.int32), 2, per_split * splits, NO_NODE)
   width = pl.next_power_of_2(dim)
   (k, layer_index), (v, _) = layer_stack(k, layer, 4), layer_stack(v, layer, 4)
-  layers, _, seq = k.shape[:3]
-  cache_spec = pl.BlockSpec((layers, None, seq, None, width), lambda b, h, s: (0, b, 0, h, 0))
+  layers, _, seq, kv_heads = k.shape[:4]
+  group = group_size(heads, kv_heads)
+  cache_spec = pl.BlockSpec((layers, None, seq, None, width), lambda b, h, s: (0, b, 0, h // group, 0))
   out, lse = pl.pallas_call(
     functools.partial(_attention_kernel, chunk=chunk, scale=1.0 / math.sqrt(dim)),
     grid=(batch, heads, splits),

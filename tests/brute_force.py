@@ -161,20 +161,27 @@ def zha_keys(q_rot_i, i, tree, *, chunk, levels, top_p, max_nodes=None):
 
 
 def zha(q, k, v, refs, *, chunk, levels, top_p, theta=10000.0, max_nodes=None):
-  """ZHA attention for every (batch, position, head): (outputs `[B, T, H, d]`, attended fractions `[B, T, H]`)."""
+  """ZHA attention for every (batch, position, head): (outputs `[B, T, H, d]`, attended fractions `[B, T, H]`).
+
+  k, v `[B, T, H_kv, d]` and refs `[H_kv, R, d]` may have fewer heads than q (ZHA III-A's GQA): one tree per
+  key/value head g, built once; each query head `h` with `h // (H // H_kv) = g` routes through it and attends
+  on its own."""
   batch, seq, heads, d = q.shape
+  kv_heads = k.shape[2]
+  group = heads // kv_heads
   rot = (lambda x, p: x) if theta is None else (lambda x, p: rope(x, p, theta))
   out = np.zeros_like(q, dtype=np.float64)
   fraction = np.zeros((batch, seq, heads))
   for b in range(batch):
-    for h in range(heads):
-      k_rot = np.stack([rot(k[b, j, h], j) for j in range(seq)])
-      tree = zha_tree(k_rot, refs[h], chunk=chunk, levels=levels, theta=theta)
-      for i in range(seq):
-        q_rot = rot(q[b, i, h], i)
-        js = zha_keys(q_rot, i, tree, chunk=chunk, levels=levels, top_p=top_p, max_nodes=max_nodes)
-        out[b, i, h] = softmax_readout(k_rot[js] @ q_rot / math.sqrt(d), v[b, js, h])
-        fraction[b, i, h] = len(js) / (i + 1)
+    for g in range(kv_heads):
+      k_rot = np.stack([rot(k[b, j, g], j) for j in range(seq)])
+      tree = zha_tree(k_rot, refs[g], chunk=chunk, levels=levels, theta=theta)
+      for h in range(g * group, (g + 1) * group):
+        for i in range(seq):
+          q_rot = rot(q[b, i, h], i)
+          js = zha_keys(q_rot, i, tree, chunk=chunk, levels=levels, top_p=top_p, max_nodes=max_nodes)
+          out[b, i, h] = softmax_readout(k_rot[js] @ q_rot / math.sqrt(d), v[b, js, g])
+          fraction[b, i, h] = len(js) / (i + 1)
   return out, fraction
 
 

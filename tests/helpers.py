@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from fsjax import calibrate, loading
+from fsjax.cache import init_cache
 from fsjax.config import MoBAConfig, ZHAConfig, model_preset
+from fsjax.decode import extend, prefill
 from fsjax.model import Transformer, init_variables
 
 # RMS-relative tolerance per dtype of the computation under test.
@@ -111,3 +113,21 @@ def tiny_model(kind, scan_layers=False, cell=8):
     fs = Transformer(dataclasses.replace(config, attention=dataclasses.replace(config.attention, kind="fs")))
     variables = loading.with_tau(config, variables, calibrate.calibrate(fs, variables, [tokens]))
   return config, Transformer(config), variables
+
+
+def ragged_teacher_forced(model, variables, tokens, lengths, steps, chunk):
+  """Each row's logits at positions `[0, length + steps)`: its prompt prefilled in chunks (the last one cut
+  mid-chunk), then `steps` one-token decode steps at the row's own positions."""
+  batch = tokens.shape[0]
+  lengths = jnp.asarray(lengths)
+  cache = init_cache(model.config, batch, tokens.shape[1])
+  logits, cache = prefill(model, variables, tokens[:, : int(lengths.max())], lengths, cache, chunk)
+  rows = [[np.asarray(logits[row, :n])] for row, n in enumerate(lengths.tolist())]
+  for t in range(steps):
+    positions = (lengths + t)[:, None]
+    step, cache, _ = extend(
+      model, variables, jnp.take_along_axis(tokens, positions, 1), cache, positions, jnp.ones((batch, 1), bool)
+    )
+    for row in range(batch):
+      rows[row].append(np.asarray(step[row]))
+  return [np.concatenate(parts) for parts in rows]

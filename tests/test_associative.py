@@ -348,12 +348,20 @@ def _zha_with_qk_norm_and_partial_rope():
   return config, Transformer(config), variables
 
 
-@pytest.mark.parametrize("options", [False, True], ids=["default", "qk-norm-partial-rope"])
+def _zha_grouped():
+  """The tiny ZHA model with 2 key/value heads for its 4 query heads: one tree per key/value head (ZHA III-A)."""
+  config, _, _ = tiny_model("zha")
+  config = dataclasses.replace(config, num_kv_heads=2)
+  return config, Transformer(config), init_variables(config, jax.random.PRNGKey(0), 64)
+
+
+@pytest.mark.parametrize("options", [None, "qk-norm-partial-rope", "gqa"], ids=lambda o: o or "default")
 def test_the_zha_probe_reads_the_fraction_of_keys_the_full_forward_attends(options):
   """ZHA's keys read at the query keys, through the decode cache chunk by chunk, equal the attended fractions
   the training form sows over the whole row (ZHA III-C); also where queries and keys leave their projection
-  through q/k RMSNorm and rotate with a partial RoPE."""
-  config, model, variables = _zha_with_qk_norm_and_partial_rope() if options else tiny_model("zha")
+  through q/k RMSNorm and rotate with a partial RoPE, and where query heads share key/value heads and trees."""
+  make = {None: lambda: tiny_model("zha"), "qk-norm-partial-rope": _zha_with_qk_norm_and_partial_rope}
+  config, model, variables = {**make, "gqa": _zha_grouped}[options]()
   rows = _probe_rows()
   summary = recall_eval.probe_rows(model, variables, rows, chunk=64)
   _, state = model.apply(variables, jnp.asarray(np.stack([r.tokens for r in rows])), mutable=["intermediates"])
@@ -388,7 +396,7 @@ def test_the_zha_probe_reads_the_fraction_of_keys_the_full_forward_attends(optio
     value_read.append(mask[b, :, queries, values][first_asks].mean())  # [batch, Q, heads] at first asks
   np.testing.assert_allclose(summary["value_read"], value_read, atol=1e-4)
   assert 0 < min(summary["value_read"]) and max(summary["value_read"]) < 1
-  if options:
+  if options is not None:
     return
   # A scanned model (the recall configs') with the same weights reads the same keys.
   scanned = Transformer(dataclasses.replace(config, scan_layers=True))

@@ -81,20 +81,13 @@ def test_model_rules(fields, message):
   assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("kind", kinds.names(grouped_kv=False))
-def test_grouped_query_attention_is_refused_where_the_kind_lacks_it(kind):
-  with pytest.raises(ConfigError, match=rf"model.num_kv_heads \(4\) below model.num_heads \(16\) .*kind {kind} ") as e:
-    ModelConfig(num_kv_heads=4, attention=AttentionConfig(kind=kind))
-  assert "\n" not in str(e.value)
-
-
 @pytest.mark.parametrize("kind", kinds.names(grouped_kv=True))
 def test_grouped_query_attention_is_taken_where_the_kind_has_it(kind):
   assert ModelConfig(num_kv_heads=4, attention=AttentionConfig(kind=kind)).kv_heads == 4
 
 
-def test_the_freesolo_kinds_take_grouped_query_attention():
-  assert set(kinds.names(family="freesolo")) <= set(kinds.names(grouped_kv=True))
+def test_every_kind_takes_grouped_query_attention():
+  assert kinds.names(grouped_kv=True) == kinds.names()
 
 
 def test_the_hugging_face_options_load_from_yaml_and_overrides(tmp_path):

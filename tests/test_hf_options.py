@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fsjax import kinds
 from fsjax.cache import init_cache
 from fsjax.config import AttentionConfig, RoPEScalingConfig, model_preset
-from fsjax.decode import extend, prefill
 from fsjax.model import Transformer, init_variables
 
 from brute_force import hf_apply_rope
-from helpers import assert_close, tiny_model
+from helpers import assert_close, ragged_teacher_forced, tiny_model
 
 # Rotating 8 of 16 features with θ = 10^4 gives wavelengths of 6, 63, 628 and 6283 tokens: against an original
 # context of 1,024 (bands at 256 and 1,024 tokens) one frequency keeps its value, one is blended, one divided.
@@ -26,10 +26,10 @@ SCALING = RoPEScalingConfig(type="llama3", factor=8.0, low_freq_factor=1.0, high
 
 
 def _options(config, num_kv_heads=2):
-  """`config` (the tiny preset: 4 heads of 16) with every option: 2 key/value heads (dense kinds), q/k RMSNorm,
-  q/k/v biases, half the features rotated with Llama 3 scaling."""
+  """`config` (the tiny preset: 4 heads of 16) with every option: 2 key/value heads (the kinds that take them),
+  q/k RMSNorm, q/k/v biases, half the features rotated with Llama 3 scaling."""
   attention = dataclasses.replace(config.attention, rope_fraction=0.5, rope_scaling=SCALING)
-  kv_heads = num_kv_heads if config.attention.kind in ("tfpp", "swa", "moba") else None
+  kv_heads = num_kv_heads if kinds.get(config.attention.kind).grouped_kv else None
   return dataclasses.replace(config, num_kv_heads=kv_heads, qk_norm=True, qkv_bias=True, attention=attention)
 
 
@@ -118,39 +118,22 @@ def test_one_layer_with_every_option_equals_a_float64_forward_by_hand(rng):
   assert_close(logits, expected, np.float32)
 
 
-def _ragged_teacher_forced(model, variables, tokens, lengths, steps, chunk):
-  """Each row's logits at positions `[0, length + steps)`: its prompt prefilled in chunks (the last one cut
-  mid-chunk), then `steps` one-token decode steps at the row's own positions."""
-  batch = tokens.shape[0]
-  lengths = jnp.asarray(lengths)
-  cache = init_cache(model.config, batch, tokens.shape[1])
-  logits, cache = prefill(model, variables, tokens[:, : int(lengths.max())], lengths, cache, chunk)
-  rows = [[np.asarray(logits[row, :n])] for row, n in enumerate(lengths.tolist())]
-  for t in range(steps):
-    positions = (lengths + t)[:, None]
-    step, cache, _ = extend(
-      model, variables, jnp.take_along_axis(tokens, positions, 1), cache, positions, jnp.ones((batch, 1), bool)
-    )
-    for row in range(batch):
-      rows[row].append(np.asarray(step[row]))
-  return [np.concatenate(parts) for parts in rows]
-
-
 @pytest.mark.parametrize(
   "kind,scan_layers",
   [("tfpp", False), ("tfpp", True), ("swa", False), ("moba", False), ("fsl", False), ("zha", False)],
 )
 def test_prefill_and_decode_with_every_option_equal_the_full_forward(rng, kind, scan_layers):
   """Ragged rows of 70 and 45 prompt tokens in 32-token chunks (both end mid-chunk), then 12 decoded tokens.
-  The dense kinds read 2 key/value heads per 4 query heads (their caches hold 2); FS-L and ZHA take every option
-  but grouped-query attention."""
+  The dense kinds and ZHA read 2 key/value heads per 4 query heads (their caches, and ZHA's trees, hold 2); FS-L
+  takes every option but grouped-query attention."""
   config, model, variables = _model(kind, scan_layers)
-  if kind in ("tfpp", "swa", "moba"):
+  if kinds.get(kind).grouped_kv:
     layer = init_cache(config, 1, 8)["layers" if scan_layers else "layer_0"]
-    assert layer.k.shape[-2] == config.num_kv_heads == 2
+    store = layer.store if kind == "zha" else layer
+    assert store.k.shape[-2] == config.num_kv_heads == 2
   tokens = jnp.asarray(np.stack([rng.permutation(config.vocab_size)[:82] for _ in range(2)]))
   full = np.asarray(jax.jit(model.apply)(variables, tokens))
-  for row, got in enumerate(_ragged_teacher_forced(model, variables, tokens, [70, 45], 12, chunk=32)):
+  for row, got in enumerate(ragged_teacher_forced(model, variables, tokens, [70, 45], 12, chunk=32)):
     assert_close(got, full[row, : len(got)], np.float32, scale=5)
 
 

@@ -22,9 +22,10 @@ class ZHAAttention(nn.Module):
   each query to (`fsjax.reference.zha`).
 
   Params: `q_proj`, `k_proj`, `v_proj`, `o_proj` (named as in `DenseAttention`, so a TF++ checkpoint converts by
-  adding the reference queries; with `projection`'s q/k RMSNorm and biases too, but one key/value head per query
-  head) and `ref_queries` `[heads, tree.refs, head_dim]`, the only weights ZHA trains. `rope_theta`: θ, a
-  `fsjax.reference.rope.RoPE`, or None (NoPE).
+  adding the reference queries; with `projection`'s q/k RMSNorm, biases and key/value heads too) and `ref_queries`
+  `[kv_heads, tree.refs, head_dim]`, the only weights ZHA trains: one tree per key/value head, shared by the query
+  heads that read it (ZHA III-A, III-B; query head h reads key/value head `h // (heads // kv_heads)`).
+  `rope_theta`: θ, a `fsjax.reference.rope.RoPE`, or None (NoPE).
 
   `distill=True` (ZHA III-B training): the layer runs the frozen model's dense attention and sows its KL loss per
   level, `[levels]`, as intermediates/zha_kl. Otherwise it sows the fraction of visible keys each query read,
@@ -50,11 +51,10 @@ class ZHAAttention(nn.Module):
   @nn.compact
   def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False):
     tree = self.tree
-    if self.projection.kv_heads(self.num_heads) != self.num_heads:
-      raise ValueError(f"ZHA attention needs one key/value head per query head, got {self.projection}")
+    kv_heads = self.projection.kv_heads(self.num_heads)
     q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.projection, self.dtype, self.param_dtype)
     ref_queries = self.param(
-      "ref_queries", nn.initializers.normal(REF_INIT_STD), (self.num_heads, tree.refs, self.head_dim), self.param_dtype
+      "ref_queries", nn.initializers.normal(REF_INIT_STD), (kv_heads, tree.refs, self.head_dim), self.param_dtype
     )
     if cache is not None and first_chunk:  # empty cache, positions 0..C-1: the training form, one bulk write
       o, fraction = self._routed(q, k, v, ref_queries)

@@ -29,7 +29,8 @@ def attend(cache: ZHACache, q_rot, positions, *, tree: ZHATree, impl="reference"
   """ZHA attention of a chunk of queries over the cache, after `zha_cache.extend` wrote the chunk.
 
   Args:
-    q_rot: `[batch, n, heads, d]` rotated queries at `positions` `[batch, n]`.
+    q_rot: `[batch, n, heads, d]` rotated queries at `positions` `[batch, n]`; the cache holds `kv_heads` heads
+      (query head h reads key/value head `h // (heads // kv_heads)`).
     tree: the routing; impl: the decode op's (`fsjax.ops.dispatch`, "zha_route").
 
   Returns:
@@ -64,8 +65,8 @@ def write(cache: ZHACache, k, v, positions, valid, ref_queries, *, tree: ZHATree
   """The cache with a chunk's rotated keys, its values and every node it completes (`zha_cache.extend`).
 
   Args:
-    k, v: `[batch, n, heads, d]` unrotated projections at `positions` `[batch, n]`; valid: `[batch, n]` (right
-      padding is not cached); ref_queries: `[heads, R, d]`.
+    k, v: `[batch, n, kv_heads, d]` unrotated projections at `positions` `[batch, n]`; valid: `[batch, n]` (right
+      padding is not cached); ref_queries: `[kv_heads, R, d]`.
   """
   dtype = compute_dtype(k.dtype)
   k_rot = zha_ref.rotate(k.astype(dtype), positions, rope_theta)
@@ -78,9 +79,9 @@ def step(cache: ZHACache, q, k, v, positions, valid, ref_queries, *, tree: ZHATr
   """One cached ZHA step: rotate, extend the cache with the chunk, attend.
 
   Args:
-    q, k, v: `[batch, n, heads, d]` unrotated projections of a chunk at `positions` `[batch, n]`; valid: `[batch, n]`
-      (right padding is not cached).
-    ref_queries: `[heads, R, d]`.
+    q: `[batch, n, heads, d]`, k, v: `[batch, n, kv_heads, d]` unrotated projections of a chunk at `positions`
+      `[batch, n]`; valid: `[batch, n]` (right padding is not cached).
+    ref_queries: `[kv_heads, R, d]`.
     tree, impl: as `attend`; rope_theta: RoPE base (None: NoPE).
 
   Returns:

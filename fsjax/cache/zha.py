@@ -18,8 +18,9 @@ from fsjax.reference.zha import ZHATree
 
 @flax.struct.dataclass
 class ZHACache:
-  """store: the dense KV store; keys[ℓ-1] `[batch, N_ℓ, heads, R, d]`, bias[ℓ-1] `[batch, N_ℓ, heads, R]`:
-  the tangents of level ℓ's nodes, `N_ℓ = node_count(capacity, C, ℓ)` (a node is written once complete)."""
+  """store: the dense KV store; keys[ℓ-1] `[batch, N_ℓ, kv_heads, R, d]`, bias[ℓ-1] `[batch, N_ℓ, kv_heads, R]`:
+  the tangents of level ℓ's nodes, `N_ℓ = node_count(capacity, C, ℓ)` (a node is written once complete). One
+  tree per key/value head (ZHA III-A), as the store holds `kv_heads` heads."""
 
   store: KVStore
   keys: tuple
@@ -27,7 +28,8 @@ class ZHACache:
 
 
 def empty_zha(batch, capacity, heads, head_dim, tree: ZHATree, dtype=jnp.float32):
-  """An empty cache of `capacity` token slots for the tree's geometry (`tree.refs`, `.chunk`, `.levels`)."""
+  """An empty cache of `capacity` token slots for the tree's geometry (`tree.refs`, `.chunk`, `.levels`); `heads`
+  are the model's key/value heads."""
   counts = [zha.node_count(capacity, tree.chunk, level) for level in range(1, tree.levels + 1)]
   return ZHACache(
     store=empty_store(batch, capacity, heads, head_dim, dtype),
@@ -66,9 +68,9 @@ def extend(cache: ZHACache, k_rot, v, positions, valid, ref_queries, *, tree: ZH
   """Writes a chunk's keys and values, then summarizes every node it completes, level by level (ZHA III-A).
 
   Args:
-    k_rot: `[batch, n, heads, d]` keys as attention sees them (rotated); v alike.
+    k_rot: `[batch, n, kv_heads, d]` keys as attention sees them (rotated); v alike.
     positions: `[batch, n]` consecutive positions per row; valid: `[batch, n]` (right padding is not cached).
-    ref_queries: `[heads, R, d]`.
+    ref_queries: `[kv_heads, R, d]`.
     tree: the geometry (the cache's arrays fix the levels); rope_theta: RoPE base, None for NoPE.
 
   Returns:

@@ -6,6 +6,10 @@ launches per level (candidate scoring, then the capped top-p selection) and the 
 its reference is `fsjax.reference.zha_decode`. One dispatch entry, "zha_route", decides for both stages, which
 pass each other the kernels' NO_NODE-padded rows as they are.
 
+Grouped-query attention (ZHA III-A): trees, reference queries and the dense cache hold `kv_heads` heads, queries
+and routing `heads`; query head h reads key/value head `h // (heads // kv_heads)`. The references gather by that
+index, and the kernels read it through their BlockSpec index maps: nothing is repeated per query head.
+
 Decode ops take one layer's arrays, or a scanned model's stacks `[layers, ...]` of them with the int32 `layer`
 to read: the kernels then read that layer where it lies, the reference slices it out.
 """
@@ -117,7 +121,7 @@ def zha_route(q, position, keys, bias, *, tree: ZHATree, layer=None, impl="refer
 
   Args:
     q: `[batch, heads, d]` rotated queries at `position` `[batch]` int32.
-    keys, bias: tuples over levels 1..L of `[batch, N_ℓ, heads, R, d]` and `[batch, N_ℓ, heads, R]`, or of a
+    keys, bias: tuples over levels 1..L of `[batch, N_ℓ, kv_heads, R, d]` and `[batch, N_ℓ, kv_heads, R]`, or of a
       scanned model's stacks `[layers, batch, ...]` with `layer` (int32 scalar) the one to read.
     tree: the routing; `tree.max_nodes` must be set.
 
@@ -139,7 +143,7 @@ def zha_decode(q, position, keys, bias, k, v, *, tree: ZHATree, layer=None, impl
 
   Args:
     q, position, keys, bias, tree, layer, impl: as `zha_route`.
-    k, v: `[batch, S, heads, d]` the dense cache (rotated keys, slot = position), or stacks with `layer`.
+    k, v: `[batch, S, kv_heads, d]` the dense cache (rotated keys, slot = position), or stacks with `layer`.
 
   Returns:
     `[batch, heads, d]` in at least float32, and the fraction of visible keys read, `[batch, heads]`.

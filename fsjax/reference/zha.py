@@ -1,7 +1,7 @@
 """ZHA (ZHA Sec. III): a tree of compressed key summaries built with learned reference queries (III-A), top-p
 routing level by level (III-C), exact attention over the reached keys, and the KL distillation loss (III-B).
 
-Geometry (DESIGN §5): chunk `C`, `L` levels, `R` reference queries per head shared by every node and level.
+Geometry (DESIGN §5): chunk `C`, `L` levels, `R` reference queries per tree shared by every node and level.
 Key 0 is left out of the tree and always read, so level-ℓ node `m` covers keys `[1 + m C^ℓ, 1 + (m+1) C^ℓ)`
 and is *complete* for the query at position `i` when its last key `(m+1) C^ℓ <= i` (a query's own key is in
 the cache when it attends). Only nodes whose keys all lie inside the sequence exist.
@@ -16,6 +16,13 @@ reference queries to its own last key position. The merge formula above, evaluat
 `q̂_{r,P}`, equals the child's tangent at the child's query plus the III-B correction
 `⟨k̂_{r,c}, q̂_{r,P} − q̂_{r,c}⟩/√d`, so one formula serves both cases; without RoPE it reproduces the summary
 computed directly from the raw keys.
+
+Grouped-query attention (III-A, III-B, III-C): one tree per key/value head, built with that head's own R
+reference queries (`[kv_heads, R, d]`) and shared by the `group = heads // kv_heads` query heads that read it
+(query head h reads key/value head `h // group`, `fsjax.reference.grouped`). Routing and the attention mask stay
+per query head: each query head scores its key/value head's tree, descends it with its own top-p selections and
+attends over its own reached keys. Node scores fold each key/value head's query heads into the query axis
+(`grouped_logits`' fold), so with `kv_heads == heads` every product is the multi-head one, operation for operation.
 
 Readings fixed here (DESIGN §5): ties in the top-p order go to the lower node index; `p >= 1` selects every
 candidate; a non-empty candidate set always yields at least one node; `top_p` may be one value for every level
@@ -33,7 +40,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fsjax.reference.common import PRECISION, check_qkv, compute_dtype
+from fsjax.reference.common import PRECISION, compute_dtype
+from fsjax.reference.grouped import check_grouped_qkv, group_size, grouped_logits, grouped_readout
 from fsjax.reference.rope import apply_rope
 from fsjax.reference.softmax import masked_softmax
 
@@ -65,7 +73,7 @@ class ZHATree:
   """A ZHA tree's geometry and routing as one frozen, hashable object (built by `ZHAConfig.tree`).
 
   Attributes:
-    refs: reference queries R per head.
+    refs: reference queries R per tree (one tree per key/value head).
     chunk: C, children per node and keys per leaf.
     levels: L.
     top_p: routing threshold, one value or one per level (level 1 first).
@@ -110,11 +118,11 @@ def rotated_refs(ref_queries, positions, rope_theta, dtype):
   """Reference queries rotated to node positions.
 
   Args:
-    ref_queries: `[heads, R, d]`.
+    ref_queries: `[kv_heads, R, d]`.
     positions: `[batch, N]` int last-key positions of the nodes.
 
   Returns:
-    `[batch, N, heads, R, d]` in `dtype`.
+    `[batch, N, kv_heads, R, d]` in `dtype`.
   """
   heads, refs, dim = ref_queries.shape
   batch, count = positions.shape
@@ -126,12 +134,12 @@ def summarize(refs, children, child_bias=None):
   """Node tangents from their C children, for every reference query (ZHA III-A).
 
   Args:
-    refs: `[batch, N, heads, R, d]` reference queries rotated to each node's last key.
-    children: raw keys `[batch, N, C, heads, d]` (level 1) or child tangents `[batch, N, C, heads, R, d]`.
-    child_bias: None (level 1) or the children's biases `[batch, N, C, heads, R]`.
+    refs: `[batch, N, kv_heads, R, d]` reference queries rotated to each node's last key.
+    children: raw keys `[batch, N, C, kv_heads, d]` (level 1) or child tangents `[batch, N, C, kv_heads, R, d]`.
+    child_bias: None (level 1) or the children's biases `[batch, N, C, kv_heads, R]`.
 
   Returns:
-    keys `[batch, N, heads, R, d]` (`k̂`) and bias `[batch, N, heads, R]` (`b̂`).
+    keys `[batch, N, kv_heads, R, d]` (`k̂`) and bias `[batch, N, kv_heads, R]` (`b̂`).
   """
   scale = 1.0 / math.sqrt(refs.shape[-1])
   if child_bias is None:
@@ -147,14 +155,14 @@ def summarize(refs, children, child_bias=None):
 
 
 def build_tree(k, ref_queries, *, chunk, levels, rope_theta=None):
-  """Every node of every level over one sequence of keys.
+  """Every node of every level over one sequence of keys: one tree per key/value head.
 
   Args:
-    k: `[batch, T, heads, d]` keys as attention sees them (already rotated for RoPE models).
-    ref_queries: `[heads, R, d]`.
+    k: `[batch, T, kv_heads, d]` keys as attention sees them (already rotated for RoPE models).
+    ref_queries: `[kv_heads, R, d]`.
 
   Returns:
-    list over levels 1..L of (keys `[batch, N_ℓ, heads, R, d]`, bias `[batch, N_ℓ, heads, R]`),
+    list over levels 1..L of (keys `[batch, N_ℓ, kv_heads, R, d]`, bias `[batch, N_ℓ, kv_heads, R]`),
     `N_ℓ = node_count(T, chunk, ℓ)` (possibly 0).
   """
   batch, seq, heads, dim = k.shape
@@ -172,9 +180,23 @@ def build_tree(k, ref_queries, *, chunk, levels, rope_theta=None):
 
 
 def node_scores(q, keys, bias):
-  """`s(q) = max_r (q·k̂_r/√d + b̂_r)` (ZHA III-A): q `[batch, T, heads, d]` → `[batch, heads, T, N]`."""
-  tangents = jnp.einsum("bthd,bnhrd->bhtnr", q, keys, precision=PRECISION) / math.sqrt(q.shape[-1])
-  return jnp.max(tangents + jnp.moveaxis(bias, 1, 2)[:, :, None], axis=-1)
+  """`s(q) = max_r (q·k̂_r/√d + b̂_r)` (ZHA III-A) of every query head over its key/value head's tree.
+
+  Args:
+    q: `[batch, T, heads, d]`; keys `[batch, N, kv_heads, R, d]`, bias `[batch, N, kv_heads, R]`: one level.
+
+  Returns:
+    `[batch, heads, T, N]`.
+  """
+  batch, seq, heads, dim = q.shape
+  kv_heads = keys.shape[2]
+  group = group_size(heads, kv_heads)
+  # Each key/value head's query heads ride on the query axis (`[batch, group · T, kv_heads, d]`), as in
+  # `grouped_logits`: the tree is read once per key/value head, and group 1 is the multi-head einsum.
+  folded = jnp.moveaxis(q.reshape(batch, seq, kv_heads, group, dim), 3, 1).reshape(batch, group * seq, kv_heads, dim)
+  tangents = jnp.einsum("bthd,bnhrd->bhtnr", folded, keys, precision=PRECISION) / math.sqrt(dim)
+  scores = jnp.max(tangents + jnp.moveaxis(bias, 1, 2)[:, :, None], axis=-1)  # [batch, kv_heads, group · T, N]
+  return scores.reshape(batch, heads, seq, keys.shape[1])
 
 
 def complete_nodes(q_pos, count, chunk, level):
@@ -268,9 +290,10 @@ def routed_attention(q, q_pos, nodes, k, v, k_pos, *, chunk, top_p, max_nodes=No
 
   Args:
     q: `[batch, T, heads, d]` queries as attention sees them (rotated for RoPE models) at `q_pos` `[batch, T]`.
-    nodes: list over levels 1..L of (keys `[batch, N_ℓ, heads, R, d]`, bias `[batch, N_ℓ, heads, R]`) in q's dtype
-      (`build_tree`'s output, or a cache's levels); `N_ℓ` may exceed the nodes complete for these queries.
-    k, v: `[batch, S, heads, d]` keys (as attention sees them) and values at `k_pos` `[batch, S]` (-1 = empty).
+    nodes: list over levels 1..L of (keys `[batch, N_ℓ, kv_heads, R, d]`, bias `[batch, N_ℓ, kv_heads, R]`) in q's
+      dtype (`build_tree`'s output, or a cache's levels); `N_ℓ` may exceed the nodes complete for these queries.
+    k, v: `[batch, S, kv_heads, d]` keys (as attention sees them) and values at `k_pos` `[batch, S]` (-1 = empty);
+      query head h reads key/value head `h // (heads // kv_heads)`.
     top_p: one threshold per level, level 1 first; max_nodes: per-level cap (None = none).
 
   Returns:
@@ -278,9 +301,16 @@ def routed_attention(q, q_pos, nodes, k, v, k_pos, *, chunk, top_p, max_nodes=No
   """
   leaves = route([node_scores(q, *level) for level in nodes], q_pos, chunk=chunk, top_p=top_p, max_nodes=max_nodes)
   mask = key_mask(leaves, q_pos, k_pos, chunk)
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=PRECISION) / math.sqrt(q.shape[-1])
-  out = jnp.einsum("bhqk,bkhd->bqhd", masked_softmax(logits, mask), v, precision=PRECISION)
+  logits = grouped_logits(q, k) / math.sqrt(q.shape[-1])
+  out = grouped_readout(masked_softmax(logits, mask), v)
   return out, jnp.moveaxis(jnp.sum(mask, axis=-1) / (q_pos[:, None] + 1), 1, 2)
+
+
+def _check_ref_queries(ref_queries, k):
+  """Raises ValueError unless `ref_queries` is `[kv_heads, R, d]` for keys `k` `[batch, T, kv_heads, d]`."""
+  kv_heads, dim = k.shape[2:]
+  if ref_queries.ndim != 3 or ref_queries.shape[::2] != (kv_heads, dim):
+    raise ValueError(f"ref_queries must be [kv_heads={kv_heads}, R, head_dim={dim}], got {ref_queries.shape}")
 
 
 def zha_attention(
@@ -289,8 +319,8 @@ def zha_attention(
   """Causal attention restricted to the keys each query reaches through the ZHA tree (ZHA III).
 
   Args:
-    q, k, v: `[batch, T, heads, d]` unrotated.
-    ref_queries: `[heads, R, d]` learned reference queries.
+    q: `[batch, T, heads, d]`; k, v: `[batch, T, kv_heads, d]` (`kv_heads` dividing `heads`), unrotated.
+    ref_queries: `[kv_heads, R, d]` learned reference queries, one set per tree (key/value head).
     chunk, levels: tree geometry C and L.
     top_p: routing threshold, one value or one per level (level 1 first).
     rope_theta: RoPE base, or None for a NoPE model.
@@ -300,11 +330,10 @@ def zha_attention(
   Returns:
     `[batch, T, heads, d]` in the dtype of `q` (and the fraction).
   """
-  check_qkv(q, k, v)
+  check_grouped_qkv(q, k, v)
   validate_zha(chunk=chunk, levels=levels, top_p=top_p, refs=ref_queries.shape[1], max_nodes=max_nodes)
-  batch, seq, heads, dim = q.shape
-  if ref_queries.shape != (heads, ref_queries.shape[1], dim):
-    raise ValueError(f"ref_queries must be [heads={heads}, R, head_dim={dim}], got {ref_queries.shape}")
+  _check_ref_queries(ref_queries, k)
+  batch, seq, _, _ = q.shape
   dtype = compute_dtype(q.dtype)
   positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
   q_rot = rotate(q.astype(dtype), positions, rope_theta)
@@ -331,17 +360,22 @@ def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None):
   For level ℓ the keys visible to query `i` are split into key 0, the complete level-ℓ nodes and the remainder
   (keys after the last complete node, the incomplete current chunk). Target: the dense attention mass on each
   part. Prediction: softmax over the parts of the node scores, with key 0 and the remainder scored by their
-  exact log masses (footnote 4). `KL(target ‖ prediction)` is averaged over batch, heads and the queries with
-  at least one complete node at that level (a level with none contributes 0). q and k carry no gradient.
+  exact log masses (footnote 4). `KL(target ‖ prediction)` is averaged over batch, query heads and the queries
+  with at least one complete node at that level (a level with none contributes 0). q and k carry no gradient.
+
+  q: `[batch, T, heads, d]`, k: `[batch, T, kv_heads, d]` unrotated; ref_queries: `[kv_heads, R, d]`. With
+  grouped heads the target is each query head's dense attention over its key/value head, the prediction its
+  scores over that head's tree.
   """
-  check_qkv(q, k, k)
+  check_grouped_qkv(q, k, k)
+  _check_ref_queries(ref_queries, k)
   batch, seq, heads, dim = q.shape
   dtype = compute_dtype(q.dtype)
   positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
   q_rot = jax.lax.stop_gradient(rotate(q.astype(dtype), positions, rope_theta))
   k_rot = jax.lax.stop_gradient(rotate(k.astype(dtype), positions, rope_theta))
   tree = build_tree(k_rot, ref_queries.astype(dtype), chunk=chunk, levels=levels, rope_theta=rope_theta)
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q_rot, k_rot, precision=PRECISION) / math.sqrt(dim)
+  logits = grouped_logits(q_rot, k_rot) / math.sqrt(dim)
   i, j = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
   attention = masked_softmax(logits, j <= i)
   losses = []

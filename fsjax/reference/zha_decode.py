@@ -8,8 +8,11 @@ C − 1 complete nodes whose parent is not complete, so a level reads at most `m
 Lists hold node indices with NO_NODE for "no candidate". Keeping each level's nodes in list order keeps every
 list in node order, so the lower-position-first tie rule of a selection is the lower-node rule of the paper.
 
-The arrays are one layer's: a tree level's keys `[batch, N, heads, R, d]` and bias `[batch, N, heads, R]` (level
-1 first), the dense cache's keys and values `[batch, S, heads, d]` with slot = position.
+The arrays are one layer's: a tree level's keys `[batch, N, kv_heads, R, d]` and bias `[batch, N, kv_heads, R]`
+(level 1 first), the dense cache's keys and values `[batch, S, kv_heads, d]` with slot = position. Queries,
+candidate lists and leaves are per query head (`[batch, heads, ...]`); query head h reads the tree, keys and
+values of key/value head `h // (heads // kv_heads)` (grouped-query attention, ZHA III-A), routes and attends on
+its own (III-C).
 """
 
 import math
@@ -18,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.reference.common import PRECISION, compute_dtype
+from fsjax.reference.grouped import group_size
 from fsjax.reference.softmax import masked_softmax
 from fsjax.reference.zha import ZHATree, node_last_key
 
@@ -25,10 +29,11 @@ NO_NODE = -1  # the kernels' NO_NODE too
 
 
 def gather_per_head(array, index):
-  """`array` `[batch, N, heads, ...]` at per-head indices `index` `[batch, heads, K]` (clipped into range; callers
-  mask what NO_NODE read) → `[batch, heads, K, ...]`."""
+  """`array` `[batch, N, kv_heads, ...]` at per-query-head indices `index` `[batch, heads, K]` (clipped into
+  range; callers mask what NO_NODE read), query head h reading key/value head `h // (heads // kv_heads)` →
+  `[batch, heads, K, ...]`."""
   rows = jnp.arange(index.shape[0])[:, None, None]
-  heads = jnp.arange(index.shape[1])[None, :, None]
+  heads = jnp.arange(index.shape[1])[None, :, None] // group_size(index.shape[1], array.shape[2])
   return array[rows, jnp.clip(index, 0, array.shape[1] - 1), heads]
 
 
@@ -36,7 +41,8 @@ def listed_scores(q, keys, bias, index):
   """Node scores `s(q) = max_r (q·k̂_r/√d + b̂_r)` (ZHA III-A) of listed nodes.
 
   Args:
-    q: `[batch, heads, d]` rotated queries; keys `[batch, N, heads, R, d]`, bias `[batch, N, heads, R]`: one level.
+    q: `[batch, heads, d]` rotated queries; keys `[batch, N, kv_heads, R, d]`, bias `[batch, N, kv_heads, R]`: one
+      level.
     index: `[batch, heads, K]` int node indices, NO_NODE for none.
 
   Returns:
@@ -107,7 +113,7 @@ def route_gathered(q, position, keys, bias, tree: ZHATree):
 
   Args:
     q: `[batch, heads, d]` rotated queries at `position` `[batch]`.
-    keys, bias: tuples over levels 1..L of one layer's `[batch, N_ℓ, heads, R, d]` and `[batch, N_ℓ, heads, R]`
+    keys, bias: tuples over levels 1..L of one layer's `[batch, N_ℓ, kv_heads, R, d]` and `[batch, N_ℓ, kv_heads, R]`
       (`N_ℓ` may exceed the nodes complete at the position: incomplete nodes are never candidates).
     tree: the routing (`tree.max_nodes` must be set: it sizes the lists).
 
@@ -148,7 +154,7 @@ def leaf_attention(q, k, v, leaves, position, *, chunk):
   """Attention of one query per (row, head) over `I(q) = {0} ∪ the leaves' keys ∪ the current chunk` (ZHA III-C).
 
   Args:
-    q: `[batch, heads, d]` rotated; k, v: `[batch, S, heads, d]` the dense cache (slot = position).
+    q: `[batch, heads, d]` rotated; k, v: `[batch, S, kv_heads, d]` the dense cache (slot = position).
     leaves: `[batch, heads, M]` int level-1 nodes, NO_NODE for none; position: `[batch]`.
 
   Returns:
