@@ -124,13 +124,12 @@ def test_one_layer_with_every_option_equals_a_float64_forward_by_hand(rng):
 )
 def test_prefill_and_decode_with_every_option_equal_the_full_forward(rng, kind, scan_layers):
   """Ragged rows of 70 and 45 prompt tokens in 32-token chunks (both end mid-chunk), then 12 decoded tokens.
-  The dense kinds and ZHA read 2 key/value heads per 4 query heads (their caches, and ZHA's trees, hold 2); FS-L
-  takes every option but grouped-query attention."""
+  Every kind reads 2 key/value heads per 4 query heads: its cache holds 2 (ZHA's trees, FS-L's ring)."""
   config, model, variables = _model(kind, scan_layers)
-  if kinds.get(kind).grouped_kv:
-    layer = init_cache(config, 1, 8)["layers" if scan_layers else "layer_0"]
-    store = layer.store if kind == "zha" else layer
-    assert store.k.shape[-2] == config.num_kv_heads == 2
+  assert kinds.get(kind).grouped_kv
+  layer = init_cache(config, 1, 8)["layers" if scan_layers else "layer_0"]
+  store = {"zha": lambda: layer.store, "fsl": lambda: layer.ring}.get(kind, lambda: layer)()
+  assert store.k.shape[-2] == config.num_kv_heads == 2
   tokens = jnp.asarray(np.stack([rng.permutation(config.vocab_size)[:82] for _ in range(2)]))
   full = np.asarray(jax.jit(model.apply)(variables, tokens))
   for row, got in enumerate(ragged_teacher_forced(model, variables, tokens, [70, 45], 12, chunk=32)):
