@@ -163,7 +163,7 @@ def test_cli_imports_exports_and_refuses_with_status_2(tmp_path, capsys):
   assert not (tmp_path / "v").exists()
 
 
-def _continued_config(tmp_path, workdir, kind):
+def _continued_config(tmp_path, workdir, kind, overrides=()):
   """A training config on the imported model (`base:` its model.yaml), trained on recall rows its 96 ids hold."""
   path = tmp_path / f"{kind}.yaml"
   path.write_text(
@@ -178,7 +178,7 @@ checkpoint: {{async_save: false}}
 eval: {{batches: 1, batch_size: 2}}
 """
   )
-  return load_config(str(path))
+  return load_config(str(path), list(overrides))
 
 
 @pytest.mark.parametrize("kind", ["tfpp", "fsl"])
@@ -193,6 +193,26 @@ def test_continued_pretraining_starts_from_the_imported_weights(kind, tmp_path):
   assert step == 1 and config.model.attention.kind == kind and config.model.num_kv_heads == 2
   imported, child = flax.traverse_util.flatten_dict(imported), flax.traverse_util.flatten_dict(child)
   assert set(imported) <= set(child)
+  for key, value in imported.items():
+    np.testing.assert_array_equal(child[key], value)
+
+
+def test_zha_distils_from_an_imported_grouped_model(tmp_path):
+  """ZHA III-C on an imported checkpoint: one tree and one set of reference queries per key/value head; only the
+  reference queries train, the KL falls, and every imported array is kept."""
+  import_checkpoint(FIXTURES / "qwen3", tmp_path / "work", dtype="float32", param_dtype="float32")
+  zha = ["model.attention.zha.refs=4", "model.attention.zha.chunk=4", "model.attention.zha.levels=2"]
+  distill = ["train.objective=zha_kl", "train.steps=8", "train.learning_rate=3.2e-2", "train.warmup_steps=1"]
+  config = _continued_config(tmp_path, tmp_path / "work", "zha", [*zha, *distill, "log.every=1"])
+  loop.train(config, str(tmp_path / "zha"))
+  with open(tmp_path / "zha" / "metrics.jsonl") as f:
+    losses = [json.loads(line)["loss"] for line in f]
+  assert len(losses) == 8 and losses[-1] < losses[0]
+  _, imported, _, _ = ckpt_lib.load(str(tmp_path / "work"))
+  _, child, _, _ = ckpt_lib.load(str(tmp_path / "zha"))
+  imported, child = flax.traverse_util.flatten_dict(imported), flax.traverse_util.flatten_dict(child)
+  assert {k for k in child if k not in imported} == {k for k in child if k[-1] == "ref_queries"} != set()
+  assert all(child[k].shape[-3] == 2 for k in child if k[-1] == "ref_queries")  # [.., kv_heads, R, d]
   for key, value in imported.items():
     np.testing.assert_array_equal(child[key], value)
 
