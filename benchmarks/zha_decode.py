@@ -2,8 +2,8 @@
 tree geometries and routing thresholds.
 
     python benchmarks/zha_decode.py [--lengths 16384,65536,262144,1048576] [--geometries R1-C8-L2,R16-C16-L3,R16-C4-L6]
-        [--top-p 0.8,0.9,0.95] [--max-nodes 64] [--heads 16] [--head-dim 64] [--sharpness 4] [--calls 200]
-        [--in-loop 24] [--profile]
+        [--top-p 0.8,0.9,0.95] [--max-nodes 64] [--heads 16] [--kv-heads 16] [--head-dim 64] [--sharpness 4]
+        [--calls 200] [--in-loop 24] [--profile]
 
 The capped decode step `fsjax.attention.zha_step.attend` (`fsjax.ops.zha.zha_decode` with impl="auto": the Pallas
 `zha_routing` kernels on a GPU) against dense attention of the same query over the whole bf16 cache (cuDNN where it
@@ -16,6 +16,10 @@ heads (sharpness 1 spreads it almost uniformly, which makes top-p keep nearly ev
 means over calls queued back to back with one sync at the end (`timing.queued_ms`): a decode loop never waits for
 the host, and a synced median adds a host round trip of about 0.1 ms to every call (cuDNN dense decode at 64k: 0.21
 ms synced, 0.074 ms queued, on an H200).
+
+`--kv-heads` below `--heads` is grouped-query attention (Llama 3.2-1B: 32 heads over 8, d 64; Qwen3-0.6B: 16 over
+8, d 128): one tree and one set of reference queries per key/value head (ZHA III-A), routing per query head; the
+dense baseline reads the same grouped cache.
 
 `--in-loop N` times every program as N dependent calls inside one jitted `lax.fori_loop` (each call's query
 nudged by the previous output, so nothing is hoisted), per call: the way a scanned model runs its layers' attention
@@ -62,7 +66,7 @@ def dense_decode(q, k, v):
 
 
 def build_cache(length, heads, dim, refs, chunk, levels, key):
-  """A ZHA cache holding `length` random tokens: bf16 K/V and every level's tangents."""
+  """A ZHA cache holding `length` random tokens of `heads` key/value heads: bf16 K/V and every level's tangents."""
   k_key, v_key, r_key = jax.random.split(key, 3)
   k = jax.random.normal(k_key, (1, length, heads, dim), jnp.bfloat16)
   v = jax.random.normal(v_key, (1, length, heads, dim), jnp.bfloat16)
@@ -122,6 +126,7 @@ def main():
   parser.add_argument("--top-p", default="0.8,0.9,0.95", type=lambda s: [float(p) for p in s.split(",")])
   parser.add_argument("--max-nodes", type=int, default=64)
   parser.add_argument("--heads", type=int, default=16)
+  parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
   parser.add_argument("--head-dim", type=int, default=64)
   parser.add_argument("--sharpness", type=float, default=4.0)
   parser.add_argument("--calls", type=int, default=200, help="calls queued per timing")
@@ -130,6 +135,9 @@ def main():
   )
   parser.add_argument("--profile", action="store_true", help="print the kernels of each ZHA step, per call")
   args = parser.parse_args()
+  kv_heads = args.kv_heads or args.heads
+  if args.heads % kv_heads:
+    parser.error(f"--kv-heads ({kv_heads}) must divide --heads ({args.heads})")
 
   def wrap(fn, query_arg=1):  # query_arg: where the query is among the job's arguments
     return in_loop(fn, args.in_loop, query_arg) if args.in_loop else fn
@@ -143,7 +151,7 @@ def main():
     for refs, chunk, levels in args.geometries
   }
   print(
-    f"{jax.devices()[0].device_kind}, {args.heads} heads x {args.head_dim}, bf16 cache, "
+    f"{jax.devices()[0].device_kind}, {args.heads} heads ({kv_heads} key/value) x {args.head_dim}, bf16 cache, "
     f"max_nodes {args.max_nodes}, routing impl={', '.join(f'{g}: {i}' for g, i in routes.items())}, "
     + (f"{args.in_loop} calls per jitted loop, times per call" if args.in_loop else "isolated calls")
   )
@@ -163,7 +171,7 @@ def main():
     for length in args.lengths:  # lengths outermost: a run cut short still covers every geometry
       for refs, chunk, levels in args.geometries:
         name = f"R{refs}-C{chunk}-L{levels}"
-        cache = build_cache(length, args.heads, args.head_dim, refs, chunk, levels, jax.random.PRNGKey(length))
+        cache = build_cache(length, kv_heads, args.head_dim, refs, chunk, levels, jax.random.PRNGKey(length))
         q = args.sharpness * jax.random.normal(jax.random.PRNGKey(1), (1, 1, args.heads, args.head_dim), jnp.float32)
         position = jnp.array([[length - 1]], jnp.int32)
         inputs = (cache, q, position)
