@@ -23,6 +23,28 @@ TOLERANCE = {
 }
 
 
+# The micro ZHA of the distillation tests (conftest's MICRO_CONFIG with these overrides) and its KL schedule.
+ZHA_MICRO = [
+  "model.attention.kind=zha",
+  "model.attention.zha.refs=4",
+  "model.attention.zha.chunk=4",
+  "model.attention.zha.levels=2",
+  "model.attention.zha.top_p=0.8",
+]
+DISTILL = [
+  "train.objective=zha_kl",
+  "train.steps=12",
+  "train.learning_rate=3.2e-2",
+  "train.lr_floor=3.2e-4",
+  "train.warmup_steps=2",
+  "train.schedule=wsd",
+  "train.decay_steps=12",
+  "train.weight_decay=0.0",
+  "checkpoint.every=12",
+  "checkpoint.async_save=false",
+]
+
+
 def assert_close(actual, expected, dtype, scale=1.0):
   """Asserts `rms(actual - expected) <= tol * rms(expected)` and `max|diff| <= 10 tol max|expected|`.
 

@@ -27,15 +27,7 @@ from fsjax.train import loop
 from pallas_kernels import zha_routing
 
 import brute_force
-from helpers import assert_close, ragged_teacher_forced, random_qkv
-
-ZHA_MICRO = [
-  "model.attention.kind=zha",
-  "model.attention.zha.refs=4",
-  "model.attention.zha.chunk=4",
-  "model.attention.zha.levels=2",
-  "model.attention.zha.top_p=0.8",
-]
+from helpers import DISTILL, ZHA_MICRO, assert_close, ragged_teacher_forced, random_qkv
 
 
 def _grouped_qkv(rng, batch, seq, heads, kv_heads, dim, dtype=np.float64):
@@ -226,16 +218,7 @@ def test_distillation_from_a_grouped_tfpp_parent(grouped_tfpp_workdir, tmp_path)
   (one set for the shared tree) train, every parent array is kept."""
   distill = [
     "model.num_kv_heads=1",
-    "train.objective=zha_kl",
-    "train.steps=12",
-    "train.learning_rate=3.2e-2",
-    "train.lr_floor=3.2e-4",
-    "train.warmup_steps=2",
-    "train.schedule=wsd",
-    "train.decay_steps=12",
-    "train.weight_decay=0.0",
-    "checkpoint.every=12",
-    "checkpoint.async_save=false",
+    *DISTILL,
     f"train.init_from={grouped_tfpp_workdir}",
     "log.every=1",
   ]

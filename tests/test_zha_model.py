@@ -24,26 +24,7 @@ from fsjax.reference.zha import ZHATree
 from fsjax.train import checkpoint as ckpt_lib
 from fsjax.train import loop
 
-ZHA_MICRO = [
-  "model.attention.kind=zha",
-  "model.attention.zha.refs=4",
-  "model.attention.zha.chunk=4",
-  "model.attention.zha.levels=2",
-  "model.attention.zha.top_p=0.8",
-]
-DISTILL = [
-  "train.objective=zha_kl",
-  "train.steps=12",
-  "train.learning_rate=3.2e-2",
-  "train.lr_floor=3.2e-4",
-  "train.warmup_steps=2",
-  "train.schedule=wsd",
-  "train.decay_steps=12",
-  "train.weight_decay=0.0",
-  "checkpoint.every=12",
-  "checkpoint.async_save=false",
-]
-
+from helpers import DISTILL, ZHA_MICRO
 
 _extend = jax.jit(zha_cache.extend, static_argnames=("tree", "rope_theta"))
 _attend = jax.jit(zha_step.attend, static_argnames=("tree", "impl"))
