@@ -157,6 +157,8 @@ def test_cli_imports_exports_and_refuses_with_status_2(tmp_path, capsys):
   assert "already holds checkpoints" in capsys.readouterr().err
   assert convert_main(["export", str(tmp_path / "w"), "--out", str(tmp_path / "hf")]) == 0
   assert (tmp_path / "hf" / "model.safetensors").is_file()
+  assert convert_main(["export", str(tmp_path / "w"), "--out", str(tmp_path / "hf")]) == 2
+  assert "already holds config.json" in capsys.readouterr().err
   assert convert_main(["import", str(tmp_path / "nowhere"), "--workdir", str(tmp_path / "v")]) == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith("error:") and "config.json" in err and len(err.splitlines()) == 1

@@ -29,9 +29,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import yaml
 
-from fsjax.config import Config, DataConfig, ModelConfig, to_dict
+from fsjax.config import Config, DataConfig, to_dict
 from fsjax.convert.hf_config import ConversionError, hf_config_from_model, model_config_from_hf
-from fsjax.convert.hf_weights import hf_tensors, read_params, write_tensors
+from fsjax.convert.hf_weights import INDEX_FILE, SINGLE_FILE, hf_tensors, read_params, write_tensors
 from fsjax.train import checkpoint as ckpt_lib
 
 HF_CONFIG = "hf_config.json"
@@ -125,22 +125,21 @@ def _quietly(function, *args, **kwargs):
 
 def export_checkpoint(checkpoint, out, *, max_shard_bytes=DEFAULT_MAX_SHARD_BYTES):
   """Writes an fsjax TF++ checkpoint (a workdir or one step's directory) as a Hugging Face checkpoint directory:
-  `config.json` and safetensors in the parameters' dtype, sharded past `max_shard_bytes`."""
+  `config.json` and safetensors in the parameters' dtype, sharded past `max_shard_bytes`. Raises
+  ConversionError, before writing anything, for a model no family can hold or an `out` that holds a checkpoint."""
+  out = Path(out)
+  held = [name for name in ("config.json", SINGLE_FILE, INDEX_FILE) if (out / name).exists()]
+  if held:
+    raise ConversionError(f"{out} already holds {held[0]}: export into a new directory")
   config, params, _, _ = ckpt_lib.load(checkpoint)
   params = jax.device_get(params)
   workdir = Path(ckpt_lib.resolve(checkpoint)[0]).parent
   base = _read_json(workdir / HF_CONFIG) if (workdir / HF_CONFIG).is_file() else None
   dtype = str(jax.tree_util.tree_leaves(params)[0].dtype)
   hf = hf_config_from_model(config.model, dtype, base)
-  out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   write_tensors(out, hf_tensors(params, config.model), max_shard_bytes)
   (out / "config.json").write_text(json.dumps(hf, indent=2) + os.linesep)
   if (workdir / TOKENIZER).is_file():
     shutil.copyfile(workdir / TOKENIZER, out / TOKENIZER)
   return hf
-
-
-def model_config_of(hf_config_path) -> ModelConfig:
-  """The fsjax model config of a Hugging Face `config.json` file (nothing else read)."""
-  return model_config_from_hf(_read_json(hf_config_path))

@@ -176,6 +176,7 @@ def hf_config_from_model(config: ModelConfig, torch_dtype, base=None):
     rms_norm_eps=config.norm_eps,
     tie_word_embeddings=config.tie_embeddings,
     rope_parameters=rope,
+    dtype=torch_dtype,  # transformers 5's name; earlier versions read torch_dtype
     torch_dtype=torch_dtype,
   )
   hf.setdefault("max_position_embeddings", 32768)
