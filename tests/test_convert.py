@@ -133,6 +133,27 @@ def test_unsupported_configs_are_refused_in_one_line(change, message, tmp_path):
   assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_shard_the_index_names_but_the_directory_lacks_is_one_line(tmp_path):
+  directory = copy_fixture("llama", tmp_path)
+  names = list(load_file(str(directory / "model.safetensors")))
+  index = {"weight_map": {name: "model-00001-of-00001.safetensors" for name in names}}
+  (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(ConversionError, match="model-00001-of-00001.safetensors: cannot read tensor") as e:
+    load_hf(directory)
+  assert "\n" not in str(e.value)
+
+
+def test_a_tied_checkpoint_may_store_its_lm_head(tmp_path):
+  """Some tied checkpoints store lm_head.weight anyway; transformers ties it on load, so it is never read."""
+  directory = copy_fixture("qwen2", tmp_path)
+  tensors = load_file(str(directory / "model.safetensors"))
+  tensors["lm_head.weight"] = np.zeros_like(tensors["model.embed_tokens.weight"])
+  save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+  config, params = load_hf(directory, dtype="float32")
+  tokens, expected = read_reference(FIXTURES / "qwen2")
+  assert config.tie_embeddings and max_relative(logits_of(config, params, tokens), expected) <= RELATIVE
+
+
 @pytest.mark.parametrize("fault", ["missing", "unexpected", "shape"])
 def test_weights_that_do_not_fit_the_config_are_refused(fault, tmp_path):
   directory = copy_fixture("qwen2", tmp_path)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from fsjax.config import ModelConfig
@@ -167,7 +167,8 @@ def read_params(directory, config: ModelConfig):
   missing = sorted(set(wanted) - set(files))
   if missing:
     raise ConversionError(f"{directory}: tensor {missing[0]} is missing ({len(missing)} in all)")
-  unexpected = sorted(n for n in set(files) - set(wanted) if not n.endswith(IGNORED_SUFFIXES))
+  ignored = IGNORED_SUFFIXES + (("lm_head.weight",) if config.tie_embeddings else ())  # tied: never read
+  unexpected = sorted(n for n in set(files) - set(wanted) if not n.endswith(ignored))
   if unexpected:
     raise ConversionError(
       f"{directory}: tensor {unexpected[0]} has no place in the fsjax model ({len(unexpected)} in all); "
@@ -198,8 +199,11 @@ def _read_tensor(file, name):
   """One tensor as a numpy array on the host. The file is mapped for this tensor only: its pages count as the
   process's memory while mapped, so a file held open across tensors would add the whole shard to the peak.
   safetensors' numpy reader has no bfloat16; its flax reader does (on the CPU device)."""
-  with jax.default_device(jax.devices("cpu")[0]), safe_open(file, framework="flax") as f:
-    return np.asarray(f.get_tensor(name))
+  try:
+    with jax.default_device(jax.devices("cpu")[0]), safe_open(file, framework="flax") as f:
+      return np.asarray(f.get_tensor(name))
+  except (OSError, SafetensorError) as e:
+    raise ConversionError(f"{file}: cannot read tensor {name} ({e})") from None
 
 
 def _expected_hf_shape(config, tensor):
