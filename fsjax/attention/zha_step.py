@@ -82,7 +82,7 @@ def step(cache: ZHACache, q, k, v, positions, valid, ref_queries, *, tree: ZHATr
     q: `[batch, n, heads, d]`, k, v: `[batch, n, kv_heads, d]` unrotated projections of a chunk at `positions`
       `[batch, n]`; valid: `[batch, n]` (right padding is not cached).
     ref_queries: `[kv_heads, R, d]`.
-    tree, impl: as `attend`; rope_theta: RoPE base (None: NoPE).
+    tree, impl: as `attend`; rope_theta: RoPE base θ or a `fsjax.reference.rope.RoPE` (None: NoPE).
 
   Returns:
     outputs `[batch, n, heads, d]` in q's compute dtype (at least float32), the attended fraction

@@ -71,7 +71,7 @@ def extend(cache: ZHACache, k_rot, v, positions, valid, ref_queries, *, tree: ZH
     k_rot: `[batch, n, kv_heads, d]` keys as attention sees them (rotated); v alike.
     positions: `[batch, n]` consecutive positions per row; valid: `[batch, n]` (right padding is not cached).
     ref_queries: `[kv_heads, R, d]`.
-    tree: the geometry (the cache's arrays fix the levels); rope_theta: RoPE base, None for NoPE.
+    tree: the geometry (the cache's arrays fix the levels); rope_theta: RoPE base θ or a `RoPE`, None for NoPE.
 
   Returns:
     the updated cache.

@@ -258,7 +258,7 @@ def freesolo_attention(
     lam, sigma, lr_gain, cell, block, top_k, retain_top, retain_recent: see `freesolo_long_range`.
     window: local radius `w` (Eq. 3-4), `w >= B - 1`.
     tau, beam, bound_c: FS-B forest arguments (τ per key/value head, beam width, bound constant c of Eq. 11).
-    rope_theta: RoPE base of the local branch.
+    rope_theta: RoPE base θ (or a `fsjax.reference.rope.RoPE`) of the local branch.
 
   Returns:
     `[batch, T, heads, d]` in the dtype of `q`.

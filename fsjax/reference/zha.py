@@ -323,7 +323,7 @@ def zha_attention(
     ref_queries: `[kv_heads, R, d]` learned reference queries, one set per tree (key/value head).
     chunk, levels: tree geometry C and L.
     top_p: routing threshold, one value or one per level (level 1 first).
-    rope_theta: RoPE base, or None for a NoPE model.
+    rope_theta: RoPE base θ or a `fsjax.reference.rope.RoPE`, or None for a NoPE model.
     max_nodes: per-level cap on the nodes a query keeps (None = the paper's uncapped routing).
     return_fraction: also return the fraction of visible keys each query attends, `[batch, T, heads]`.
 
