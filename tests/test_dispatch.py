@@ -132,7 +132,7 @@ def test_attention_by_head_groups_equals_one_call(rng, groups):
   stacked = [LayerSlice(jnp.stack([jnp.zeros_like(x), x]), jnp.int32(1)) for x in (k, v)]  # a scanned cache's layer
   grouped = jax.jit(lambda q, k, v: by_head_groups(attend_heads, groups, q, k, v))(q, *stacked)
   np.testing.assert_allclose(grouped, expected, rtol=1e-6, atol=1e-6)
-  with pytest.raises(ValueError, match="groups must divide the 4 heads, got 3"):
+  with pytest.raises(ValueError, match="groups must divide the 4 key/value heads, got 3"):
     by_head_groups(attend_heads, 3, q, k, v)
 
 
