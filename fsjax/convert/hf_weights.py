@@ -28,6 +28,7 @@ from safetensors.numpy import save_file
 
 from fsjax.config import ModelConfig
 from fsjax.convert.hf_config import ConversionError
+from fsjax.model import init_variables
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -160,6 +161,7 @@ def read_params(directory, config: ModelConfig):
   one tensor in flight. Raises ConversionError naming a missing, unexpected or misshapen tensor.
   """
   files = shard_map(directory)
+  shapes = _fsjax_shapes(config)
   dtype = np.dtype(jax.numpy.dtype(config.param_dtype))
   wanted = {t.hf: (t, None) for t in global_tensors(config)}
   for i in range(config.num_layers):
@@ -178,7 +180,8 @@ def read_params(directory, config: ModelConfig):
   for name, (tensor, layer) in wanted.items():
     file = files[name]
     array = _read_tensor(file, name)
-    expected = _expected_hf_shape(config, tensor)
+    tree = shapes if layer is None else shapes[f"layer_{layer}"]
+    expected = hf_shape(config, tensor, _get(tree, tensor.path).shape)
     if array.shape != expected:
       raise ConversionError(f"{file}: tensor {name} has shape {list(array.shape)}, the config says {list(expected)}")
     value = to_fsjax(array, tensor, config).astype(dtype, copy=False)
@@ -206,28 +209,11 @@ def _read_tensor(file, name):
     raise ConversionError(f"{file}: cannot read tensor {name} ({e})") from None
 
 
-def _expected_hf_shape(config, tensor):
-  """The Hugging Face shape the config implies for `tensor` (one layer's)."""
-  d, v, f = config.d_model, config.vocab_size, config.ffn_hidden_size
-  heads, hd = _heads(config, tensor), config.head_dim
-  shapes = {
-    "model.embed_tokens.weight": (v, d),
-    "model.norm.weight": (d,),
-    "lm_head.weight": (v, d),
-    "input_layernorm.weight": (d,),
-    "post_attention_layernorm.weight": (d,),
-    "mlp.gate_proj.weight": (f, d),
-    "mlp.up_proj.weight": (f, d),
-    "mlp.down_proj.weight": (d, f),
-    "self_attn.o_proj.weight": (d, heads * hd),
-  }
-  if tensor.hf in shapes:
-    return shapes[tensor.hf]
-  if tensor.layout == "heads_in":
-    return (heads * hd, d)
-  if tensor.layout == "heads_bias":
-    return (heads * hd,)
-  return (hd,)  # q_norm, k_norm
+def _fsjax_shapes(config: ModelConfig):
+  """The model's own parameter shapes, layers unrolled (`layer_i/...`), traced without allocating anything: what
+  each Hugging Face tensor must hold is their `hf_shape`."""
+  unrolled = dataclasses.replace(config, scan_layers=False)
+  return jax.eval_shape(lambda: init_variables(unrolled, jax.random.PRNGKey(0)))["params"]
 
 
 def _get(tree, path):
