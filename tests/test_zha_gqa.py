@@ -27,7 +27,7 @@ from fsjax.train import loop
 from pallas_kernels import zha_routing
 
 import brute_force
-from helpers import DISTILL, ZHA_MICRO, assert_close, ragged_teacher_forced, random_qkv
+from helpers import DISTILL, ZHA_MICRO, assert_close, kernel_modes, ragged_teacher_forced, random_qkv
 
 
 def _grouped_qkv(rng, batch, seq, heads, kv_heads, dim, dtype=np.float64):
@@ -129,21 +129,23 @@ def _grouped_decode_inputs(rng, tree, heads, kv_heads, dim, seq=60):
   return q, jnp.asarray([seq - 1, 37], jnp.int32), keys, bias, k, v
 
 
-def test_the_grouped_decode_kernels_equal_the_reference(rng):
-  """Interpreted on the CPU: node scoring over a given list, the children's list built in the kernel, the whole
-  capped descent and the leaf attention, each query head reading its key/value head's tree and cache through the
-  kernels' index maps; each equals `fsjax.reference.zha_decode` (which gathers by `h // group`)."""
+@pytest.mark.parametrize("interpret", kernel_modes())
+def test_the_grouped_decode_kernels_equal_the_reference(rng, interpret):
+  """Interpreted on the CPU, compiled too on a GPU: node scoring over a given list, the children's list built in
+  the kernel, the whole capped descent and the leaf attention, each query head reading its key/value head's tree
+  and cache through the kernels' index maps; each equals `fsjax.reference.zha_decode` (which gathers by
+  `h // group`)."""
   tree = ZHATree(refs=2, chunk=4, levels=2, top_p=(0.9,), max_nodes=3)
   q, position, keys, bias, k, v = _grouped_decode_inputs(rng, tree, heads=6, kv_heads=2, dim=16)
   index = jnp.asarray(rng.integers(-1, keys[0].shape[1], (2, 6, 16)), jnp.int32)
-  scores = zha_routing.score_candidates(q, keys[0], bias[0], index, interpret=True)
+  scores = zha_routing.score_candidates(q, keys[0], bias[0], index, interpret=interpret)
   close = lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # NO_NODE: -inf in both
   close(scores, zha_decode.listed_scores(q, keys[0], bias[0], index))
   top = index % keys[1].shape[1]  # level-2 nodes
   kept = zha_decode.keep_top_p(zha_decode.listed_scores(q, keys[1], bias[1], top), top, p=0.9, max_nodes=3)
   row = jnp.pad(kept, ((0, 0), (0, 0), (0, 1)), constant_values=zha_decode.NO_NODE)  # the kernels' power-of-two row
   scores, listed = zha_routing.score_children(
-    q, keys[0], bias[0], row, position, parents_kept=3, chunk=4, span=4, interpret=True
+    q, keys[0], bias[0], row, position, parents_kept=3, chunk=4, span=4, interpret=interpret
   )
   expected_list = zha_decode.candidates_below(kept, position, chunk=4, level=2)
   np.testing.assert_array_equal(listed[..., : expected_list.shape[-1]], expected_list)
@@ -154,7 +156,7 @@ def test_the_grouped_decode_kernels_equal_the_reference(rng):
   np.testing.assert_array_equal(np.sort(np.asarray(leaves), -1), np.sort(np.asarray(expected), -1))
   grouped = np.sort(np.asarray(expected), -1).reshape(2, 2, 3, -1)
   assert np.any(grouped != grouped[:, :, :1])  # query heads sharing a tree reach different leaves
-  out = zha_routing.leaf_attention(q, k, v, expected, position, chunk=4, interpret=True)
+  out = zha_routing.leaf_attention(q, k, v, expected, position, chunk=4, interpret=interpret)
   assert_close(out, zha_decode.leaf_attention(q, k, v, expected, position, chunk=4), jnp.float32)
   (got, got_fraction), (want, want_fraction) = (
     zha_ops.zha_decode(q, position, keys, bias, k, v, tree=tree, impl=impl) for impl in ("pallas", "reference")
