@@ -37,7 +37,7 @@ import functools
 import grain
 import numpy as np
 
-from fsjax.data.pipeline import DataError, TrainIterator, default_corpus_path, read_documents
+from fsjax.data.pipeline import ROW_READ_OPTIONS, DataError, default_corpus_path, prefetched_batches, read_documents
 from fsjax.data.tokenizer import load_tokenizer
 
 TRAIN, TEST = 0, 1  # stream tags: part of every row's generator seed, so the two streams never share one
@@ -262,4 +262,4 @@ def make_associative_iterator(*, seq_len, batch_size, seed, task, shard_index=0,
   rows = grain.MapDataset.range(_ROWS)[shard_index::shard_count].map(
     lambda i: associative_row(i, seed=seed, stream=TRAIN, length=seq_len + 1, **task)
   )
-  return TrainIterator(iter(rows.to_iter_dataset().batch(batch_size)))
+  return prefetched_batches(rows.to_iter_dataset(ROW_READ_OPTIONS), batch_size)

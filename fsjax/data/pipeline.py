@@ -11,6 +11,7 @@ import functools
 import gzip
 import itertools
 import json
+import weakref
 from pathlib import Path
 
 import grain
@@ -29,6 +30,11 @@ MASK_KEYS = ("recall", "switch")
 SHUFFLE_WINDOW_TOKENS = 1 << 20
 # Tokenizing a book takes up to half a second: a couple of threads, a few documents ahead, hide it.
 READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
+# Generated rows (recall, random ids): two threads keep a few batches of rows ready. Grain's default, sixteen
+# threads, contend for the GIL with the consumer: a batch of 64 recall rows then cost it 45-55 ms (two cores).
+ROW_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=256)
+# Batches assembled ahead in a background thread, while the device runs the step.
+BATCHES_AHEAD = 2
 
 
 def default_corpus_path(split):
@@ -166,7 +172,14 @@ class TrainIterator:
   """
 
   def __init__(self, iterator):
-    self._iterator = iterator
+    # Held through a list the finalizer empties: at exit it closes grain's prefetch threads and lets the iterator
+    # go while the modules it uses still exist (grain's own `__del__` fails noisily during interpreter teardown).
+    self._held = [iterator]
+    weakref.finalize(self, _close_held, self._held)
+
+  @property
+  def _iterator(self):
+    return self._held[0]
 
   def __iter__(self):
     return self
@@ -182,6 +195,10 @@ class TrainIterator:
     self._iterator.set_state(_slices_as_tuples(state))
 
 
+def _close_held(held):
+  held.pop().close()
+
+
 def _slices_as_tuples(state):
   """Copy of `state` with grain's packing slices back as tuples.
 
@@ -194,6 +211,14 @@ def _slices_as_tuples(state):
     k: ({f: tuple(sl) for f, sl in v.items()} if k == "remainder_slices" else _slices_as_tuples(v))
     for k, v in state.items()
   }
+
+
+def prefetched_batches(rows, batch_size):
+  """`TrainIterator` over `rows` (a grain `IterDataset` of row dicts) in batches of `batch_size`, stacked
+  `BATCHES_AHEAD` ahead in a background thread. Its state is the consumer's: restored, it yields the batch that
+  followed the last one taken, whatever the thread had already stacked."""
+  batches = rows.batch(batch_size)
+  return TrainIterator(iter(grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=BATCHES_AHEAD)))
 
 
 def make_train_iterator(
@@ -233,7 +258,7 @@ def make_train_iterator(
   dataset = grain.experimental.WindowShuffleIterDataset(
     dataset, window_size=max(batch_size, shuffle_window_tokens // (seq_len + 1)), seed=seed
   )
-  return TrainIterator(iter(dataset.batch(batch_size)))
+  return prefetched_batches(dataset, batch_size)
 
 
 def make_eval_batches(*, path, tokenizer_path, seq_len, batch_size, max_batches):

@@ -26,7 +26,7 @@ import grain
 import numpy as np
 
 from fsjax.data.copies import insert_copies
-from fsjax.data.pipeline import TrainIterator
+from fsjax.data.pipeline import ROW_READ_OPTIONS, prefetched_batches
 
 _ROWS = 2**62  # grain needs a length; no run reads this many rows
 
@@ -55,4 +55,4 @@ def make_random_iterator(*, seq_len, batch_size, seed, vocab, copies=None, perio
   rows = grain.MapDataset.range(_ROWS)[shard_index::shard_count].map(
     lambda i: {"tokens": random_row(i, seed=seed, length=seq_len + 1, vocab=vocab, copies=copies, period=period)}
   )
-  return TrainIterator(iter(rows.to_iter_dataset().batch(batch_size)))
+  return prefetched_batches(rows.to_iter_dataset(ROW_READ_OPTIONS), batch_size)
