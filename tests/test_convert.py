@@ -16,12 +16,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hf_models import FAMILIES, FIXTURES, read_reference, write_checkpoint
-from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from fsjax import loading
 from fsjax.config import load_config
-from fsjax.convert import ConversionError, export_checkpoint, import_checkpoint, load_hf
+from fsjax.convert import ConversionError, export_checkpoint, hf_weights, import_checkpoint, load_hf
 from fsjax.convert.__main__ import main as convert_main
 from fsjax.model import Transformer
 from fsjax.train import checkpoint as ckpt_lib
@@ -88,7 +87,7 @@ def test_workdir_round_trip_is_bit_exact(family, tmp_path):
 def test_tensors_round_trip_bit_exact_in_bfloat16(tmp_path):
   """A bfloat16 checkpoint stays bfloat16 (`param_dtype` defaults to the checkpoint's) and exports unchanged."""
   directory = copy_fixture("qwen3", tmp_path)
-  tensors = load_file_any(directory / "model.safetensors")
+  tensors = load_file(str(directory / "model.safetensors"))
   save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}, str(directory / "model.safetensors"))
   hf = json.loads((directory / "config.json").read_text())
   (directory / "config.json").write_text(json.dumps({**hf, "dtype": "bfloat16"}))
@@ -96,16 +95,39 @@ def test_tensors_round_trip_bit_exact_in_bfloat16(tmp_path):
   assert config.param_dtype == "bfloat16"
   import_checkpoint(directory, tmp_path / "work")
   export_checkpoint(tmp_path / "work", tmp_path / "out")
-  back = load_file_any(tmp_path / "out" / "model.safetensors")
+  back = load_file(str(tmp_path / "out" / "model.safetensors"))
   assert set(back) == set(tensors)
   for name, value in back.items():
     assert value.dtype == ml_dtypes.bfloat16 and np.array_equal(value, tensors[name].astype(ml_dtypes.bfloat16))
 
 
-def load_file_any(path):
-  """safetensors → numpy, bfloat16 included (safetensors' numpy reader has no bfloat16)."""
-  with jax.default_device(jax.devices("cpu")[0]), safe_open(str(path), framework="flax") as f:
-    return {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_import_saves_each_tensor_in_fsjax_layout_and_dtype(scan_layers, tmp_path):
+  """The import streams tensors into the checkpoint (transposed on the CPU device, cast to bfloat16 here):
+  every saved array equals numpy's transpose and cast of the safetensors tensor, bit for bit."""
+  import_checkpoint(FIXTURES / "qwen2", tmp_path / "work", param_dtype="bfloat16", scan_layers=scan_layers)
+  config, saved, _, _ = ckpt_lib.load(str(tmp_path / "work"))
+  assert config.model.param_dtype == "bfloat16"
+  tensors = load_file(str(FIXTURES / "qwen2" / "model.safetensors"))
+  saved = flax.traverse_util.flatten_dict(jax.device_get(saved))
+  named = [(t.hf, t, None) for t in hf_weights.global_tensors(config.model)]
+  for i in range(config.model.num_layers):
+    named += [(hf_weights.LAYER.format(i=i) + t.hf, t, i) for t in hf_weights.layer_tensors(config.model)]
+  checked = set()
+  for name, tensor, layer in named:
+    heads = config.model.num_kv_heads if tensor.heads == "num_kv_heads" else config.model.num_heads
+    expected = hf_weights.to_fsjax(tensors[name], tensor, heads, config.model.head_dim).astype(ml_dtypes.bfloat16)
+    if layer is None:
+      key, value = tensor.path, saved[tensor.path]
+    elif scan_layers:
+      key = ("layers", "layer", *tensor.path)
+      value = saved[key][layer]
+    else:
+      key = (f"layer_{layer}", *tensor.path)
+      value = saved[key]
+    assert value.dtype == ml_dtypes.bfloat16 and np.array_equal(value, expected), name
+    checked.add(key)
+  assert checked == set(saved)
 
 
 @pytest.mark.parametrize(

@@ -17,27 +17,38 @@ is one. Continued pretraining or distillation from it:
     train: {init_from: runs/qwen3, objective: zha_kl}
 """
 
-import contextlib
+import asyncio
 import json
-import logging
 import os
 import shutil
 from pathlib import Path
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 import yaml
 
 from fsjax.config import Config, DataConfig, to_dict
 from fsjax.convert.hf_config import ConversionError, hf_config_from_model, model_config_from_hf
-from fsjax.convert.hf_weights import INDEX_FILE, SINGLE_FILE, hf_tensors, read_params, write_tensors
+from fsjax.convert.hf_weights import (
+  INDEX_FILE,
+  SINGLE_FILE,
+  Leaf,
+  hf_tensors,
+  plan_params,
+  read_params,
+  read_part,
+  write_tensors,
+)
 from fsjax.train import checkpoint as ckpt_lib
 
 HF_CONFIG = "hf_config.json"
 MODEL_YAML = "model.yaml"
 TOKENIZER = "tokenizer.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's own default shard size
+# Leaves an import writes at once: enough to keep the cores busy reading, transposing and compressing, each
+# holding one tensor (and its encoded chunk) at a time.
+WRITE_CONCURRENCY = min(8, os.cpu_count() or 1)
 
 __all__ = ["ConversionError", "export_checkpoint", "import_checkpoint", "load_hf", "model_config_from_hf"]
 
@@ -61,23 +72,29 @@ def load_hf(directory, *, dtype="bfloat16", param_dtype=None, scan_layers=True):
       its config.json), so the host holds no more than the weights themselves.
     scan_layers: stack the layers for `nn.scan`.
   """
+  config = _model_config(directory, dtype, param_dtype, scan_layers)
+  return config, read_params(directory, config)
+
+
+def _model_config(directory, dtype, param_dtype, scan_layers):
   hf = _read_json(Path(directory) / "config.json")
   if param_dtype is None:
     param_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-  config = model_config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers)
-  return config, read_params(directory, config)
+  return model_config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers)
 
 
 def import_checkpoint(directory, workdir, *, dtype="bfloat16", param_dtype=None, scan_layers=True):
   """Converts a Hugging Face checkpoint directory into an fsjax workdir (see the module docstring).
 
-  Returns the workdir's `Config`. Raises ConversionError for an unsupported checkpoint or a workdir that already
-  holds checkpoints (nothing is overwritten).
+  The tensors stream from the safetensors files into the Orbax checkpoint a few at a time (`_StreamedLeaves`):
+  the host never holds the whole model. Returns the workdir's `Config`. Raises ConversionError, before writing
+  anything, for an unsupported checkpoint or a workdir that already holds checkpoints (nothing is overwritten).
   """
   workdir = Path(workdir)
   if (workdir / ckpt_lib.CHECKPOINT_SUBDIR).exists():
     raise ConversionError(f"{workdir} already holds checkpoints: import into a new workdir")
-  model_config, params = load_hf(directory, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers)
+  model_config = _model_config(directory, dtype, param_dtype, scan_layers)
+  params = plan_params(directory, model_config)  # every name and shape checked before anything is written
   workdir.mkdir(parents=True, exist_ok=True)
   tokenizer = None
   if (Path(directory) / TOKENIZER).is_file():
@@ -87,40 +104,44 @@ def import_checkpoint(directory, workdir, *, dtype="bfloat16", param_dtype=None,
   config = Config(model=model_config, data=DataConfig(tokenizer=tokenizer))
   base = {"model": to_dict(model_config), **({"data": {"tokenizer": tokenizer}} if tokenizer else {})}
   (workdir / MODEL_YAML).write_text(yaml.safe_dump(base, sort_keys=False))
-  with _host_arrays_written_in_place():
-    checkpointer = ckpt_lib.Checkpointer(workdir / ckpt_lib.CHECKPOINT_SUBDIR, keep=1, async_save=False, ocdbt=False)
-    try:
-      checkpointer.save(0, {"params": params, "frozen": {}}, None, config, 0)
-      checkpointer.wait()
-    finally:
-      checkpointer.close()
+  checkpointer = ckpt_lib.Checkpointer(
+    workdir / ckpt_lib.CHECKPOINT_SUBDIR,
+    keep=1,
+    async_save=False,
+    ocdbt=False,
+    type_handlers=[(Leaf, _StreamedLeaves(WRITE_CONCURRENCY))],
+  )
+  try:
+    checkpointer.save(0, {"params": params, "frozen": {}}, None, config, 0)
+    checkpointer.wait()
+  finally:
+    checkpointer.close()
   return config
 
 
-@contextlib.contextmanager
-def _host_arrays_written_in_place():
-  """Orbax deep-copies every numpy array it saves (so an asynchronous save survives the caller changing it):
-  a second copy of the whole model in host memory. The import saves synchronously and never changes its
-  arrays, so within this block they are written from where they lie."""
-  handlers = ocp.type_handlers
-  previous = handlers.get_type_handler(np.ndarray)
-  register = lambda handler: _quietly(handlers.register_type_handler, np.ndarray, handler, override=True)
-  register(handlers.NumpyHandler(deepcopy_host_arrays=False))
-  try:
-    yield
-  finally:
-    register(previous)
+class _StreamedLeaves(ocp.type_handlers.NumpyHandler):
+  """Writes `Leaf`s as Orbax writes numpy arrays (the same TensorStore arrays and tree metadata, which
+  `fsjax.train.checkpoint.load` reads like any other), but reads each leaf's tensors only as it writes them:
+  one tensor at a time per leaf, `concurrency` leaves at once. The host holds a few tensors and their encoded
+  chunks, not the model.
 
+  A stacked leaf is chunked by layer, so each tensor fills whole chunks that TensorStore encodes and writes as
+  they come, in parallel; a chunk holding several layers would be read back and re-encoded for each layer
+  written into it."""
 
-def _quietly(function, *args, **kwargs):
-  """Calls `function` with absl's warnings off (Orbax warns on every handler it replaces)."""
-  absl = logging.getLogger("absl")
-  level = absl.level
-  absl.setLevel(logging.ERROR)
-  try:
-    return function(*args, **kwargs)
-  finally:
-    absl.setLevel(level)
+  def __init__(self, concurrency):
+    super().__init__(deepcopy_host_arrays=False)  # a Leaf holds no data to copy
+    self._slots = asyncio.Semaphore(concurrency)
+
+  async def _open_and_write(self, value, tspec, ts_context):
+    if value.stacked:
+      tspec["metadata"]["chunks"] = [1, *value.shape[1:]]
+    async with self._slots:
+      array = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
+      for index, source in value.parts():
+        # Reading and the layout's transpose run in a thread: the event loop keeps the other leaves going.
+        part = await asyncio.to_thread(read_part, source, value.dtype)
+        await array[index].write(part, can_reference_source_data_indefinitely=True)
 
 
 def export_checkpoint(checkpoint, out, *, max_shard_bytes=DEFAULT_MAX_SHARD_BYTES):
