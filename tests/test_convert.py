@@ -15,13 +15,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import tokenizers
 from hf_models import FAMILIES, FIXTURES, read_reference, write_checkpoint
 from safetensors.numpy import load_file, save_file
+from tokenizers import Tokenizer
 
 from fsjax import loading
 from fsjax.config import load_config
 from fsjax.convert import ConversionError, export_checkpoint, hf_weights, import_checkpoint, load_hf
 from fsjax.convert.__main__ import main as convert_main
+from fsjax.data.tokenizer import bos_id, eos_id, load_tokenizer
 from fsjax.model import Transformer
 from fsjax.train import checkpoint as ckpt_lib
 from fsjax.train import loop
@@ -128,6 +131,46 @@ def test_import_saves_each_tensor_in_fsjax_layout_and_dtype(scan_layers, tmp_pat
     assert value.dtype == ml_dtypes.bfloat16 and np.array_equal(value, expected), name
     checked.add(key)
   assert checked == set(saved)
+
+
+def write_tokenizer(path):
+  """A word-level tokenizer.json of 6 ids holding Llama 3's BOS and EOS (ids 0, 1) and Qwen's chat EOS (2)."""
+  vocabulary = {"<|begin_of_text|>": 0, "<|end_of_text|>": 1, "<|im_end|>": 2, "<unk>": 3, "a": 4, "b": 5}
+  tokenizer = Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="<unk>"))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tokenizer.add_special_tokens(list(vocabulary)[:4])
+  tokenizer.save(str(path))
+
+
+@pytest.mark.parametrize("source", ["config_json", "tokenizer_config", "none"])
+def test_an_imported_tokenizer_gives_the_checkpoint_bos_and_eos(source, tmp_path):
+  """generate, the evaluations and the data pipeline take BOS / EOS from `bos_id` / `eos_id` of the workdir's
+  tokenizer: the checkpoint's tokenizer_config.json names them when it has one (copied, and exported back),
+  else config.json's ids (the first of a list). Without a tokenizer.json the workdir names no tokenizer."""
+  directory = copy_fixture("llama", tmp_path)
+  hf = json.loads((directory / "config.json").read_text())
+  (directory / "config.json").write_text(json.dumps({**hf, "bos_token_id": 0, "eos_token_id": [1, 2]}))
+  if source != "none":
+    write_tokenizer(directory / "tokenizer.json")
+  added = {"content": "<|im_end|>", "lstrip": False, "normalized": False, "rstrip": False, "special": True}
+  if source == "tokenizer_config":
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": added}))
+  config = import_checkpoint(directory, tmp_path / "work", dtype="float32")
+  if source == "none":
+    assert config.data.tokenizer is None and not (tmp_path / "work" / "tokenizer_config.json").exists()
+    return
+  path = loading.load_model(tmp_path / "work").tokenizer_path
+  assert path == str((tmp_path / "work" / "tokenizer.json").resolve())
+  tokenizer = load_tokenizer(path)
+  if source == "config_json":
+    assert (bos_id(tokenizer), eos_id(tokenizer)) == (0, 1)
+  else:
+    assert eos_id(tokenizer) == 2
+    with pytest.raises(ValueError, match="no BOS token"):
+      bos_id(tokenizer)
+  export_checkpoint(tmp_path / "work", tmp_path / "out")
+  exported = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+  assert exported == json.loads((tmp_path / "work" / "tokenizer_config.json").read_text())
 
 
 @pytest.mark.parametrize(

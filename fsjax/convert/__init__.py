@@ -9,7 +9,8 @@ An imported model is a TF++ model (`attention.kind: tfpp`): the dense parent fro
 parameters as step 0 (no optimizer state: `train.init_from` starts a fresh optimizer, as it does for any
 parent), `model.yaml` (its model section, and `data.tokenizer`: a training config's `base:`), the checkpoint's
 own `config.json` as `hf_config.json` (export writes its other fields back), and its `tokenizer.json` when there
-is one. Continued pretraining or distillation from it:
+is one, beside a `tokenizer_config.json` that names its BOS and EOS tokens (`_copy_tokenizer`). Continued
+pretraining or distillation from it:
 
     # configs/my_zha.yaml
     base: ../runs/qwen3/model.yaml
@@ -27,6 +28,7 @@ import jax
 import orbax.checkpoint as ocp
 import tensorstore as ts
 import yaml
+from tokenizers import Tokenizer
 
 from fsjax.config import Config, DataConfig, to_dict
 from fsjax.convert.hf_config import ConversionError, hf_config_from_model, model_config_from_hf
@@ -40,6 +42,7 @@ from fsjax.convert.hf_weights import (
   read_part,
   write_tensors,
 )
+from fsjax.data.tokenizer import TOKENIZER_CONFIG
 from fsjax.train import checkpoint as ckpt_lib
 
 HF_CONFIG = "hf_config.json"
@@ -72,12 +75,11 @@ def load_hf(directory, *, dtype="bfloat16", param_dtype=None, scan_layers=True):
       its config.json), so the host holds no more than the weights themselves.
     scan_layers: stack the layers for `nn.scan`.
   """
-  config = _model_config(directory, dtype, param_dtype, scan_layers)
+  config = _model_config(_read_json(Path(directory) / "config.json"), dtype, param_dtype, scan_layers)
   return config, read_params(directory, config)
 
 
-def _model_config(directory, dtype, param_dtype, scan_layers):
-  hf = _read_json(Path(directory) / "config.json")
+def _model_config(hf, dtype, param_dtype, scan_layers):
   if param_dtype is None:
     param_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
   return model_config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers)
@@ -93,13 +95,11 @@ def import_checkpoint(directory, workdir, *, dtype="bfloat16", param_dtype=None,
   workdir = Path(workdir)
   if (workdir / ckpt_lib.CHECKPOINT_SUBDIR).exists():
     raise ConversionError(f"{workdir} already holds checkpoints: import into a new workdir")
-  model_config = _model_config(directory, dtype, param_dtype, scan_layers)
+  hf = _read_json(Path(directory) / "config.json")
+  model_config = _model_config(hf, dtype, param_dtype, scan_layers)
   params = plan_params(directory, model_config)  # every name and shape checked before anything is written
   workdir.mkdir(parents=True, exist_ok=True)
-  tokenizer = None
-  if (Path(directory) / TOKENIZER).is_file():
-    tokenizer = str((workdir / TOKENIZER).resolve())
-    shutil.copyfile(Path(directory) / TOKENIZER, tokenizer)
+  tokenizer = _copy_tokenizer(Path(directory), workdir, hf)
   shutil.copyfile(Path(directory) / "config.json", workdir / HF_CONFIG)
   config = Config(model=model_config, data=DataConfig(tokenizer=tokenizer))
   base = {"model": to_dict(model_config), **({"data": {"tokenizer": tokenizer}} if tokenizer else {})}
@@ -117,6 +117,33 @@ def import_checkpoint(directory, workdir, *, dtype="bfloat16", param_dtype=None,
   finally:
     checkpointer.close()
   return config
+
+
+def _copy_tokenizer(directory, workdir, hf):
+  """Copies the checkpoint's `tokenizer.json` into the workdir beside a `tokenizer_config.json` naming its BOS
+  and EOS tokens, which `fsjax.data.tokenizer.bos_id` / `eos_id` (generation, evaluations, the data pipeline)
+  look up: the checkpoint's own file when it has one (the tokenizer's word on its special tokens, as
+  transformers reads it), else one written from config.json's `bos_token_id` and `eos_token_id` (the first of
+  a list). Returns the copy's path; None for a checkpoint without a tokenizer.json, whose workdir names no
+  tokenizer (fsjax then reads text with its packaged tokenizer, whose ids are not the checkpoint's)."""
+  if not (directory / TOKENIZER).is_file():
+    return None
+  tokenizer = (workdir / TOKENIZER).resolve()
+  shutil.copyfile(directory / TOKENIZER, tokenizer)
+  if (directory / TOKENIZER_CONFIG).is_file():
+    shutil.copyfile(directory / TOKENIZER_CONFIG, workdir / TOKENIZER_CONFIG)
+  else:
+    vocabulary = Tokenizer.from_file(str(tokenizer))
+    special = {f"{kind}_token": _token(vocabulary, hf.get(f"{kind}_token_id")) for kind in ("bos", "eos")}
+    (workdir / TOKENIZER_CONFIG).write_text(json.dumps(special, indent=2, ensure_ascii=False) + os.linesep)
+  return str(tokenizer)
+
+
+def _token(vocabulary, token_id):
+  """The token of a config.json id (an int, a list whose first is taken, or None) in `vocabulary`, or None."""
+  if isinstance(token_id, list):
+    token_id = token_id[0] if token_id else None
+  return vocabulary.id_to_token(token_id) if isinstance(token_id, int) else None
 
 
 class _StreamedLeaves(ocp.type_handlers.NumpyHandler):
@@ -161,6 +188,7 @@ def export_checkpoint(checkpoint, out, *, max_shard_bytes=DEFAULT_MAX_SHARD_BYTE
   out.mkdir(parents=True, exist_ok=True)
   write_tensors(out, hf_tensors(params, config.model), max_shard_bytes)
   (out / "config.json").write_text(json.dumps(hf, indent=2) + os.linesep)
-  if (workdir / TOKENIZER).is_file():
-    shutil.copyfile(workdir / TOKENIZER, out / TOKENIZER)
+  for name in (TOKENIZER, TOKENIZER_CONFIG):
+    if (workdir / name).is_file():
+      shutil.copyfile(workdir / name, out / name)
   return hf
