@@ -4,7 +4,7 @@
 
 For each shape: a random bf16 checkpoint in Hugging Face's layout (written by `fsjax.convert`'s own writer,
 sharded at 1 GiB as Hugging Face shards large models), then `python -m fsjax.convert import` in a fresh process,
-timed, with that process's CPU time and peak resident memory (`ru_maxrss`) against the checkpoint's bytes (the
+timed, with that process's CPU time and peak resident memory (`VmHWM`) against the checkpoint's bytes (the
 CPU time says more than the wall time where other jobs share the machine). Prints one table.
 """
 
@@ -89,15 +89,19 @@ def write_random(shape, directory):
 
 def timed_import(source, workdir):
   """(seconds, CPU seconds, peak resident bytes) of `python -m fsjax.convert import` in a fresh process, run as
-  the command line runs it (its `__main__` block included)."""
+  the command line runs it (its `__main__` block included).
+
+  The peak is the process's own `VmHWM`: its `ru_maxrss` also counts the resident set of this process at the
+  fork (Linux carries it over the exec), which holds the random checkpoint's arrays."""
   driver = (
-    "import resource, runpy, sys\n"
+    "import re, resource, runpy, sys\n"
     "sys.argv = ['fsjax.convert', *sys.argv[1:]]\n"
     "try:\n"
     "  runpy.run_module('fsjax.convert', run_name='__main__', alter_sys=True)\n"
     "finally:\n"
     "  usage = resource.getrusage(resource.RUSAGE_SELF)\n"
-    "  print('usage', usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024)\n"
+    "  peak = int(re.search(r'VmHWM:\\s*(\\d+) kB', open('/proc/self/status').read()).group(1)) * 1024\n"
+    "  print('usage', usage.ru_utime + usage.ru_stime, peak)\n"
   )
   start = time.perf_counter()
   out = subprocess.run(
