@@ -4,7 +4,8 @@
 
 For each shape: a random bf16 checkpoint in Hugging Face's layout (written by `fsjax.convert`'s own writer,
 sharded at 1 GiB as Hugging Face shards large models), then `python -m fsjax.convert import` in a fresh process,
-timed, with that process's peak resident memory (`ru_maxrss`) against the checkpoint's bytes. Prints one table.
+timed, with that process's CPU time and peak resident memory (`VmHWM`) against the checkpoint's bytes (the
+CPU time says more than the wall time where other jobs share the machine). Prints one table.
 """
 
 import argparse
@@ -87,10 +88,20 @@ def write_random(shape, directory):
 
 
 def timed_import(source, workdir):
-  """(seconds, peak resident bytes) of `python -m fsjax.convert import` in a fresh process."""
+  """(seconds, CPU seconds, peak resident bytes) of `python -m fsjax.convert import` in a fresh process, run as
+  the command line runs it (its `__main__` block included).
+
+  The peak is the process's own `VmHWM`: its `ru_maxrss` also counts the resident set of this process at the
+  fork (Linux carries it over the exec), which holds the random checkpoint's arrays."""
   driver = (
-    "import resource, sys; from fsjax.convert.__main__ import main; rc = main(sys.argv[1:]); "
-    "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024); sys.exit(rc)"
+    "import re, resource, runpy, sys\n"
+    "sys.argv = ['fsjax.convert', *sys.argv[1:]]\n"
+    "try:\n"
+    "  runpy.run_module('fsjax.convert', run_name='__main__', alter_sys=True)\n"
+    "finally:\n"
+    "  usage = resource.getrusage(resource.RUSAGE_SELF)\n"
+    "  peak = int(re.search(r'VmHWM:\\s*(\\d+) kB', open('/proc/self/status').read()).group(1)) * 1024\n"
+    "  print('usage', usage.ru_utime + usage.ru_stime, peak)\n"
   )
   start = time.perf_counter()
   out = subprocess.run(
@@ -100,7 +111,8 @@ def timed_import(source, workdir):
     text=True,
   ).stdout
   seconds = time.perf_counter() - start
-  return seconds, int(out.split("peak")[-1])
+  cpu, peak = out.split("usage")[-1].split()
+  return seconds, float(cpu), int(peak)
 
 
 def main():
@@ -114,13 +126,17 @@ def main():
     root = Path(args.dir) / shape
     shutil.rmtree(root, ignore_errors=True)
     weights = write_random(shape, root / "hf")
-    seconds, peak = timed_import(root / "hf", root / "work")
-    rows.append((shape, weights, seconds, peak))
+    seconds, cpu, peak = timed_import(root / "hf", root / "work")
+    rows.append((shape, weights, seconds, cpu, peak))
     shutil.rmtree(root, ignore_errors=True)
-  print("| shape | weights GiB (bf16) | import s (process start included) | peak host GiB | peak ÷ weights |")
-  print("|---|---|---|---|---|")
-  for shape, weights, seconds, peak in rows:
-    print(f"| {shape} | {weights / 2**30:.2f} | {seconds:.1f} | {peak / 2**30:.2f} | {peak / weights:.2f} |")
+  print(
+    "| shape | weights GiB (bf16) | import s (process start included) | CPU s (user + system) | peak host GiB "
+    "| peak ÷ weights |"
+  )
+  print("|---|---|---|---|---|---|")
+  for shape, weights, seconds, cpu, peak in rows:
+    gib = lambda n: f"{n / 2**30:.2f}"
+    print(f"| {shape} | {gib(weights)} | {seconds:.1f} | {cpu:.1f} | {gib(peak)} | {peak / weights:.2f} |")
 
 
 if __name__ == "__main__":

@@ -15,14 +15,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import tokenizers
 from hf_models import FAMILIES, FIXTURES, read_reference, write_checkpoint
-from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
+from tokenizers import Tokenizer
 
 from fsjax import loading
 from fsjax.config import load_config
-from fsjax.convert import ConversionError, export_checkpoint, import_checkpoint, load_hf
+from fsjax.convert import ConversionError, export_checkpoint, hf_weights, import_checkpoint, load_hf
 from fsjax.convert.__main__ import main as convert_main
+from fsjax.data.tokenizer import bos_id, eos_id, load_tokenizer
 from fsjax.model import Transformer
 from fsjax.train import checkpoint as ckpt_lib
 from fsjax.train import loop
@@ -88,7 +90,7 @@ def test_workdir_round_trip_is_bit_exact(family, tmp_path):
 def test_tensors_round_trip_bit_exact_in_bfloat16(tmp_path):
   """A bfloat16 checkpoint stays bfloat16 (`param_dtype` defaults to the checkpoint's) and exports unchanged."""
   directory = copy_fixture("qwen3", tmp_path)
-  tensors = load_file_any(directory / "model.safetensors")
+  tensors = load_file(str(directory / "model.safetensors"))
   save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}, str(directory / "model.safetensors"))
   hf = json.loads((directory / "config.json").read_text())
   (directory / "config.json").write_text(json.dumps({**hf, "dtype": "bfloat16"}))
@@ -96,16 +98,79 @@ def test_tensors_round_trip_bit_exact_in_bfloat16(tmp_path):
   assert config.param_dtype == "bfloat16"
   import_checkpoint(directory, tmp_path / "work")
   export_checkpoint(tmp_path / "work", tmp_path / "out")
-  back = load_file_any(tmp_path / "out" / "model.safetensors")
+  back = load_file(str(tmp_path / "out" / "model.safetensors"))
   assert set(back) == set(tensors)
   for name, value in back.items():
     assert value.dtype == ml_dtypes.bfloat16 and np.array_equal(value, tensors[name].astype(ml_dtypes.bfloat16))
 
 
-def load_file_any(path):
-  """safetensors → numpy, bfloat16 included (safetensors' numpy reader has no bfloat16)."""
-  with jax.default_device(jax.devices("cpu")[0]), safe_open(str(path), framework="flax") as f:
-    return {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_import_saves_each_tensor_in_fsjax_layout_and_dtype(scan_layers, tmp_path):
+  """The import streams tensors into the checkpoint (transposed on the CPU device, cast to bfloat16 here):
+  every saved array equals numpy's transpose and cast of the safetensors tensor, bit for bit."""
+  import_checkpoint(FIXTURES / "qwen2", tmp_path / "work", param_dtype="bfloat16", scan_layers=scan_layers)
+  config, saved, _, _ = ckpt_lib.load(str(tmp_path / "work"))
+  assert config.model.param_dtype == "bfloat16"
+  tensors = load_file(str(FIXTURES / "qwen2" / "model.safetensors"))
+  saved = flax.traverse_util.flatten_dict(jax.device_get(saved))
+  named = [(t.hf, t, None) for t in hf_weights.global_tensors(config.model)]
+  for i in range(config.model.num_layers):
+    named += [(hf_weights.LAYER.format(i=i) + t.hf, t, i) for t in hf_weights.layer_tensors(config.model)]
+  checked = set()
+  for name, tensor, layer in named:
+    heads = config.model.num_kv_heads if tensor.heads == "num_kv_heads" else config.model.num_heads
+    expected = hf_weights.to_fsjax(tensors[name], tensor, heads, config.model.head_dim).astype(ml_dtypes.bfloat16)
+    if layer is None:
+      key, value = tensor.path, saved[tensor.path]
+    elif scan_layers:
+      key = ("layers", "layer", *tensor.path)
+      value = saved[key][layer]
+    else:
+      key = (f"layer_{layer}", *tensor.path)
+      value = saved[key]
+    assert value.dtype == ml_dtypes.bfloat16 and np.array_equal(value, expected), name
+    checked.add(key)
+  assert checked == set(saved)
+
+
+def write_tokenizer(path):
+  """A word-level tokenizer.json of 6 ids holding Llama 3's BOS and EOS (ids 0, 1) and Qwen's chat EOS (2)."""
+  vocabulary = {"<|begin_of_text|>": 0, "<|end_of_text|>": 1, "<|im_end|>": 2, "<unk>": 3, "a": 4, "b": 5}
+  tokenizer = Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="<unk>"))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tokenizer.add_special_tokens(list(vocabulary)[:4])
+  tokenizer.save(str(path))
+
+
+@pytest.mark.parametrize("source", ["config_json", "tokenizer_config", "none"])
+def test_an_imported_tokenizer_gives_the_checkpoint_bos_and_eos(source, tmp_path):
+  """generate, the evaluations and the data pipeline take BOS / EOS from `bos_id` / `eos_id` of the workdir's
+  tokenizer: the checkpoint's tokenizer_config.json names them when it has one (copied, and exported back),
+  else config.json's ids (the first of a list). Without a tokenizer.json the workdir names no tokenizer."""
+  directory = copy_fixture("llama", tmp_path)
+  hf = json.loads((directory / "config.json").read_text())
+  (directory / "config.json").write_text(json.dumps({**hf, "bos_token_id": 0, "eos_token_id": [1, 2]}))
+  if source != "none":
+    write_tokenizer(directory / "tokenizer.json")
+  added = {"content": "<|im_end|>", "lstrip": False, "normalized": False, "rstrip": False, "special": True}
+  if source == "tokenizer_config":
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": added}))
+  config = import_checkpoint(directory, tmp_path / "work", dtype="float32")
+  if source == "none":
+    assert config.data.tokenizer is None and not (tmp_path / "work" / "tokenizer_config.json").exists()
+    return
+  path = loading.load_model(tmp_path / "work").tokenizer_path
+  assert path == str((tmp_path / "work" / "tokenizer.json").resolve())
+  tokenizer = load_tokenizer(path)
+  if source == "config_json":
+    assert (bos_id(tokenizer), eos_id(tokenizer)) == (0, 1)
+  else:
+    assert eos_id(tokenizer) == 2
+    with pytest.raises(ValueError, match="no BOS token"):
+      bos_id(tokenizer)
+  export_checkpoint(tmp_path / "work", tmp_path / "out")
+  exported = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+  assert exported == json.loads((tmp_path / "work" / "tokenizer_config.json").read_text())
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,8 @@ line, exit status 2, before anything is written.
 import sys
 import time
 
+import jax
+
 from fsjax import cli
 from fsjax.config import ConfigError
 from fsjax.convert import ConversionError, export_checkpoint, import_checkpoint
@@ -68,4 +70,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+  # Converting is host work (reading, transposing on the CPU device, writing). A GPU backend would cost seconds,
+  # host memory for its runtime and, with JAX's default preallocation, most of the GPU's memory.
+  jax.config.update("jax_platforms", "cpu")
   sys.exit(main())

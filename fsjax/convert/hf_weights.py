@@ -1,5 +1,5 @@
 """Hugging Face tensors ↔ fsjax parameters: the name table, the layout of each tensor, safetensors reading
-(one tensor at a time, sharded or not) and writing.
+(planned from the files' headers, then one tensor at a time, sharded or not) and writing.
 
 Hugging Face stores a linear layer as `weight [out, in]` (torch's layout) and heads flattened into the feature
 axis; fsjax's `DenseGeneral` kernels are `[in, out]` with heads as an axis of their own:
@@ -17,11 +17,14 @@ RoPE needs no permutation: Hugging Face's Llama and Qwen rotate halves (feature 
 """
 
 import dataclasses
+import functools
 import json
+import math
 import os
 from pathlib import Path
 
 import jax
+import ml_dtypes  # noqa: F401  (numpy's names for bfloat16: safetensors' numpy reader needs them)
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -102,9 +105,9 @@ def hf_shape(config: ModelConfig, tensor: Tensor, fsjax_shape):
   return tuple(fsjax_shape)
 
 
-def to_fsjax(array, tensor: Tensor, config: ModelConfig):
-  """A Hugging Face array in fsjax's layout (a view or a transposed copy of `array`)."""
-  heads, head_dim = _heads(config, tensor), config.head_dim
+def to_fsjax(array, tensor: Tensor, heads: int, head_dim: int):
+  """A Hugging Face array (numpy or jax) in fsjax's layout, `heads` the count its layout splits: a view or a
+  transposed copy of `array`."""
   if tensor.layout == "matrix":
     return array.T
   if tensor.layout == "heads_in":
@@ -143,22 +146,63 @@ def shard_map(directory):
   single = directory / SINGLE_FILE
   if not single.is_file():
     raise ConversionError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}")
-  with safe_open(str(single), framework="flax") as f:
+  with safe_open(str(single), framework="numpy") as f:
     return {name: str(single) for name in f.keys()}
 
 
-def _set(tree, path, value):
-  for key in path[:-1]:
-    tree = tree.setdefault(key, {})
-  tree[path[-1]] = value
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One Hugging Face tensor of a `Leaf`: where it lies, its table row, and the head count its layout splits."""
+
+  file: str
+  name: str
+  tensor: Tensor
+  heads: int
+  head_dim: int
 
 
-def read_params(directory, config: ModelConfig):
-  """The fsjax `params` tree (numpy arrays of `config.param_dtype`; layers stacked under `layers/layer` when
-  `config.scan_layers`) of a Hugging Face checkpoint directory.
+@dataclasses.dataclass(frozen=True, eq=False)
+class Leaf:
+  """One fsjax parameter array of a checkpoint directory, not read yet: its fsjax `shape` and `dtype` and the
+  Hugging Face tensors it is made of, one `Source` per layer (layers stacked on axis 0) when `stacked`, else one.
 
-  Tensors are read one at a time and written into their place, so the host holds the converted parameters plus
-  one tensor in flight. Raises ConversionError naming a missing, unexpected or misshapen tensor.
+  A writer that streams `parts()` (`read_part` each) holds one tensor at a time, never the whole array;
+  `read()` assembles the array in memory."""
+
+  shape: tuple
+  dtype: np.dtype
+  sources: tuple
+  stacked: bool
+
+  @property
+  def size(self):
+    return math.prod(self.shape)
+
+  @property
+  def nbytes(self):
+    return self.size * self.dtype.itemsize
+
+  def parts(self):
+    """`[(index, Source)]`: `read_part(source, dtype)` belongs at `leaf[index]`, the layer `(i,)` of a stacked
+    leaf or `()` (the whole array)."""
+    return [((i,) if self.stacked else (), source) for i, source in enumerate(self.sources)]
+
+  def read(self):
+    """The whole array, `[shape]` of `dtype`, on the host."""
+    if not self.stacked:
+      return read_part(self.sources[0], self.dtype)
+    array = np.empty(self.shape, self.dtype)
+    for index, source in self.parts():
+      array[index] = read_part(source, self.dtype)
+    return array
+
+
+def plan_params(directory, config: ModelConfig):
+  """The fsjax `params` tree of a Hugging Face checkpoint directory with a `Leaf` for each array (layers
+  stacked under `layers/layer` when `config.scan_layers`), checked against the checkpoint's tensor names and
+  shapes (its safetensors headers) without reading any tensor.
+
+  Raises ConversionError naming a missing, unexpected or misshapen tensor, or a file that cannot be read.
   """
   files = shard_map(directory)
   shapes = _fsjax_shapes(config)
@@ -176,37 +220,68 @@ def read_params(directory, config: ModelConfig):
       f"{directory}: tensor {unexpected[0]} has no place in the fsjax model ({len(unexpected)} in all); "
       "the config.json does not describe these weights"
     )
+  stored = _stored_shapes(files, wanted)
   params, stacked = {}, {}
   for name, (tensor, layer) in wanted.items():
     file = files[name]
-    array = _read_tensor(file, name)
-    tree = shapes if layer is None else shapes[f"layer_{layer}"]
-    expected = hf_shape(config, tensor, _get(tree, tensor.path).shape)
-    if array.shape != expected:
-      raise ConversionError(f"{file}: tensor {name} has shape {list(array.shape)}, the config says {list(expected)}")
-    value = to_fsjax(array, tensor, config).astype(dtype, copy=False)
-    if layer is None:
-      _set(params, tensor.path, value)
-    elif config.scan_layers:
-      if tensor.path not in stacked:
-        stacked[tensor.path] = np.empty((config.num_layers, *value.shape), dtype)
-      stacked[tensor.path][layer] = value
+    fsjax_shape = _get(shapes if layer is None else shapes[f"layer_{layer}"], tensor.path).shape
+    expected = hf_shape(config, tensor, fsjax_shape)
+    if stored[name] != expected:
+      shape = list(stored[name])
+      raise ConversionError(f"{file}: tensor {name} has shape {shape}, the config says {list(expected)}")
+    source = Source(file, name, tensor, _heads(config, tensor), config.head_dim)
+    if layer is not None and config.scan_layers:
+      stacked.setdefault(tensor.path, (tuple(fsjax_shape), []))[1].append(source)
     else:
-      _set(params.setdefault(f"layer_{layer}", {}), tensor.path, value)
-  for path, value in stacked.items():
-    _set(params, ("layers", "layer", *path), value)
+      tree = params if layer is None else params.setdefault(f"layer_{layer}", {})
+      _set(tree, tensor.path, Leaf(tuple(fsjax_shape), dtype, (source,), stacked=False))
+  for path, (shape, sources) in stacked.items():
+    _set(params, ("layers", "layer", *path), Leaf((len(sources), *shape), dtype, tuple(sources), stacked=True))
   return params
 
 
-def _read_tensor(file, name):
-  """One tensor as a numpy array on the host. The file is mapped for this tensor only: its pages count as the
-  process's memory while mapped, so a file held open across tensors would add the whole shard to the peak.
-  safetensors' numpy reader has no bfloat16; its flax reader does (on the CPU device)."""
+def read_params(directory, config: ModelConfig):
+  """The fsjax `params` tree (numpy arrays of `config.param_dtype`) of a Hugging Face checkpoint directory:
+  `plan_params`, each leaf read. The host holds the parameters plus one tensor in flight."""
+  return jax.tree_util.tree_map(Leaf.read, plan_params(directory, config), is_leaf=lambda x: isinstance(x, Leaf))
+
+
+def _stored_shapes(files, names):
+  """`{name: shape}` of `names` as the safetensors headers give them (no tensor is read)."""
+  by_file = {}
+  for name in names:
+    by_file.setdefault(files[name], []).append(name)
+  shapes = {}
+  for file, in_file in by_file.items():
+    try:
+      with safe_open(file, framework="numpy") as f:
+        shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in in_file})
+    except (OSError, SafetensorError) as e:
+      raise ConversionError(f"{file}: cannot read tensor {in_file[0]} ({e})") from None
+  return shapes
+
+
+def read_part(source: Source, dtype):
+  """One Hugging Face tensor in fsjax's layout and `dtype`, a contiguous numpy array.
+
+  The file is mapped for this tensor only: its pages count as the process's memory while mapped, so a file
+  held open across tensors would add the whole shard to the peak. The transposing layouts run as one XLA
+  program on the CPU: numpy's strided copy of a transpose is several times slower."""
   try:
-    with jax.default_device(jax.devices("cpu")[0]), safe_open(file, framework="flax") as f:
-      return np.asarray(f.get_tensor(name))
+    with safe_open(source.file, framework="numpy") as f:
+      array = f.get_tensor(source.name)
   except (OSError, SafetensorError) as e:
-    raise ConversionError(f"{file}: cannot read tensor {name} ({e})") from None
+    raise ConversionError(f"{source.file}: cannot read tensor {source.name} ({e})") from None
+  if source.tensor.layout in ("as_is", "heads_bias"):
+    return to_fsjax(array, source.tensor, source.heads, source.head_dim).astype(dtype, copy=False)
+  cpu = jax.local_devices(backend="cpu")[0]
+  converted = _transposed(jax.device_put(array, cpu), source.tensor, source.heads, source.head_dim, dtype)
+  return np.asarray(converted)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _transposed(array, tensor, heads, head_dim, dtype):
+  return to_fsjax(array, tensor, heads, head_dim).astype(dtype)
 
 
 def _fsjax_shapes(config: ModelConfig):
@@ -214,6 +289,12 @@ def _fsjax_shapes(config: ModelConfig):
   each Hugging Face tensor must hold is their `hf_shape`."""
   unrolled = dataclasses.replace(config, scan_layers=False)
   return jax.eval_shape(lambda: init_variables(unrolled, jax.random.PRNGKey(0)))["params"]
+
+
+def _set(tree, path, value):
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
 
 
 def _get(tree, path):

@@ -20,30 +20,35 @@ from fsjax.train.sharding import path_name
 CHECKPOINT_SUBDIR = "checkpoints"
 
 
-def _manager(directory, ocdbt=True, **options):
+def _manager(directory, ocdbt=True, type_handlers=(), **options):
   """A CheckpointManager that knows how each item is stored, so a fresh process can read metadata.
 
   A `read_only` one gets the options Orbax would otherwise force with a warning each, and its remaining
   "Given directory is read only" warning is dropped: loading a checkpoint to run it is not worth three lines
   through a progress bar. `ocdbt=False` writes one TensorStore array per parameter instead of Orbax's default
-  database, which buffers what it writes (a second copy of a whole model in host memory); readers take both."""
-  handlers = dict(
-    state=ocp.StandardCheckpointHandler(use_ocdbt=ocdbt),
-    data=ocp.JsonCheckpointHandler(),
-    config=ocp.JsonCheckpointHandler(),
-  )
+  database, which buffers what it writes (a second copy of a whole model in host memory); readers take both.
+  `type_handlers` (`(type, orbax TypeHandler)` pairs) write a state whose leaves are of those types through
+  Orbax's PyTreeCheckpointHandler, the handler StandardCheckpointHandler wraps (same files; the wrapper only
+  refuses leaves that are not arrays)."""
   if options.get("read_only"):
     options = dict(save_interval_steps=0, create=False, **options)
-  quiet = _DropMessage("Given directory is read only")
+  # A registry without jax.Array (the import's) makes Orbax warn that it keeps no metadata of jax arrays.
+  quiet = _DropMessage(("Given directory is read only", "No jax.Array in TypeHandlerRegistry"))
   logging.getLogger("absl").addFilter(quiet)
   try:
+    if type_handlers:
+      registry = ocp.type_handlers.create_type_handler_registry(*type_handlers)
+      state = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, type_handler_registry=registry)
+    else:
+      state = ocp.StandardCheckpointHandler(use_ocdbt=ocdbt)
+    handlers = dict(state=state, data=ocp.JsonCheckpointHandler(), config=ocp.JsonCheckpointHandler())
     return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(**options), item_handlers=handlers)
   finally:
     logging.getLogger("absl").removeFilter(quiet)
 
 
 class _DropMessage(logging.Filter):
-  """Drops log records whose message starts with `prefix`."""
+  """Drops log records whose message starts with `prefix` (a string or a tuple of them)."""
 
   def __init__(self, prefix):
     super().__init__()
@@ -80,9 +85,14 @@ class CheckpointError(ValueError):
 class Checkpointer:
   """Saves and restores train states in one directory, keeping the newest `keep`."""
 
-  def __init__(self, directory, *, keep=3, async_save=True, ocdbt=True):
+  def __init__(self, directory, *, keep=3, async_save=True, ocdbt=True, type_handlers=()):
+    """`type_handlers`: `(type, orbax TypeHandler)` pairs that write a state's leaves of those types, for a
+    state that is not arrays (`fsjax.convert` saves tensors it has not read yet); see `_manager`."""
     self.directory = os.path.abspath(directory)
-    self.manager = _manager(self.directory, ocdbt, max_to_keep=keep, enable_async_checkpointing=async_save)
+    self.manager = _manager(
+      self.directory, ocdbt, type_handlers, max_to_keep=keep, enable_async_checkpointing=async_save
+    )
+    self._save_state = ocp.args.PyTreeSave if type_handlers else ocp.args.StandardSave
 
   def latest_step(self):
     return self.manager.latest_step()
@@ -92,7 +102,7 @@ class Checkpointer:
     self.manager.save(
       step,
       args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
+        state=self._save_state(state),
         data=ocp.args.JsonSave({"iterator": data_state, "tokens_seen": int(tokens_seen)}),
         config=ocp.args.JsonSave(to_dict(config)),
       ),
