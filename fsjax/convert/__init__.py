@@ -98,6 +98,7 @@ def import_checkpoint(directory, workdir, *, dtype="bfloat16", param_dtype=None,
   hf = _read_json(Path(directory) / "config.json")
   model_config = _model_config(hf, dtype, param_dtype, scan_layers)
   params = plan_params(directory, model_config)  # every name and shape checked before anything is written
+  streamed = _StreamedLeaves(WRITE_CONCURRENCY)
   workdir.mkdir(parents=True, exist_ok=True)
   tokenizer = _copy_tokenizer(Path(directory), workdir, hf)
   shutil.copyfile(Path(directory) / "config.json", workdir / HF_CONFIG)
@@ -109,7 +110,7 @@ def import_checkpoint(directory, workdir, *, dtype="bfloat16", param_dtype=None,
     keep=1,
     async_save=False,
     ocdbt=False,
-    type_handlers=[(Leaf, _StreamedLeaves(WRITE_CONCURRENCY))],
+    type_handlers=[(Leaf, streamed)],
   )
   try:
     checkpointer.save(0, {"params": params, "frozen": {}}, None, config, 0)
@@ -157,6 +158,13 @@ class _StreamedLeaves(ocp.type_handlers.NumpyHandler):
   written into it."""
 
   def __init__(self, concurrency):
+    # `_open_and_write` is Orbax's per-array write (orbax-checkpoint 0.12); a release without it must fail here,
+    # in one line, not write a checkpoint of unread leaves.
+    if not callable(getattr(ocp.type_handlers.NumpyHandler, "_open_and_write", None)):
+      raise ConversionError(
+        f"orbax-checkpoint {ocp.__version__} has no NumpyHandler._open_and_write, the per-array write the "
+        "import streams tensors through (present in 0.12)"
+      )
     super().__init__(deepcopy_host_arrays=False)  # a Leaf holds no data to copy
     self._slots = asyncio.Semaphore(concurrency)
 
