@@ -8,6 +8,7 @@ overwritten checkpoint behind.
 
 import logging
 import os
+import re
 import sys
 
 import jax
@@ -48,14 +49,15 @@ def _manager(directory, ocdbt=True, type_handlers=(), **options):
 
 
 class _DropMessage(logging.Filter):
-  """Drops log records whose message starts with `prefix` (a string or a tuple of them)."""
+  """Drops log records whose message starts with `prefix` (a string or a tuple of them), after any
+  `[process=0][thread=...]` tags Orbax puts first."""
 
   def __init__(self, prefix):
     super().__init__()
     self.prefix = prefix
 
   def filter(self, record):
-    return not record.getMessage().startswith(self.prefix)
+    return not re.sub(r"^(\[[^\]]*\])+\s*", "", record.getMessage()).startswith(self.prefix)
 
 
 @jax.jit
@@ -93,12 +95,16 @@ class Checkpointer:
       self.directory, ocdbt, type_handlers, max_to_keep=keep, enable_async_checkpointing=async_save
     )
     self._save_state = ocp.args.PyTreeSave if type_handlers else ocp.args.StandardSave
+    # Without OCDBT there is nothing to merge, yet every save says it skipped the merge.
+    self._quiet_save = None if ocdbt else _DropMessage("Skipping merge of OCDBT checkpoints")
 
   def latest_step(self):
     return self.manager.latest_step()
 
   def save(self, step, state, data_state, config: Config, tokens_seen):
     """Starts writing step `step` (asynchronously when configured), with the tokens trained on up to it."""
+    if self._quiet_save:
+      logging.getLogger("absl").addFilter(self._quiet_save)  # kept: an asynchronous save finishes later
     self.manager.save(
       step,
       args=ocp.args.Composite(
