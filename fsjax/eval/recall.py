@@ -157,7 +157,6 @@ def probe_rows(model, variables, rows, chunk=512):
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)  # one program per chunk shape, as `extend`
 def _zha_extend_reading(model, variables, tokens, cache, positions, valid, values_at):
   """A ZHA model's cache step over one chunk (`extend`), also telling whether each of its queries reads the keys
   at `values_at` `[batch, V]`: `(cache, intermediates, read [batch, C, layers, heads, V] bool)`.
