@@ -104,14 +104,15 @@ def timed_import(source, workdir):
     "  print('usage', usage.ru_utime + usage.ru_stime, peak)\n"
   )
   start = time.perf_counter()
-  out = subprocess.run(
+  run = subprocess.run(
     [sys.executable, "-c", driver, "import", str(source), "--workdir", str(workdir)],
-    check=True,
     capture_output=True,
     text=True,
-  ).stdout
+  )
   seconds = time.perf_counter() - start
-  cpu, peak = out.split("usage")[-1].split()
+  if run.returncode != 0:  # the import's own error, not only its exit status
+    sys.exit(f"the import of {source} exited with status {run.returncode}:\n{run.stderr[-4000:]}")
+  cpu, peak = run.stdout.split("usage")[-1].split()
   return seconds, float(cpu), int(peak)
 
 

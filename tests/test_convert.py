@@ -5,6 +5,7 @@ the reference logits, so the import is checked against `transformers` without to
 installed, fresh checkpoints of other seeds are checked too, and an export is read back by `transformers`.
 """
 
+import functools
 import importlib.util
 import json
 import shutil
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import tokenizers
 from hf_models import FAMILIES, FIXTURES, read_reference, write_checkpoint
@@ -140,6 +142,28 @@ def write_tokenizer(path):
   tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
   tokenizer.add_special_tokens(list(vocabulary)[:4])
   tokenizer.save(str(path))
+
+
+@pytest.mark.parametrize("zarr3", [False, True], ids=["zarr", "zarr3"])
+def test_import_streams_either_array_format_one_layer_per_chunk(zarr3, tmp_path, monkeypatch):
+  """Orbax writes zarr or zarr3 arrays (`use_zarr3`): the streamed import writes either, each stacked leaf
+  chunked by layer (zarr3: its shards and their inner chunks), and reads back equal to `load_hf`."""
+  monkeypatch.setattr(ocp, "PyTreeCheckpointHandler", functools.partial(ocp.PyTreeCheckpointHandler, use_zarr3=zarr3))
+  import_checkpoint(FIXTURES / "llama", tmp_path / "work", dtype="float32")
+  _, params = load_hf(FIXTURES / "llama", dtype="float32")
+  _, saved, _, _ = ckpt_lib.load(str(tmp_path / "work"))
+  saved = flax.traverse_util.flatten_dict(jax.device_get(saved))
+  params = flax.traverse_util.flatten_dict(params)
+  assert saved.keys() == params.keys() and all(np.array_equal(saved[k], params[k]) for k in params)
+  array = next((tmp_path / "work").rglob("params.layers.layer.attention.k_proj.kernel"))
+  layer = [1, *saved[("layers", "layer", "attention", "k_proj", "kernel")].shape[1:]]
+  if zarr3:
+    metadata = json.loads((array / "zarr.json").read_text())
+    sharding = [c for c in metadata["codecs"] if c["name"] == "sharding_indexed"]
+    assert metadata["chunk_grid"]["configuration"]["chunk_shape"] == layer
+    assert all(c["configuration"]["chunk_shape"] == layer for c in sharding)
+  else:
+    assert json.loads((array / ".zarray").read_text())["chunks"] == layer
 
 
 @pytest.mark.parametrize("source", ["config_json", "tokenizer_config", "none"])

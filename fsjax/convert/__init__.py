@@ -19,6 +19,7 @@ pretraining or distillation from it:
 """
 
 import asyncio
+import inspect
 import json
 import os
 import shutil
@@ -163,20 +164,37 @@ class _StreamedLeaves(ocp.type_handlers.NumpyHandler):
     if not callable(getattr(ocp.type_handlers.NumpyHandler, "_open_and_write", None)):
       raise ConversionError(
         f"orbax-checkpoint {ocp.__version__} has no NumpyHandler._open_and_write, the per-array write the "
-        "import streams tensors through (present in 0.12)"
+        "import streams tensors through (present in 0.11 and 0.12)"
       )
-    super().__init__(deepcopy_host_arrays=False)  # a Leaf holds no data to copy
+    # A Leaf holds no data to copy. Releases before the option (0.12.0 and older) copy every value, which for a
+    # Leaf copies only its plan.
+    has_option = "deepcopy_host_arrays" in inspect.signature(ocp.type_handlers.NumpyHandler.__init__).parameters
+    super().__init__(**({"deepcopy_host_arrays": False} if has_option else {}))
     self._slots = asyncio.Semaphore(concurrency)
 
   async def _open_and_write(self, value, tspec, ts_context):
     if value.stacked:
-      tspec["metadata"]["chunks"] = [1, *value.shape[1:]]
+      _chunk_by_layer(tspec["metadata"], value.shape)
     async with self._slots:
       array = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context)
       for index, source in value.parts():
         # Reading and the layout's transpose run in a thread: the event loop keeps the other leaves going.
         part = await asyncio.to_thread(read_part, source, value.dtype)
         await array[index].write(part, can_reference_source_data_indefinitely=True)
+
+
+def _chunk_by_layer(metadata, shape):
+  """Sets the chunks of a TensorStore array's `metadata` to one layer of a stacked `shape`, in either array format
+  Orbax writes (its handlers' `use_zarr3`): zarr's `chunks`, or zarr3's chunk grid and the inner chunks of its
+  sharding codec. Any other format keeps Orbax's chunks: still exact, only slower to write."""
+  layer = [1, *shape[1:]]
+  if "chunks" in metadata:
+    metadata["chunks"] = layer
+  elif "chunk_grid" in metadata:
+    metadata["chunk_grid"]["configuration"]["chunk_shape"] = layer
+    for codec in metadata.get("codecs", ()):
+      if codec.get("name") == "sharding_indexed":
+        codec["configuration"]["chunk_shape"] = layer
 
 
 def export_checkpoint(checkpoint, out, *, max_shard_bytes=DEFAULT_MAX_SHARD_BYTES):
