@@ -23,7 +23,17 @@ from helpers import random_qkv
 
 ON_GPU = jax.default_backend() == "gpu"
 FACTS = dict(
-  variant="fs", cell=32, head_dim=64, beam=16, dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, tokens=2, chunk=8, refs=16
+  variant="fs",
+  cell=32,
+  head_dim=64,
+  beam=16,
+  dtype=jnp.bfloat16,
+  cache_dtype=jnp.bfloat16,
+  tokens=2,
+  chunk=8,
+  refs=16,
+  batch=1,
+  heads=4,
 )
 
 

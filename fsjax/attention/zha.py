@@ -80,7 +80,15 @@ class ZHAAttention(nn.Module):
       self.sow(
         "intermediates",
         "zha_kl",
-        zha_ops.zha_kl_per_level(q, k, ref_queries, chunk=tree.chunk, levels=tree.levels, rope_theta=self.rope_theta),
+        zha_ops.zha_kl_per_level(
+          q,
+          k,
+          ref_queries,
+          chunk=tree.chunk,
+          levels=tree.levels,
+          rope_theta=self.rope_theta,
+          impl=dispatch.for_op("zha_kl_loss", self.impl),
+        ),
       )
       o = causal_attention(q, k, v, window=None, rope_theta=self.rope_theta, impl=self.impl)
     else:

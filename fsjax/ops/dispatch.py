@@ -18,6 +18,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from fsjax.ops import zha_kl
 from pallas_kernels import common as kernel_common
 from pallas_kernels import zha_routing
 
@@ -67,6 +68,11 @@ def _zha_kernels(*, chunk, refs, **_):
   return on_gpu() and zha_routing.compilable(chunk=chunk, refs=refs)
 
 
+def _several_query_blocks(*, batch, heads, tokens, **_):
+  """ZHA's blocked distillation loss pays for its scan only where the queries span more than one block."""
+  return zha_kl.query_block_for(batch, heads, tokens) < tokens
+
+
 def _one_token(*, tokens, **_):
   return tokens == 1
 
@@ -91,9 +97,10 @@ TABLE = {
   "moba_attention": (),
   # Decode: a chunk attending a half-precision dense cache through cuDNN; one token read in place by XLA.
   "cache_attention": (Implementation("cudnn", _cudnn_chunk), Implementation("one_token", _one_token)),
-  # ZHA: the training-form operator and loss are references; capped decode routing has kernels.
+  # ZHA: the training-form operator is a reference; the distillation loss runs over query blocks in bounded
+  # memory; capped decode routing has kernels.
   "zha_attention": (),
-  "zha_kl_loss": (),
+  "zha_kl_loss": (Implementation("blocked", _several_query_blocks),),
   "zha_route": (Implementation("pallas", _zha_kernels),),
 }
 

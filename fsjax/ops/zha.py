@@ -1,6 +1,7 @@
 """ZHA ops (ZHA III) with their implementation chosen by `fsjax.ops.dispatch`.
 
-The training-form operator and the distillation loss exist as references only (`fsjax.reference.zha`). The
+The training-form operator exists as a reference only (`fsjax.reference.zha`); the distillation loss also runs
+over blocks of queries in bounded memory (`fsjax.ops.zha_kl`). The
 capped decode step (one query per row, `max_nodes` set) has Pallas kernels (`pallas_kernels.zha_routing`): two
 launches per level (candidate scoring, then the capped top-p selection) and the attention over the reached keys;
 its reference is `fsjax.reference.zha_decode`. One dispatch entry, "zha_route", decides for both stages, which
@@ -16,7 +17,7 @@ to read: the kernels then read that layer where it lies, the reference slices it
 
 import jax.numpy as jnp
 
-from fsjax.ops import dispatch
+from fsjax.ops import dispatch, zha_kl
 from fsjax.reference import zha as reference
 from fsjax.reference import zha_decode as decode_reference
 from fsjax.reference.zha import ZHATree
@@ -59,14 +60,22 @@ def zha_attention(
   )
 
 
-def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None):
-  """ZHA III-B distillation loss of each level of one layer (`fsjax.reference.zha.zha_kl_per_level`). `[levels]`."""
+def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None, impl="reference"):
+  """ZHA III-B distillation loss of each level of one layer (`fsjax.reference.zha.zha_kl_per_level`). `[levels]`.
+
+  `impl` "auto" takes the query-blocked form (`fsjax.ops.zha_kl`: the same loss in memory that grows with T
+  instead of T²) wherever the queries span more than one block of `zha_kl.query_block_for` them.
+  """
+  batch, seq, heads, _ = q.shape
+  if dispatch.resolve("zha_kl_loss", impl, batch=batch, heads=heads, tokens=seq) == "blocked":
+    return zha_kl.zha_kl_per_level(q, k, ref_queries, chunk=chunk, levels=levels, rope_theta=rope_theta)
   return reference.zha_kl_per_level(q, k, ref_queries, chunk=chunk, levels=levels, rope_theta=rope_theta)
 
 
-def zha_kl_loss(q, k, ref_queries, *, chunk, levels, rope_theta=None):
-  """ZHA III-B distillation loss of one layer (`fsjax.reference.zha.zha_kl_loss`). Scalar."""
-  return reference.zha_kl_loss(q, k, ref_queries, chunk=chunk, levels=levels, rope_theta=rope_theta)
+def zha_kl_loss(q, k, ref_queries, *, chunk, levels, rope_theta=None, impl="reference"):
+  """ZHA III-B distillation loss of one layer (`fsjax.reference.zha.zha_kl_loss`; `impl` as `zha_kl_per_level`).
+  Scalar."""
+  return jnp.sum(zha_kl_per_level(q, k, ref_queries, chunk=chunk, levels=levels, rope_theta=rope_theta, impl=impl))
 
 
 def _kernels(impl, tree: ZHATree, keys):

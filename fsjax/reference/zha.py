@@ -306,7 +306,7 @@ def routed_attention(q, q_pos, nodes, k, v, k_pos, *, chunk, top_p, max_nodes=No
   return out, jnp.moveaxis(jnp.sum(mask, axis=-1) / (q_pos[:, None] + 1), 1, 2)
 
 
-def _check_ref_queries(ref_queries, k):
+def check_ref_queries(ref_queries, k):
   """Raises ValueError unless `ref_queries` is `[kv_heads, R, d]` for keys `k` `[batch, T, kv_heads, d]`."""
   kv_heads, dim = k.shape[2:]
   if ref_queries.ndim != 3 or ref_queries.shape[::2] != (kv_heads, dim):
@@ -332,7 +332,7 @@ def zha_attention(
   """
   check_grouped_qkv(q, k, v)
   validate_zha(chunk=chunk, levels=levels, top_p=top_p, refs=ref_queries.shape[1], max_nodes=max_nodes)
-  _check_ref_queries(ref_queries, k)
+  check_ref_queries(ref_queries, k)
   batch, seq, _, _ = q.shape
   dtype = compute_dtype(q.dtype)
   positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
@@ -368,7 +368,7 @@ def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None):
   scores over that head's tree.
   """
   check_grouped_qkv(q, k, k)
-  _check_ref_queries(ref_queries, k)
+  check_ref_queries(ref_queries, k)
   batch, seq, heads, dim = q.shape
   dtype = compute_dtype(q.dtype)
   positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))

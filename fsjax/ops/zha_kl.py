@@ -1,0 +1,98 @@
+"""ZHA's distillation loss (ZHA III-B) over blocks of queries: the reference's `zha_kl_per_level` in bounded memory.
+
+The reference holds the dense attention of every query over every key, `[batch, heads, T, T]`, and several arrays
+of that size derived from it, at once: at 64 rows of 1,024 tokens and 4 heads each is 1 GiB in float32, and a
+training step of a four-layer model asked for 20 GiB in one allocation. Here the queries go through a `lax.scan`
+in blocks of `query_block`; each block builds its rows of the dense attention, the level targets and the
+predictions exactly as the reference builds them for those rows, and adds its queries' KL to a per-level sum.
+Only `[batch, heads, query_block, T]` arrays are live. The gradient reaches the reference queries through the
+node scores alone (q and k carry none), so the scan keeps per block only the `[batch, heads, query_block, N]`
+arrays of its predictions, not the dense rows.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from fsjax.reference.common import compute_dtype
+from fsjax.reference.grouped import check_grouped_qkv, grouped_logits
+from fsjax.reference.softmax import masked_softmax
+from fsjax.reference.zha import build_tree, check_ref_queries, complete_nodes, node_scores, rotate
+
+# Bytes of one float32 `[batch, heads, query_block, T]` array: the block is the largest power of two under it.
+BLOCK_BYTES = 2**26
+
+
+def query_block_for(batch, heads, seq):
+  """The largest power of two ≥ 16 (and < the next power of two above `seq`) whose float32 rows of dense attention,
+  `batch · heads · block · seq · 4` bytes, fit `BLOCK_BYTES`."""
+  budget, block = BLOCK_BYTES, 16
+  while block < seq and batch * heads * (2 * block) * seq * 4 <= budget:
+    block *= 2
+  return block
+
+
+def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None, query_block=None):
+  """`[levels]`: equal to `fsjax.reference.zha.zha_kl_per_level` (to float rounding: sums run per block), in
+  memory that grows with `query_block · T` instead of `T²`.
+
+  Args:
+    q: `[batch, T, heads, d]`, k: `[batch, T, kv_heads, d]` unrotated; ref_queries: `[kv_heads, R, d]`.
+    query_block: queries per block (any T: the last block is padded, its padding weighs nothing); None picks
+      `query_block_for` the shapes.
+  """
+  check_grouped_qkv(q, k, k)
+  check_ref_queries(ref_queries, k)
+  batch, seq, heads, dim = q.shape
+  block = query_block or query_block_for(batch, heads, seq)
+  blocks = -(-seq // block)
+  dtype = compute_dtype(q.dtype)
+  positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+  q_rot = jax.lax.stop_gradient(rotate(q.astype(dtype), positions, rope_theta))
+  k_rot = jax.lax.stop_gradient(rotate(k.astype(dtype), positions, rope_theta))
+  tree = build_tree(k_rot, ref_queries.astype(dtype), chunk=chunk, levels=levels, rope_theta=rope_theta)
+  q_blocks = jnp.pad(q_rot, ((0, 0), (0, blocks * block - seq), (0, 0), (0, 0)))
+  q_blocks = jnp.moveaxis(q_blocks.reshape(batch, blocks, block, heads, dim), 1, 0)  # [blocks, batch, Bq, h, d]
+  j = jnp.arange(seq)[None, :]
+
+  def block_kl(sums, inputs):
+    q_block, start = inputs
+    i = (start + jnp.arange(block))[:, None]  # [Bq, 1]; rows past T are padding
+    logits = grouped_logits(q_block, k_rot) / math.sqrt(dim)  # [batch, heads, Bq, T]
+    attention = masked_softmax(logits, j <= i)
+    block_positions = jnp.broadcast_to(i[:, 0], (batch, block))
+    added = []
+    for level, node in enumerate(tree, start=1):
+      span, count = chunk**level, node[0].shape[1]
+      if count == 0:
+        added.append(jnp.zeros((), dtype))
+        continue
+      complete = complete_nodes(block_positions, count, chunk, level)  # [batch, 1, Bq, N]
+      node_mass = attention[..., 1 : 1 + count * span].reshape(batch, heads, block, count, span).sum(-1)
+      remainder = (j >= 1 + span * (i // span)) & (j <= i)  # [Bq, T]
+      target = jnp.concatenate(
+        [
+          attention[..., :1],
+          jnp.where(complete, node_mass, 0.0),
+          jnp.sum(jnp.where(remainder, attention, 0.0), -1, keepdims=True),
+        ],
+        axis=-1,
+      )
+      scores = jnp.where(complete, node_scores(q_block, *node), -jnp.inf)
+      predicted = jnp.concatenate(
+        [logits[..., :1], scores, jax.nn.logsumexp(jnp.where(remainder, logits, -jnp.inf), -1, keepdims=True)],
+        axis=-1,
+      )
+      log_predicted = jax.nn.log_softmax(predicted, axis=-1)
+      kl = jnp.sum(
+        jnp.where(target > 0, target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_predicted), 0.0), axis=-1
+      )  # [batch, heads, Bq]
+      eligible = ((i[:, 0] >= span) & (i[:, 0] < seq)).astype(dtype)
+      added.append(jnp.sum(kl * eligible))
+    return sums + jnp.stack(added), None
+
+  starts = jnp.arange(blocks) * block
+  sums, _ = jax.lax.scan(jax.checkpoint(block_kl), jnp.zeros((len(tree),), dtype), (q_blocks, starts))
+  eligible = jnp.asarray([max(seq - chunk**level, 0) for level in range(1, len(tree) + 1)], dtype)
+  return sums / (batch * heads * jnp.maximum(eligible, 1.0))
