@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from fsjax.reference.common import compute_dtype
 from fsjax.reference.grouped import check_grouped_qkv, grouped_logits
 from fsjax.reference.softmax import masked_softmax
-from fsjax.reference.zha import build_tree, check_ref_queries, complete_nodes, node_scores, rotate
+from fsjax.reference.zha import build_tree, check_ref_queries, query_level_kl, rotate
 
 # Bytes of one float32 `[batch, heads, query_block, T]` array: the block is the largest power of two under it.
 BLOCK_BYTES = 2**26
@@ -54,41 +54,19 @@ def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None, query
   tree = build_tree(k_rot, ref_queries.astype(dtype), chunk=chunk, levels=levels, rope_theta=rope_theta)
   q_blocks = jnp.pad(q_rot, ((0, 0), (0, blocks * block - seq), (0, 0), (0, 0)))
   q_blocks = jnp.moveaxis(q_blocks.reshape(batch, blocks, block, heads, dim), 1, 0)  # [blocks, batch, Bq, h, d]
-  j = jnp.arange(seq)[None, :]
 
   def block_kl(sums, inputs):
     q_block, start = inputs
-    i = (start + jnp.arange(block))[:, None]  # [Bq, 1]; rows past T are padding
+    queries = start + jnp.arange(block)  # rows past T are padding
     logits = grouped_logits(q_block, k_rot) / math.sqrt(dim)  # [batch, heads, Bq, T]
-    attention = masked_softmax(logits, j <= i)
-    block_positions = jnp.broadcast_to(i[:, 0], (batch, block))
+    attention = masked_softmax(logits, jnp.arange(seq)[None, :] <= queries[:, None])
     added = []
     for level, node in enumerate(tree, start=1):
-      span, count = chunk**level, node[0].shape[1]
-      if count == 0:
+      if node[0].shape[1] == 0:
         added.append(jnp.zeros((), dtype))
         continue
-      complete = complete_nodes(block_positions, count, chunk, level)  # [batch, 1, Bq, N]
-      node_mass = attention[..., 1 : 1 + count * span].reshape(batch, heads, block, count, span).sum(-1)
-      remainder = (j >= 1 + span * (i // span)) & (j <= i)  # [Bq, T]
-      target = jnp.concatenate(
-        [
-          attention[..., :1],
-          jnp.where(complete, node_mass, 0.0),
-          jnp.sum(jnp.where(remainder, attention, 0.0), -1, keepdims=True),
-        ],
-        axis=-1,
-      )
-      scores = jnp.where(complete, node_scores(q_block, *node), -jnp.inf)
-      predicted = jnp.concatenate(
-        [logits[..., :1], scores, jax.nn.logsumexp(jnp.where(remainder, logits, -jnp.inf), -1, keepdims=True)],
-        axis=-1,
-      )
-      log_predicted = jax.nn.log_softmax(predicted, axis=-1)
-      kl = jnp.sum(
-        jnp.where(target > 0, target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_predicted), 0.0), axis=-1
-      )  # [batch, heads, Bq]
-      eligible = ((i[:, 0] >= span) & (i[:, 0] < seq)).astype(dtype)
+      kl = query_level_kl(q_block, logits, attention, node, queries, chunk=chunk, level=level)  # [batch, heads, Bq]
+      eligible = ((queries >= chunk**level) & (queries < seq)).astype(dtype)
       added.append(jnp.sum(kl * eligible))
     return sums + jnp.stack(added), None
 

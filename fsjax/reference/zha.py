@@ -376,36 +376,50 @@ def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None):
   k_rot = jax.lax.stop_gradient(rotate(k.astype(dtype), positions, rope_theta))
   tree = build_tree(k_rot, ref_queries.astype(dtype), chunk=chunk, levels=levels, rope_theta=rope_theta)
   logits = grouped_logits(q_rot, k_rot) / math.sqrt(dim)
-  i, j = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
-  attention = masked_softmax(logits, j <= i)
+  queries = jnp.arange(seq)
+  attention = masked_softmax(logits, queries[None, :] <= queries[:, None])
   losses = []
   for level, node in enumerate(tree, start=1):
-    span, count = chunk**level, node[0].shape[1]
-    if count == 0:
+    if node[0].shape[1] == 0:
       losses.append(jnp.zeros((), dtype))
       continue
-    complete = complete_nodes(positions, count, chunk, level)  # [batch, 1, T, N]
-    node_mass = attention[..., 1 : 1 + count * span].reshape(batch, heads, seq, count, span).sum(-1)
-    remainder = (j >= 1 + span * (i // span)) & (j <= i)  # [T, T]
-    target = jnp.concatenate(
-      [
-        attention[..., :1],
-        jnp.where(complete, node_mass, 0.0),
-        jnp.sum(jnp.where(remainder, attention, 0.0), -1, keepdims=True),
-      ],
-      axis=-1,
-    )
-    scores = jnp.where(complete, node_scores(q_rot, *node), -jnp.inf)
-    predicted = jnp.concatenate(
-      [logits[..., :1], scores, jax.nn.logsumexp(jnp.where(remainder, logits, -jnp.inf), -1, keepdims=True)], axis=-1
-    )
-    log_predicted = jax.nn.log_softmax(predicted, axis=-1)
-    kl = jnp.sum(
-      jnp.where(target > 0, target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_predicted), 0.0), axis=-1
-    )  # [batch, heads, T]
-    eligible = (jnp.arange(seq) >= span).astype(dtype)
+    kl = query_level_kl(q_rot, logits, attention, node, queries, chunk=chunk, level=level)  # [batch, heads, T]
+    eligible = (queries >= chunk**level).astype(dtype)
     losses.append(jnp.sum(kl * eligible) / (batch * heads * jnp.maximum(jnp.sum(eligible), 1.0)))
   return jnp.stack(losses)
+
+
+def query_level_kl(q_rot, logits, attention, node, positions, *, chunk, level):
+  """`KL(target ‖ prediction)` of each query at one level (see `zha_kl_per_level`): `[batch, heads, Tq]`.
+
+  Args:
+    q_rot: `[batch, Tq, heads, d]` rotated queries at `positions` `[Tq]` (int; a position past the last key sees
+      every key).
+    logits, attention: `[batch, heads, Tq, T]` the queries' scaled logits over all T keys and their causal softmax.
+    node: one level's `(keys [batch, N, kv_heads, R, d], bias [batch, N, kv_heads, R])`, N ≥ 1.
+  """
+  batch, heads, queries, seq = logits.shape
+  span, count = chunk**level, node[0].shape[1]
+  i, j = positions[:, None], jnp.arange(seq)[None, :]
+  complete = complete_nodes(jnp.broadcast_to(positions, (batch, queries)), count, chunk, level)  # [batch, 1, Tq, N]
+  node_mass = attention[..., 1 : 1 + count * span].reshape(batch, heads, queries, count, span).sum(-1)
+  remainder = (j >= 1 + span * (i // span)) & (j <= i)  # [Tq, T]
+  target = jnp.concatenate(
+    [
+      attention[..., :1],
+      jnp.where(complete, node_mass, 0.0),
+      jnp.sum(jnp.where(remainder, attention, 0.0), -1, keepdims=True),
+    ],
+    axis=-1,
+  )
+  scores = jnp.where(complete, node_scores(q_rot, *node), -jnp.inf)
+  predicted = jnp.concatenate(
+    [logits[..., :1], scores, jax.nn.logsumexp(jnp.where(remainder, logits, -jnp.inf), -1, keepdims=True)], axis=-1
+  )
+  log_predicted = jax.nn.log_softmax(predicted, axis=-1)
+  return jnp.sum(
+    jnp.where(target > 0, target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_predicted), 0.0), axis=-1
+  )
 
 
 def zha_kl_loss(q, k, ref_queries, *, chunk, levels, rope_theta=None):
