@@ -1,6 +1,7 @@
 """ZHA's distillation loss over blocks of queries (fsjax.ops.zha_kl) against the reference's, whose dense
 `[batch, heads, T, T]` attention it never holds whole."""
 
+import dataclasses
 import functools
 
 import jax
@@ -9,8 +10,11 @@ import numpy as np
 import pytest
 
 from fsjax import ops
+from fsjax.config import model_preset
+from fsjax.model import Transformer, init_variables
 from fsjax.ops import dispatch, zha_kl
 from fsjax.reference import zha
+from fsjax.train import objectives
 
 from helpers import random_qkv
 
@@ -96,3 +100,31 @@ def test_blocked_gradient_holds_a_fraction_of_the_reference_memory():
   blocked = temporaries(lambda q, k, r: zha_kl.zha_kl_per_level(q, k, r, query_block=64, **tree))
   reference = temporaries(lambda q, k, r: zha.zha_kl_per_level(q, k, r, **tree))
   assert blocked < 0.5 * reference, (blocked, reference)
+
+
+def test_a_distilling_model_under_auto_takes_the_blocked_loss(rng, monkeypatch):
+  """The ZHA module hands its `impl` to the loss: a distilling tiny model (scanned layers) configured "auto" runs
+  the blocked form once its queries span two blocks, and its training loss and gradient equal the "reference"
+  model's."""
+  base = model_preset("tiny", kind="zha", scan_layers=True)
+  zha_config = dataclasses.replace(base.attention.zha, refs=2, chunk=4, distill=True)
+
+  def loss_and_grad(impl):
+    config = dataclasses.replace(base, attention=dataclasses.replace(base.attention, impl=impl, zha=zha_config))
+    model = Transformer(config)
+    variables = init_variables(config, jax.random.PRNGKey(0), 32)
+    params, frozen = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+    loss = lambda p: objectives.zha_kl_loss(model, p, frozen, {"tokens": tokens})[0]
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  tokens = jnp.asarray(rng.integers(0, base.vocab_size, (2, 41)))
+  expected = loss_and_grad("reference")
+  monkeypatch.setattr(zha_kl, "BLOCK_BYTES", 2 * base.num_heads * 16 * 40 * 4)  # two blocks of 16, one of padding
+  calls = []
+  blocked = zha_kl.zha_kl_per_level
+  monkeypatch.setattr(zha_kl, "zha_kl_per_level", lambda *a, **kw: calls.append(1) or blocked(*a, **kw))
+  actual = loss_and_grad("auto")
+  assert calls
+  for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
+    scale = float(jnp.max(jnp.abs(e)))
+    assert float(jnp.max(jnp.abs(a - e))) <= 2e-6 * max(scale, 1e-30)

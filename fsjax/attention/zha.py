@@ -34,8 +34,8 @@ class ZHAAttention(nn.Module):
   with `tree.max_nodes` set, a one-token chunk reads only the routed candidates and keys.
 
   `impl` ("reference" | "auto" | "pallas") goes to each op through `fsjax.ops.dispatch.for_op`: the capped decode
-  step has Pallas kernels, the training form and the distillation loss are references, and the distillation's
-  dense attention runs on cuDNN where `auto` allows.
+  step has Pallas kernels, the training form is a reference, the distillation loss runs over blocks of queries
+  (`fsjax.ops.zha_kl`) and its dense attention on cuDNN where `auto` allows.
   """
 
   num_heads: int
