@@ -1,13 +1,13 @@
 """ZHA's distillation loss (ZHA III-B) over blocks of queries: the reference's `zha_kl_per_level` in bounded memory.
 
-The reference holds the dense attention of every query over every key, `[batch, heads, T, T]`, and several arrays
-of that size derived from it, at once: at 64 rows of 1,024 tokens and 4 heads each is 1 GiB in float32, and a
-training step of a four-layer model asked for 20 GiB in one allocation. Here the queries go through a `lax.scan`
-in blocks of `query_block`; each block builds its rows of the dense attention, the level targets and the
-predictions exactly as the reference builds them for those rows, and adds its queries' KL to a per-level sum.
-Only `[batch, heads, query_block, T]` arrays are live. The gradient reaches the reference queries through the
-node scores alone (q and k carry none), so the scan keeps per block only the `[batch, heads, query_block, N]`
-arrays of its predictions, not the dense rows.
+The reference holds at once the dense attention of every query over every key, `[batch, heads, T, T]`, several
+arrays of that size derived from it, and for the backward every query's tangents over every node, `[batch,
+heads, T, N, R]`: at 64 rows of 1,024 tokens and 4 heads one `[T, T]` array is 1 GiB in float32, and a training
+step of a four-layer model asked for 20 GiB in one allocation. Here the queries go through a `lax.scan` in blocks
+of `query_block`; each block builds its rows of the dense attention, the level targets and the predictions with
+the reference's own `query_level_kl`, and adds its queries' KL to a per-level sum. The block's body is under
+`jax.checkpoint`, so the backward recomputes a block's tangents instead of keeping them for every block: what is
+live is one block's `[batch, heads, query_block, T]` rows and `[batch, heads, query_block, N, R]` tangents.
 """
 
 import math
@@ -25,7 +25,7 @@ BLOCK_BYTES = 2**26
 
 
 def query_block_for(batch, heads, seq):
-  """The largest power of two ≥ 16 (and < the next power of two above `seq`) whose float32 rows of dense attention,
+  """The largest power of two ≥ 16, and at most the first one ≥ `seq`, whose float32 rows of dense attention,
   `batch · heads · block · seq · 4` bytes, fit `BLOCK_BYTES`."""
   budget, block = BLOCK_BYTES, 16
   while block < seq and batch * heads * (2 * block) * seq * 4 <= budget:
