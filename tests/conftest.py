@@ -1,6 +1,8 @@
 """Shared fixtures and settings."""
 
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -14,6 +16,35 @@ MICRO_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "micro_f
 
 # Tests check math: on GPUs, float32 matmuls outside the references would otherwise default to TF32.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# One persistent compilation cache per test session, shared by the xdist workers and the train.py / CLI
+# subprocesses the tests start (they inherit the environment): many modules and every micro training run compile
+# the same programs (the tiny models' chunk and decode programs, the micro config's train step), and on CPU the
+# compiles are most of the suite's time. Keyed by the program, so a hit runs exactly what a compile would give;
+# tracing still runs, so monkeypatched Python still takes effect. A size bound turns on JAX's file lock around
+# every read and write: without it one process can read an entry another is still writing (a warning, and a
+# test that counts stderr lines would see it).
+_COMPILATION_CACHE = "JAX_COMPILATION_CACHE_DIR"
+_MIN_COMPILE_SECONDS = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+_MAX_SIZE = "JAX_COMPILATION_CACHE_MAX_SIZE"
+
+
+def pytest_configure(config):
+  if not hasattr(config, "workerinput") and _COMPILATION_CACHE not in os.environ:  # the controller, set once
+    config._fsjax_compilation_cache = tempfile.mkdtemp(prefix="fsjax-jit-cache-")
+    os.environ[_COMPILATION_CACHE] = config._fsjax_compilation_cache
+    os.environ.setdefault(_MIN_COMPILE_SECONDS, "0.2")
+    os.environ.setdefault(_MAX_SIZE, str(16 << 30))
+  if os.environ.get(_COMPILATION_CACHE):
+    jax.config.update("jax_compilation_cache_dir", os.environ[_COMPILATION_CACHE])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(os.environ.get(_MIN_COMPILE_SECONDS, 1)))
+    jax.config.update("jax_compilation_cache_max_size", int(os.environ.get(_MAX_SIZE, 16 << 30)))
+
+
+def pytest_unconfigure(config):
+  path = getattr(config, "_fsjax_compilation_cache", None)
+  if path:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
