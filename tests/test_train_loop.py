@@ -229,9 +229,8 @@ def test_eight_simulated_devices_give_the_same_losses_as_one(tmp_path):
   np.testing.assert_allclose([eight[s] for s in (1, 2, 3)], [one[s] for s in (1, 2, 3)], rtol=2e-5)
 
 
-def test_continued_pretraining_switches_variant_with_fresh_optimizer(tmp_path):
-  parent = tmp_path / "parent"
-  _run(parent, "train.steps=2")
+def test_continued_pretraining_switches_variant_with_fresh_optimizer(micro_workdir, tmp_path):
+  parent = micro_workdir  # a 2-step FS run: read, not written
   _, parent_params, _, _ = ckpt_lib.load(str(parent))
   config = load_config(
     MICRO, ["model.attention.kind=fsl", f"train.init_from={parent}", "train.steps=1", "checkpoint.async_save=false"]
@@ -244,9 +243,9 @@ def test_continued_pretraining_switches_variant_with_fresh_optimizer(tmp_path):
   jax.tree_util.tree_map(np.testing.assert_array_equal, child_params, parent_params)
 
 
-def test_checkpoint_with_other_shapes_is_rejected_before_compiling(tmp_path, capsys):
+def test_checkpoint_with_other_shapes_is_rejected_before_compiling(micro_workdir, tmp_path, capsys):
   workdir = tmp_path / "run"
-  _run(workdir, "train.steps=2")
+  shutil.copytree(micro_workdir, workdir)  # a 2-step FS run
   args = ["--config", MICRO, "--workdir", str(workdir), "--set", "model.d_model=48"]
   assert train_cli.main(args) == 2
   assert "model.d_model: 32 -> 48" in capsys.readouterr().err  # the config check comes first
