@@ -18,6 +18,8 @@ from helpers import assert_close, stack_layers, tiny_model
 
 KINDS = list(kinds.names())  # every registered kind has a decode cache
 SEQ, PROMPT = 150, 70  # crosses four 32-token query blocks in the prompt and more while decoding
+# Tests below prefill batches of 2 into caches of SEQ slots in 32-token chunks where their property allows it:
+# a chunk program of one shape is compiled once and serves them all.
 
 
 def _distinct_tokens(rng, vocab_size, batch, seq):
@@ -116,8 +118,8 @@ def test_a_prompts_first_chunk_fills_the_cache_in_bulk_as_chunk_by_chunk_does(rn
   config, model, variables = tiny_model(kind)
   tokens = _distinct_tokens(rng, config.vocab_size, 2, 70)
   lengths = jnp.array([70, 45])
-  bulk_logits, bulk = prefill(model, variables, tokens, lengths, init_cache(config, 2, 96))  # chunk: whole prompt
-  logits, cache = _chunk_by_chunk(model, variables, tokens, lengths, init_cache(config, 2, 96), 32)
+  bulk_logits, bulk = prefill(model, variables, tokens, lengths, init_cache(config, 2, SEQ))  # chunk: whole prompt
+  logits, cache = _chunk_by_chunk(model, variables, tokens, lengths, init_cache(config, 2, SEQ), 32)
   for row, n in enumerate([70, 45]):
     assert_close(np.asarray(bulk_logits)[row, :n], np.asarray(logits)[row, :n], np.float32, scale=5)
   paths = jax.tree_util.tree_flatten_with_path(cache)[0]
@@ -152,10 +154,10 @@ def test_prefill_chunk_grows_with_the_prompt_only_where_the_fused_operators_run(
 @pytest.mark.parametrize("kind", ["fsl", "swa"])
 def test_prefill_chunk_size_does_not_change_logits(rng, kind):
   config, model, variables = tiny_model(kind)
-  tokens = _distinct_tokens(rng, config.vocab_size, 1, 96)
-  lengths = jnp.array([96])
-  small, _ = prefill(model, variables, tokens, lengths, init_cache(config, 1, 96), chunk=16)
-  large, _ = prefill(model, variables, tokens, lengths, init_cache(config, 1, 96), chunk=96)
+  tokens = _distinct_tokens(rng, config.vocab_size, 2, 96)
+  lengths = jnp.array([96, 96])
+  small, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, SEQ), chunk=16)
+  large, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, SEQ), chunk=96)
   assert_close(small, large, np.float32, scale=5)
 
 
@@ -183,11 +185,12 @@ def test_later_chunks_stay_short_unless_the_cache_path_is_bounded(rng, monkeypat
   sizes = _record_chunk_sizes(monkeypatch)
   for kind, expected_sizes in (("swa", [64, 32, 32]), ("fsl", [64, 64])):
     config, model, variables = tiny_model(kind)
-    tokens = _distinct_tokens(rng, config.vocab_size, 1, 120)
+    tokens = _distinct_tokens(rng, config.vocab_size, 2, 120)
+    lengths = jnp.array([120, 120])
     sizes.clear()
-    chosen, _ = prefill(model, variables, tokens, jnp.array([120]), init_cache(config, 1, 128))
+    chosen, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, SEQ))
     assert sizes == expected_sizes, kind
-    even, _ = prefill(model, variables, tokens, jnp.array([120]), init_cache(config, 1, 128), chunk=32)
+    even, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, SEQ), chunk=32)
     assert_close(chosen, even, np.float32, scale=5)
 
 
@@ -238,8 +241,8 @@ def test_prefill_can_keep_only_each_rows_last_logits(rng):
   config, model, variables = tiny_model("fs")
   tokens = _distinct_tokens(rng, config.vocab_size, 2, 100)
   lengths = jnp.array([100, 41])
-  full, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, 100), chunk=32)
-  last, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, 100), chunk=32, all_logits=False)
+  full, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, SEQ), chunk=32)
+  last, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, SEQ), chunk=32, all_logits=False)
   # One position's logits are a smaller matrix product: on a GPU its summation order may differ in the last bit.
   assert_close(last, np.asarray(full)[[0, 1], [99, 40]], np.float32)
 
@@ -304,7 +307,7 @@ def test_greedy_generation_follows_the_full_forward_argmax(rng):
   prompt = rng.integers(3, config.vocab_size, (1, 40)).astype(np.int32)
   out = np.asarray(generate(model, variables, prompt, [40], max_new_tokens=8, eos_id=-1, chunk=16))
   sequence = np.concatenate([prompt, out], axis=1)
-  logits = np.asarray(model.apply(variables, jnp.asarray(sequence)))
+  logits = np.asarray(jax.jit(model.apply)(variables, jnp.asarray(sequence)))
   np.testing.assert_array_equal(out[0], logits[0, 39:47].argmax(-1))
 
 
@@ -334,7 +337,9 @@ def test_fsl_bounded_cache_selects_the_masked_operators_cells_at_every_step(rng)
   att = config.attention
   seq, prompt = 300, 100
   tokens = _distinct_tokens(rng, config.vocab_size, 2, seq)
-  _, captured = model.apply(variables, tokens, capture_intermediates=True, mutable=["intermediates"])
+  _, captured = jax.jit(lambda v, t: model.apply(v, t, capture_intermediates=True, mutable=["intermediates"]))(
+    variables, tokens
+  )
   cache = init_cache(config, 2, seq)
   logits, cache = prefill(model, variables, tokens[:, :prompt], jnp.full((2,), prompt), cache, chunk=64)
   selected = {}
@@ -418,11 +423,11 @@ def test_prefill_can_keep_the_logits_of_chosen_positions(rng, kind):
   tokens = _distinct_tokens(rng, config.vocab_size, 2, 100)
   lengths = jnp.array([100, 41])
   at = np.array([[99, 3, 40, 64], [0, 40, 31, 32]], np.int32)  # chunk ends, starts and middles; repeats allowed
-  full, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, 100), chunk=32)
-  picked, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, 100), chunk=32, logits_at=at)
+  full, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, SEQ), chunk=32)
+  picked, _ = prefill(model, variables, tokens, lengths, init_cache(config, 2, SEQ), chunk=32, logits_at=at)
   assert picked.shape == (2, 4, config.vocab_size)
   assert_close(picked, np.take_along_axis(np.asarray(full), at[..., None], axis=1), np.float32)
   with pytest.raises(ValueError, match="logits_at must be"):
-    prefill(model, variables, tokens, lengths, init_cache(config, 2, 100), chunk=32, logits_at=at[0])
+    prefill(model, variables, tokens, lengths, init_cache(config, 2, SEQ), chunk=32, logits_at=at[0])
   with pytest.raises(ValueError, match="inside each row's prompt"):  # row 1 holds 41 tokens
-    prefill(model, variables, tokens, lengths, init_cache(config, 2, 100), chunk=32, logits_at=at + [[0], [1]])
+    prefill(model, variables, tokens, lengths, init_cache(config, 2, SEQ), chunk=32, logits_at=at + [[0], [1]])
