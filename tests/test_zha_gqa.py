@@ -3,6 +3,7 @@ shared by the query heads that read it (query head h reads key/value head `h // 
 and attention stay per query head."""
 
 import dataclasses
+import functools
 import json
 
 import flax.traverse_util
@@ -70,17 +71,16 @@ def test_grouped_heads_equal_multi_head_over_repeated_trees(rng):
   ref_queries = rng.standard_normal((kv_heads, 3, 8))
   repeat = lambda x, axis: np.repeat(x, group, axis=axis)
   kwargs = dict(chunk=3, levels=2, rope_theta=10000.0)
+  # Jitted: op by op, the float64 tree, routing and loss compiled a program per operation and shape.
+  attention = jax.jit(functools.partial(ops.zha_attention, top_p=0.8, max_nodes=3, return_fraction=True, **kwargs))
+  kl_and_grad = jax.jit(jax.value_and_grad(functools.partial(ops.zha_kl_loss, **kwargs), argnums=2))
   with jax.enable_x64(True):
-    grouped = ops.zha_attention(q, k, v, ref_queries, top_p=0.8, max_nodes=3, return_fraction=True, **kwargs)
-    copied = ops.zha_attention(
-      q, repeat(k, 2), repeat(v, 2), repeat(ref_queries, 0), top_p=0.8, max_nodes=3, return_fraction=True, **kwargs
-    )
+    grouped = attention(q, k, v, ref_queries)
+    copied = attention(q, repeat(k, 2), repeat(v, 2), repeat(ref_queries, 0))
     for got, want in zip(grouped, copied):
       assert_close(got, want, jnp.float64)
-    kl, grad = jax.value_and_grad(lambda r: ops.zha_kl_loss(q, k, r, **kwargs))(jnp.asarray(ref_queries))
-    kl_copied, grad_copied = jax.value_and_grad(lambda r: ops.zha_kl_loss(q, repeat(k, 2), r, **kwargs))(
-      jnp.asarray(repeat(ref_queries, 0))
-    )
+    kl, grad = kl_and_grad(q, k, jnp.asarray(ref_queries))
+    kl_copied, grad_copied = kl_and_grad(q, repeat(k, 2), jnp.asarray(repeat(ref_queries, 0)))
   np.testing.assert_allclose(kl, kl_copied, rtol=1e-12)
   assert_close(grad, np.asarray(grad_copied).reshape(kv_heads, group, 3, 8).sum(1), jnp.float64)
 
@@ -106,8 +106,10 @@ def test_one_key_value_head_per_query_head_runs_the_multi_head_products(rng):
 def test_top_p_one_is_dense_grouped_attention(rng):
   q, k, v = (jnp.asarray(x, jnp.float32) for x in _grouped_qkv(rng, 2, 70, 4, 2, 8))
   ref_queries = jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)
-  out = ops.zha_attention(q, k, v, ref_queries, chunk=3, levels=3, top_p=1.0, rope_theta=10000.0)
-  assert_close(out, ops.tfpp_attention(q, k, v), jnp.float32)
+  out = jax.jit(functools.partial(ops.zha_attention, chunk=3, levels=3, top_p=1.0, rope_theta=10000.0))(
+    q, k, v, ref_queries
+  )
+  assert_close(out, jax.jit(ops.tfpp_attention)(q, k, v), jnp.float32)
 
 
 def test_reference_queries_must_be_one_set_per_key_value_head(rng):
