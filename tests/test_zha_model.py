@@ -1,6 +1,7 @@
 """ZHA inside the model: decode fractions, TF++ -> ZHA conversion by KL distillation, and the CLIs on the result."""
 
 import dataclasses
+import functools
 import json
 
 import flax.traverse_util
@@ -136,9 +137,11 @@ def test_cache_routing_equals_the_reference(rng, max_nodes):
   q, k, v = (jnp.asarray(rng.standard_normal((2, 70, 2, 8)), jnp.float32) for _ in range(3))
   ref_queries = jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32)
   tree = ZHATree(refs=3, chunk=3, levels=2, top_p=(0.9,), max_nodes=max_nodes)
-  expected, expected_fraction = ops.zha_attention(
-    q, k, v, ref_queries, chunk=3, levels=2, top_p=0.9, rope_theta=10000.0, max_nodes=max_nodes, return_fraction=True
+  attention = jax.jit(  # op by op, the reference compiled a program per operation
+    functools.partial(ops.zha_attention, chunk=3, levels=2, top_p=0.9, rope_theta=10000.0, return_fraction=True),
+    static_argnames="max_nodes",
   )
+  expected, expected_fraction = attention(q, k, v, ref_queries, max_nodes=max_nodes)
   cache = zha_cache.empty_zha(2, 72, 2, 8, tree)
   outputs, fractions = [], []
   for start, size in ((0, 40), *((t, 1) for t in range(40, 70))):
@@ -161,9 +164,7 @@ def test_cache_routing_equals_the_reference(rng, max_nodes):
   np.testing.assert_allclose(np.concatenate(outputs, axis=1), expected, rtol=1e-4, atol=1e-5)
   assert np.min(expected_fraction[:, 40:]) < 0.5  # routing prunes where the decode steps run
   if max_nodes:
-    _, uncapped = ops.zha_attention(
-      q, k, v, ref_queries, chunk=3, levels=2, top_p=0.9, rope_theta=10000.0, return_fraction=True
-    )
+    _, uncapped = attention(q, k, v, ref_queries, max_nodes=None)
     assert np.any(np.asarray(expected_fraction) < np.asarray(uncapped))  # the cap binds
 
 
@@ -197,10 +198,10 @@ def test_a_chunk_writes_every_node_it_completes_and_none_from_padding(rng, start
   cache = zha_cache.empty_zha(1, 48, 2, 8, tree)
   if start:
     pos = jnp.arange(start)[None]
-    cache = zha_cache.extend(cache, k[:, :start], k[:, :start], pos, pos >= 0, ref_queries, tree=tree, rope_theta=None)
+    cache = _extend(cache, k[:, :start], k[:, :start], pos, pos >= 0, ref_queries, tree=tree, rope_theta=None)
   pos = jnp.arange(start, start + 48)[None]
   chunk = jnp.pad(k[:, start:], ((0, 0), (0, start), (0, 0), (0, 0)), constant_values=9.0)  # padding: not keys
-  cache = zha_cache.extend(cache, chunk, chunk, pos, pos < length, ref_queries, tree=tree, rope_theta=None)
+  cache = _extend(cache, chunk, chunk, pos, pos < length, ref_queries, tree=tree, rope_theta=None)
   expected = zha_ref.build_tree(k[:, :length], ref_queries, chunk=4, levels=2)
   for level, (keys, bias) in enumerate(expected):
     count = keys.shape[1]
