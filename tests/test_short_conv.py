@@ -85,7 +85,7 @@ def test_prefill_of_ragged_prompts_and_decode_equal_the_full_forward(rng, kind, 
   config, model, variables = _conv_model(kind, scan_layers)
   lengths, steps = np.array([70, 45]), 4
   tokens = rng.integers(0, config.vocab_size, (2, 70 + steps))
-  full = np.asarray(model.apply(variables, jnp.asarray(tokens)))
+  full = np.asarray(jax.jit(model.apply)(variables, jnp.asarray(tokens)))
   cache = init_cache(config, 2, 80)
   assert cache["conv"].shape == (config.num_layers, 2, 2, config.d_model)
   logits, cache = prefill(model, variables, jnp.asarray(tokens[:, :70]), jnp.asarray(lengths), cache, chunk=32)
