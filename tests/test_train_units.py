@@ -50,13 +50,14 @@ def test_recall_weighted_loss_matches_eq_13(rng):
   recall, switch = (rng.integers(0, 2, (2, 65)).astype(np.float32) for _ in range(2))
   batch = dict(tokens=jnp.asarray(tokens), recall=jnp.asarray(recall), switch=jnp.asarray(switch))
   model = Transformer(config)
-  logits = model.apply(variables, tokens[:, :-1])
+  logits = jax.jit(model.apply)(variables, tokens[:, :-1])
   nll = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
   w = 1 + 9 * recall[:, 1:] + 49 * switch[:, 1:]
   frozen = {"routing": variables["routing"]}
-  loss = weighted_loss(model, variables["params"], frozen, batch, 9.0, 49.0)
+  loss_fn = jax.jit(weighted_loss, static_argnums=(0, 4, 5))  # op by op, the forward compiled per operation
+  loss = loss_fn(model, variables["params"], frozen, batch, 9.0, 49.0)
   np.testing.assert_allclose(loss, np.sum(w * nll) / np.sum(w), rtol=1e-5)
-  np.testing.assert_allclose(weighted_loss(model, variables["params"], frozen, batch), nll.mean(), rtol=1e-5)
+  np.testing.assert_allclose(loss_fn(model, variables["params"], frozen, batch), nll.mean(), rtol=1e-5)
   np.testing.assert_array_equal(loss_weights(batch, 0.0, 0.0), np.ones((2, 64)))
 
 
