@@ -30,7 +30,9 @@ _MAX_SIZE = "JAX_COMPILATION_CACHE_MAX_SIZE"
 
 
 def pytest_configure(config):
-  if not hasattr(config, "workerinput") and _COMPILATION_CACHE not in os.environ:  # the controller, set once
+  # CPU only: compiled GPU runs (the kernels' parity tests on the device) stay exactly as a user's first run.
+  controller = not hasattr(config, "workerinput")
+  if controller and _COMPILATION_CACHE not in os.environ and jax.default_backend() == "cpu":  # set once
     config._fsjax_compilation_cache = tempfile.mkdtemp(prefix="fsjax-jit-cache-")
     os.environ[_COMPILATION_CACHE] = config._fsjax_compilation_cache
     os.environ.setdefault(_MIN_COMPILE_SECONDS, "0.2")
