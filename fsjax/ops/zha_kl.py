@@ -5,20 +5,17 @@ arrays of that size derived from it, and for the backward every query's tangents
 heads, T, N, R]`: at 64 rows of 1,024 tokens and 4 heads one `[T, T]` array is 1 GiB in float32, and a training
 step of a four-layer model asked for 20 GiB in one allocation. Here the queries go through a `lax.scan` in blocks
 of `query_block`; each block builds its rows of the dense attention, the level targets and the predictions with
-the reference's own `query_level_kl`, and adds its queries' KL to a per-level sum. The block's body is under
+the reference's own `summed_query_kl`, and adds its queries' KL to a per-level sum. The block's body is under
 `jax.checkpoint`, so the backward recomputes a block's tangents instead of keeping them for every block: what is
 live is one block's `[batch, heads, query_block, T]` rows and `[batch, heads, query_block, N, R]` tangents.
 """
-
-import math
 
 import jax
 import jax.numpy as jnp
 
 from fsjax.reference.common import compute_dtype
-from fsjax.reference.grouped import check_grouped_qkv, grouped_logits
-from fsjax.reference.softmax import masked_softmax
-from fsjax.reference.zha import build_tree, check_ref_queries, query_level_kl, rotate
+from fsjax.reference.grouped import check_grouped_qkv
+from fsjax.reference.zha import build_tree, check_ref_queries, mean_query_kl, rotate, summed_query_kl
 
 # Bytes of one float32 `[batch, heads, query_block, T]` array: the block is the largest power of two under it.
 BLOCK_BYTES = 2**26
@@ -57,20 +54,8 @@ def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None, query
 
   def block_kl(sums, inputs):
     q_block, start = inputs
-    queries = start + jnp.arange(block)  # rows past T are padding
-    logits = grouped_logits(q_block, k_rot) / math.sqrt(dim)  # [batch, heads, Bq, T]
-    attention = masked_softmax(logits, jnp.arange(seq)[None, :] <= queries[:, None])
-    added = []
-    for level, node in enumerate(tree, start=1):
-      if node[0].shape[1] == 0:
-        added.append(jnp.zeros((), dtype))
-        continue
-      kl = query_level_kl(q_block, logits, attention, node, queries, chunk=chunk, level=level)  # [batch, heads, Bq]
-      eligible = ((queries >= chunk**level) & (queries < seq)).astype(dtype)
-      added.append(jnp.sum(kl * eligible))
-    return sums + jnp.stack(added), None
+    return sums + summed_query_kl(q_block, k_rot, tree, start + jnp.arange(block), chunk=chunk), None
 
   starts = jnp.arange(blocks) * block
   sums, _ = jax.lax.scan(jax.checkpoint(block_kl), jnp.zeros((len(tree),), dtype), (q_blocks, starts))
-  eligible = jnp.asarray([max(seq - chunk**level, 0) for level in range(1, len(tree) + 1)], dtype)
-  return sums / (batch * heads * jnp.maximum(eligible, 1.0))
+  return mean_query_kl(sums, batch, heads, seq, chunk)

@@ -375,22 +375,41 @@ def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None):
   q_rot = jax.lax.stop_gradient(rotate(q.astype(dtype), positions, rope_theta))
   k_rot = jax.lax.stop_gradient(rotate(k.astype(dtype), positions, rope_theta))
   tree = build_tree(k_rot, ref_queries.astype(dtype), chunk=chunk, levels=levels, rope_theta=rope_theta)
-  logits = grouped_logits(q_rot, k_rot) / math.sqrt(dim)
-  queries = jnp.arange(seq)
-  attention = masked_softmax(logits, queries[None, :] <= queries[:, None])
-  losses = []
+  return mean_query_kl(summed_query_kl(q_rot, k_rot, tree, jnp.arange(seq), chunk=chunk), batch, heads, seq, chunk)
+
+
+def mean_query_kl(sums, batch, heads, seq, chunk):
+  """`summed_query_kl`'s `[levels]` sums over all `seq` queries as means over batch, query heads and the queries
+  that count at each level (those at or past its first complete node; a level with none gives 0)."""
+  eligible = jnp.asarray([max(seq - chunk**level, 0) for level in range(1, sums.shape[0] + 1)], sums.dtype)
+  return sums / (batch * heads * jnp.maximum(eligible, 1.0))
+
+
+def summed_query_kl(q_rot, k_rot, tree, positions, *, chunk):
+  """Each level's KL (see `zha_kl_per_level`) of a set of queries, summed over batch, query heads and the queries
+  with at least one complete node at that level: `[levels]`, the numerators of the per-level means.
+
+  Args:
+    q_rot: `[batch, Tq, heads, d]` rotated queries at `positions` `[Tq]` (int; one at or past the last key is
+      padding and weighs nothing).
+    k_rot: `[batch, T, kv_heads, d]` rotated keys; tree: `build_tree` of them.
+  """
+  seq = k_rot.shape[1]
+  logits = grouped_logits(q_rot, k_rot) / math.sqrt(q_rot.shape[-1])  # [batch, heads, Tq, T]
+  attention = masked_softmax(logits, jnp.arange(seq)[None, :] <= positions[:, None])
+  sums = []
   for level, node in enumerate(tree, start=1):
     if node[0].shape[1] == 0:
-      losses.append(jnp.zeros((), dtype))
+      sums.append(jnp.zeros((), q_rot.dtype))
       continue
-    kl = query_level_kl(q_rot, logits, attention, node, queries, chunk=chunk, level=level)  # [batch, heads, T]
-    eligible = (queries >= chunk**level).astype(dtype)
-    losses.append(jnp.sum(kl * eligible) / (batch * heads * jnp.maximum(jnp.sum(eligible), 1.0)))
-  return jnp.stack(losses)
+    kl = _query_level_kl(q_rot, logits, attention, node, positions, chunk=chunk, level=level)  # [batch, heads, Tq]
+    eligible = ((positions >= chunk**level) & (positions < seq)).astype(q_rot.dtype)
+    sums.append(jnp.sum(kl * eligible))
+  return jnp.stack(sums)
 
 
-def query_level_kl(q_rot, logits, attention, node, positions, *, chunk, level):
-  """`KL(target ‖ prediction)` of each query at one level (see `zha_kl_per_level`): `[batch, heads, Tq]`.
+def _query_level_kl(q_rot, logits, attention, node, positions, *, chunk, level):
+  """`KL(target ‖ prediction)` of each query at one level (`summed_query_kl`): `[batch, heads, Tq]`.
 
   Args:
     q_rot: `[batch, Tq, heads, d]` rotated queries at `positions` `[Tq]` (int; a position past the last key sees
