@@ -27,7 +27,7 @@ from fsjax.cache import archive as archive_cache
 from fsjax.cache import bounded, forest
 from fsjax.cache.archive import Archive
 from fsjax.cache.forest import ForestCache
-from fsjax.cache.layered import LayerSlice, read
+from fsjax.cache.layered import LayerSlice, after, read
 from fsjax.ops import dispatch
 from fsjax.ops.freesolo import cached_readout, cached_readout_runs_kernel
 from fsjax.reference import cells as cells_ref
@@ -274,11 +274,11 @@ def fill(cache, k, v, positions, valid, routing: Routing, *, rope_theta, tau=Non
 def bounded_long_range(cache: bounded.BoundedCache, q, pos, routing: Routing, *, lam, sigma, lr_gain):
   """Eq. 7-9 for queries at `pos` over `pool ∪ recent` (Eq. 8): (o_lr `[batch, C, heads, d]`, cells `[.., K]`).
   The cache's cells are per key/value head; each query head scores its key/value head's candidates (their ids
-  and summaries read per query head, small) and gathers only the K cells it selected."""
-  ids, mean, norm, k_cells, v_cells = bounded.candidates(cache)  # [batch, kv_heads, N, ..]
+  and summaries read per query head, small) and gathers only the K cells it selected, from where they lie."""
+  ids, mean, norm, source = bounded.candidates(cache)  # [batch, kv_heads, N, ..]
   batch, _, heads, head_dim = q.shape
   kv_of = kv_head_of(heads, ids.shape[1])
-  ids, mean, norm = (per_query_head(x, heads, axis=1) for x in (ids, mean, norm))
+  ids, mean, norm, source = (per_query_head(x, heads, axis=1) for x in (ids, mean, norm, source))
   q_sel = jax.lax.stop_gradient(q)
   content = jnp.einsum("bthd,bhnd->bthn", q_sel, mean, precision=PRECISION) / math.sqrt(head_dim)
   distance = pos.astype(q.dtype)[:, :, None, None] - (ids.astype(q.dtype)[:, None] + 0.5) * routing.cell
@@ -286,14 +286,9 @@ def bounded_long_range(cache: bounded.BoundedCache, q, pos, routing: Routing, *,
   scores = content + lam[:, None] * norm[:, None] * prior  # Eq. 7
   available = jnp.broadcast_to((ids >= 0)[:, None], scores.shape)
   slots = cells_ref.top_k_cells(scores, available, routing.top_k)  # slots sorted by cell id: ties → lower id
-  selected = jnp.where(
-    slots >= 0,
-    jnp.take_along_axis(jnp.broadcast_to(ids[:, None], scores.shape), jnp.maximum(slots, 0), axis=-1),
-    NO_CELL,
-  )
-  rows = jnp.arange(batch)[:, None, None, None]
-  gather = lambda x: x[rows, kv_of[None, None, :, None], jnp.maximum(slots, 0)]  # [batch, C, heads, K, s, d]
-  k_sel, v_sel = gather(k_cells), gather(v_cells)
+  at_slots = lambda x: jnp.take_along_axis(jnp.broadcast_to(x[:, None], scores.shape), jnp.maximum(slots, 0), -1)
+  selected = jnp.where(slots >= 0, at_slots(ids), NO_CELL)
+  k_sel, v_sel = bounded.cell_keys_values(cache, at_slots(source), kv_of)  # [batch, C, heads, K, s, d]
   logits = jnp.einsum("bthd,bthksd->bthks", q, k_sel, precision=PRECISION) / math.sqrt(head_dim)
   probs = masked_softmax(logits, (slots >= 0)[..., None], axis=(-2, -1))
   u = jnp.einsum("bthks,bthksd->bthd", probs, v_sel, precision=PRECISION)  # Eq. 9
@@ -308,6 +303,7 @@ def bounded_segment(
   q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
   local = attend(q_rot, pos, *bounded.concat_ring(cache, k_rot, v, pos, valid), window=routing.window)
   long_range, selected = bounded_long_range(cache, q, pos, routing, lam=lam, sigma=sigma, lr_gain=lr_gain)
+  pos = after(pos, local, long_range)  # the writes below update the buffers these read in place
   return local, long_range, selected, bounded.write_segment(cache, k_rot, k, v, pos, valid)
 
 

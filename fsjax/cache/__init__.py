@@ -16,13 +16,14 @@ from fsjax.cache.layered import layer_view, write_back
 from fsjax.cache.store import KVStore
 from fsjax.cache.zha import ZHACache
 
-# The caches whose arrays grow with the sequence: a scanned model's layer reads and writes them in place.
-IN_PLACE = (KVStore, Archive, Forest, ZHACache)
+# The caches a scanned model's layer reads and writes in place: those whose arrays grow with the sequence, and
+# FS-L's, whose step writes a token's slots and a block's cells only.
+IN_PLACE = (KVStore, Archive, BoundedCache, Forest, ZHACache)
 
 
 def layer_of(stacked, layer):
-  """Layer `layer` (int32 scalar) of a scanned model's stacked cache: KV stores, archives, FS-B forests and ZHA
-  caches as views into the stack (`fsjax.cache.layered`), every other array sliced out."""
+  """Layer `layer` (int32 scalar) of a scanned model's stacked cache: KV stores, archives, FS-L's bounded caches,
+  FS-B forests and ZHA caches as views into the stack (`fsjax.cache.layered`), every other array sliced out."""
   return layer_view(stacked, layer, IN_PLACE)
 
 

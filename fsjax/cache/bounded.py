@@ -1,6 +1,6 @@
 """FS-L bounded cache (FS Sec. 3.3 "Inference", App. C "Bounded cache", Eq. 15): constant memory at any length.
 
-Per layer, sequence and head it keeps
+Per layer, sequence and key/value head it keeps
   - the local ring: the last w + 1 RoPE-rotated keys and values (Eq. 3-4);
   - the block buffer: the raw keys and values of the query block in progress;
   - the recent cells: the W most recent eligible cells (shared by the heads, stored per head);
@@ -10,6 +10,14 @@ pool becomes `TopP(pool ∪ new cells)` by (max norm desc, index asc), which equ
 (Eq. 15) because a cell outside the top P never re-enters it. A query scores `pool ∪ recent` (Eq. 8) with Eq. 7,
 ties to the lower cell index, exactly as the masked operator (`fsjax.attention.freesolo_step` reads it). Array
 sizes depend on (P, W, s, w, B, d) only.
+
+Slots, so that a step touches only what it reads and what it adds: the recent cells are a ring (cell c in slot
+c mod W) and a pool cell keeps its slot until a better cell evicts it, the new cells taking the freed slots. A
+completed block thus writes its own B/s cells and nothing else, and a query's step reads the candidates'
+summaries and gathers only its K selected cells. In a scanned model's decode step every field is a
+`layered.LayerSlice` of the stacked cache (read with `read`, written with `scatter`), so these writes land in the
+stack in place: moving whole cell arrays per token (a sorted pool, a shifted recent list, a layer's cache sliced
+out and written back) was several passes over a batch's whole cache per token.
 """
 
 import flax.struct
@@ -17,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.cache import store as kv
+from fsjax.cache.layered import read, scatter
 from fsjax.reference.routing import Routing
 
 NO_CELL = -1
@@ -25,9 +34,10 @@ NO_CELL = -1
 @flax.struct.dataclass
 class BoundedCache:
   """ring: KVStore of w + 1 rotated keys; block_k, block_v `[batch, B, heads, d]` (slot = position mod B);
-  recent_ids `[batch, W]`, recent_k/v `[batch, heads, W, s, d]`, recent_mean `[batch, heads, W, d]`,
-  recent_norm `[batch, heads, W]`; pool_ids `[batch, heads, P]`, pool_k/v `[batch, heads, P, s, d]`,
-  pool_mean `[batch, heads, P, d]`, pool_norm `[batch, heads, P]`. Ids are cell indices, -1 = empty."""
+  recent_ids `[batch, W]` (cell c in slot c mod W), recent_k/v `[batch, heads, W, s, d]`, recent_mean `[batch,
+  heads, W, d]`, recent_norm `[batch, heads, W]`; pool_ids `[batch, heads, P]` (in no particular order),
+  pool_k/v `[batch, heads, P, s, d]`, pool_mean `[batch, heads, P, d]`, pool_norm `[batch, heads, P]`. Ids are
+  cell indices, -1 = empty. `heads` are key/value heads."""
 
   ring: kv.KVStore
   block_k: jax.Array
@@ -73,76 +83,98 @@ def empty_bounded(batch, heads, head_dim, routing: Routing, dtype=jnp.float32):
 
 
 def candidates(cache: BoundedCache):
-  """`pool ∪ recent` per head, sorted by cell id (empties last), duplicates removed: (ids, mean, norm, k, v)."""
-  heads = cache.pool_ids.shape[1]
-  recent_ids = jnp.broadcast_to(
-    cache.recent_ids[:, None], (cache.recent_ids.shape[0], heads, cache.recent_ids.shape[1])
-  )
-  in_pool = jnp.any(recent_ids[..., None] == cache.pool_ids[:, :, None, :], axis=-1) & (recent_ids >= 0)
-  ids = jnp.concatenate([cache.pool_ids, jnp.where(in_pool, NO_CELL, recent_ids)], axis=-1)  # [batch, heads, N]
+  """`pool ∪ recent` per key/value head, sorted by cell id (empties last), duplicates removed: (ids, mean, norm,
+  source), each `[batch, heads, N]` (mean `[.., N, d]`), N = P + W. `source` is where a candidate's keys and
+  values lie, pool slots `0..P-1` then recent slots `P..P+W-1`: `cell_keys_values` gathers the selected ones,
+  so the candidates' cells are never copied."""
+  pool_ids = read(cache.pool_ids)
+  batch, heads, _ = pool_ids.shape
+  recent_ids = read(cache.recent_ids)
+  recent_ids = jnp.broadcast_to(recent_ids[:, None], (batch, heads, recent_ids.shape[1]))
+  in_pool = jnp.any(recent_ids[..., None] == pool_ids[:, :, None, :], axis=-1) & (recent_ids >= 0)
+  ids = jnp.concatenate([pool_ids, jnp.where(in_pool, NO_CELL, recent_ids)], axis=-1)  # [batch, heads, N]
   order = jnp.argsort(jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max), axis=-1, stable=True)
   take = lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 3)), axis=2)
   return (
     take(ids),
-    take(jnp.concatenate([cache.pool_mean, cache.recent_mean], 2)),
-    take(jnp.concatenate([cache.pool_norm, cache.recent_norm], 2)),
-    take(jnp.concatenate([cache.pool_k, cache.recent_k], 2)),
-    take(jnp.concatenate([cache.pool_v, cache.recent_v], 2)),
+    take(jnp.concatenate([read(cache.pool_mean), read(cache.recent_mean)], 2)),
+    take(jnp.concatenate([read(cache.pool_norm), read(cache.recent_norm)], 2)),
+    order.astype(jnp.int32),
   )
+
+
+def cell_keys_values(cache: BoundedCache, source, kv_head):
+  """The keys and values of candidates `source` (from `candidates`) `[batch, C, heads, K]` of key/value heads
+  `kv_head` `[heads]`: two `[batch, C, heads, K, s, d]` arrays, gathered from where the cells lie."""
+  retain_top, width = cache.pool_ids.shape[2], cache.recent_ids.shape[1]
+  rows, head = jnp.arange(source.shape[0])[:, None, None, None], kv_head[None, None, :, None]
+  in_pool = (source < retain_top)[..., None, None]
+
+  def gather(pool, recent):
+    from_pool = read(pool)[rows, head, jnp.minimum(source, retain_top - 1)]
+    if width == 0:
+      return from_pool
+    return jnp.where(in_pool, from_pool, read(recent)[rows, head, jnp.clip(source - retain_top, 0, width - 1)])
+
+  return gather(cache.pool_k, cache.recent_k), gather(cache.pool_v, cache.recent_v)
 
 
 def _cells_of_block(cache: BoundedCache, cell):
   """The block buffer as cells: (k, v `[batch, heads, B/s, s, d]`, mean `[batch, heads, B/s, d]`, norm)."""
   batch, block, heads, head_dim = cache.block_k.shape
-  split = lambda x: jnp.transpose(x.reshape(batch, block // cell, cell, heads, head_dim), (0, 3, 1, 2, 4))
+  split = lambda x: jnp.transpose(read(x).reshape(batch, block // cell, cell, heads, head_dim), (0, 3, 1, 2, 4))
   k, v = split(cache.block_k), split(cache.block_v)
   return k, v, jnp.mean(k, axis=3), jnp.max(jnp.linalg.norm(k, axis=-1), axis=3)
 
 
-def _keep_last(old, new, axis, width):
-  """The last `width` entries along `axis` of `old` followed by `new`: the highest-index (most recent) cells."""
-  if width == 0:
-    return old
-  joined = jnp.concatenate([old, new], axis=axis)
-  return jax.lax.slice_in_dim(joined, joined.shape[axis] - width, joined.shape[axis], axis=axis)
+def _pool_ranking(ids, norms):
+  """`[batch, heads, n]` positions of `ids` / `norms` in the order (max norm desc, cell id asc), empties
+  (id < 0) last: TopP of Eq. 15 keeps the first P."""
+  primary = jnp.where(ids >= 0, -norms, jnp.inf)
+  secondary = jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max)
+  order = jax.lax.sort(  # the position breaks ties among empties
+    (primary, secondary, jnp.broadcast_to(jnp.arange(ids.shape[2]), ids.shape)), dimension=2, num_keys=3
+  )[2]
+  return jnp.argsort(order, axis=2)
 
 
 def _merge(cache: BoundedCache, block_index, complete):
-  """At the end of block `block_index` (per row, where `complete`): its cells join recent and the pool (Eq. 15)."""
+  """At the end of block `block_index` (per row, where `complete`): its cells join recent and the pool (Eq. 15).
+
+  Writes only the new cells: into recent slots `id mod W` (the last W of them), and into the pool slots whose
+  cells TopP(pool ∪ new) drops (empty slots first: they rank last), the i-th admitted new cell into the i-th
+  freed slot."""
   k, v, mean, norm = _cells_of_block(cache, cell=cache.pool_k.shape[3])
-  retain_top = cache.pool_ids.shape[2]
   batch, heads, per_block = norm.shape
+  retain_top, width = cache.pool_ids.shape[2], cache.recent_ids.shape[1]
   new_ids = block_index[:, None] * per_block + jnp.arange(per_block)  # [batch, B/s]
+  rows, head = jnp.arange(batch)[:, None, None], jnp.arange(heads)[None, :, None]
+  cells = dict(k=k, v=v, mean=mean, norm=norm)
+  updates = {}
+
+  if width:
+    latest = complete[:, None] & (jnp.arange(per_block) >= per_block - width)
+    slot = jnp.where(latest, new_ids % width, width)[:, None]  # [batch, 1, B/s]; out of range: dropped
+    updates["recent_ids"] = scatter(cache.recent_ids, (rows[:, 0], slot[:, 0]), new_ids, mode="drop")
+    for name, value in cells.items():
+      field = getattr(cache, f"recent_{name}")
+      updates[f"recent_{name}"] = scatter(field, (rows, head, slot), value.astype(field.dtype), mode="drop")
+
   heads_ids = jnp.broadcast_to(new_ids[:, None], (batch, heads, per_block))
-  keep = lambda new, old: jnp.where(complete.reshape((batch,) + (1,) * (old.ndim - 1)), new, old)
-
-  width = cache.recent_ids.shape[1]
-  last = lambda old, new, axis: _keep_last(old, new, axis, width)
-  recent = dict(
-    recent_ids=last(cache.recent_ids, new_ids, 1),
-    recent_k=last(cache.recent_k, k, 2),
-    recent_v=last(cache.recent_v, v, 2),
-    recent_mean=last(cache.recent_mean, mean, 2),
-    recent_norm=last(cache.recent_norm, norm, 2),
+  rank = _pool_ranking(
+    jnp.concatenate([read(cache.pool_ids), heads_ids], axis=2),
+    jnp.concatenate([read(cache.pool_norm), norm.astype(cache.pool_norm.dtype)], axis=2),
   )
-
-  ids = jnp.concatenate([cache.pool_ids, heads_ids], axis=2)
-  norms = jnp.concatenate([cache.pool_norm, norm], axis=2)
-  # Rank by (max norm desc, cell id asc); empty slots last.
-  primary = jnp.where(ids >= 0, -norms, jnp.inf)
-  secondary = jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max)
-  order = jax.lax.sort(
-    (primary, secondary, jnp.broadcast_to(jnp.arange(ids.shape[2]), ids.shape)), dimension=2, num_keys=2
-  )[2][:, :, :retain_top]
-  take = lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 3)), axis=2)
-  pool = dict(
-    pool_ids=take(ids),
-    pool_norm=take(norms),
-    pool_k=take(jnp.concatenate([cache.pool_k, k], 2)),
-    pool_v=take(jnp.concatenate([cache.pool_v, v], 2)),
-    pool_mean=take(jnp.concatenate([cache.pool_mean, mean], 2)),
-  )
-  return cache.replace(**{name: keep(value, getattr(cache, name)) for name, value in {**recent, **pool}.items()})
+  kept = rank < retain_top
+  admitted = kept[..., retain_top:] & complete[:, None, None]  # [batch, heads, B/s]
+  freed = jnp.argsort(kept[..., :retain_top], axis=2, stable=True)  # dropped slots first, in slot order
+  nth = jnp.clip(jnp.cumsum(admitted, axis=2) - 1, 0, retain_top - 1)
+  slot = jnp.where(admitted, jnp.take_along_axis(freed, nth, axis=2), retain_top)
+  updates["pool_ids"] = scatter(cache.pool_ids, (rows, head, slot), heads_ids, mode="drop")
+  for name, value in cells.items():
+    field = getattr(cache, f"pool_{name}")
+    updates[f"pool_{name}"] = scatter(field, (rows, head, slot), value.astype(field.dtype), mode="drop")
+  return cache.replace(**updates)
 
 
 def concat_ring(cache: BoundedCache, k_rot, v, pos, valid):
@@ -162,8 +194,8 @@ def write_segment(cache: BoundedCache, k_rot, k, v, pos, valid):
   slot = jnp.where(valid, pos % block, block)
   cache = cache.replace(
     ring=kv.write(cache.ring, k_rot, v, pos, valid),
-    block_k=cache.block_k.at[rows, slot].set(k, mode="drop"),
-    block_v=cache.block_v.at[rows, slot].set(v, mode="drop"),
+    block_k=scatter(cache.block_k, (rows, slot), k.astype(cache.block_k.dtype), mode="drop"),
+    block_v=scatter(cache.block_v, (rows, slot), v.astype(cache.block_v.dtype), mode="drop"),
   )
   complete = jnp.any(valid & (pos % block == block - 1), axis=1)
   last_pos = jnp.max(jnp.where(valid, pos, 0), axis=1)
@@ -173,8 +205,9 @@ def write_segment(cache: BoundedCache, k_rot, k, v, pos, valid):
 def fill(cache: BoundedCache, k_rot, k, v, pos, valid):
   """The state an empty cache reaches after a prompt's first chunk, built at once rather than block by block
   (`write_segment` per block): the ring holds the last w + 1 tokens, the block buffer the last B, the recent
-  cells are the W latest of the completed blocks, and the pool is TopP by (max norm desc, cell index asc) over
-  every cell of the completed blocks (Eq. 15), in the order `_merge` keeps it.
+  cells are the W latest of the completed blocks (cell c in slot c mod W), and the pool is TopP by (max norm
+  desc, cell index asc) over every cell of the completed blocks (Eq. 15), in that order. (Block by block, the
+  pool holds the same cells in other slots.)
 
   Args:
     k_rot, k, v: `[batch, C, heads, d]` (k_rot RoPE-rotated at `pos`); pos: `[batch, C]`, `0..C-1` in every row,
@@ -190,8 +223,8 @@ def fill(cache: BoundedCache, k_rot, k, v, pos, valid):
   slot = jnp.where(in_buffer, pos % block, block)
   cache = cache.replace(
     ring=kv.write(cache.ring, k_rot, v, pos, valid),
-    block_k=cache.block_k.at[rows, slot].set(k.astype(dtype), mode="drop"),
-    block_v=cache.block_v.at[rows, slot].set(v.astype(dtype), mode="drop"),
+    block_k=scatter(cache.block_k, (rows, slot), k.astype(dtype), mode="drop"),
+    block_v=scatter(cache.block_v, (rows, slot), v.astype(dtype), mode="drop"),
   )
 
   num_cells = length // cell
@@ -200,40 +233,31 @@ def fill(cache: BoundedCache, k_rot, k, v, pos, valid):
   mean, norm = jnp.mean(k_cells, axis=3), jnp.max(jnp.linalg.norm(k_cells, axis=-1), axis=3)
   eligible = (last + 1) // block * (block // cell)  # [batch] cells of the completed blocks
   gather = lambda x, ids: jnp.take_along_axis(x, ids.reshape(ids.shape + (1,) * (x.ndim - 3)), axis=2)
+  fields = {}
 
-  recent = eligible[:, None] - width + jnp.arange(width)  # [batch, W], oldest first as `_keep_last` keeps them
-  recent_ids = jnp.where(recent >= 0, recent, NO_CELL)
+  oldest = eligible[:, None] - width  # [batch, 1]; slot r holds the cell in [oldest, eligible) that is r mod W
+  recent = oldest + (jnp.arange(width) - oldest) % max(width, 1)  # [batch, W]
+  fields["recent_ids"] = jnp.where(recent >= 0, recent, NO_CELL)
   at_recent = jnp.broadcast_to(jnp.maximum(recent, 0)[:, None], (batch, heads, width))
   present = lambda x: (recent >= 0).reshape((batch, 1, width) + (1,) * (x.ndim - 3))
-  recent_fields = {
-    name: jnp.where(present(empty), gather(full, at_recent), empty)
-    for name, full, empty in (
-      ("recent_k", k_cells, cache.recent_k),
-      ("recent_v", v_cells, cache.recent_v),
-      ("recent_mean", mean, cache.recent_mean),
-      ("recent_norm", norm, cache.recent_norm),
-    )
-  }
+  for name, full in (("k", k_cells), ("v", v_cells), ("mean", mean), ("norm", norm)):
+    empty = read(getattr(cache, f"recent_{name}"))
+    fields[f"recent_{name}"] = jnp.where(present(empty), gather(full, at_recent), empty)
 
   # The empty pool first, then every cell: ranked as `_merge` ranks them, empty slots and cells of incomplete
-  # blocks last.
+  # blocks last, the slot index breaking ties among the unranked (the empty pool's slots fill first).
   ids = jnp.concatenate(
-    [cache.pool_ids, jnp.broadcast_to(jnp.arange(num_cells), (batch, heads, num_cells)).astype(jnp.int32)], axis=2
+    [read(cache.pool_ids), jnp.broadcast_to(jnp.arange(num_cells), (batch, heads, num_cells)).astype(jnp.int32)],
+    axis=2,
   )
   ids = jnp.where(ids < eligible[:, None, None], ids, NO_CELL)
-  norms = jnp.concatenate([cache.pool_norm, norm], axis=2)
+  norms = jnp.concatenate([read(cache.pool_norm), norm], axis=2)
   primary = jnp.where(ids >= 0, -norms, jnp.inf)
   secondary = jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max)
-  order = jax.lax.sort(  # the slot index breaks ties among the unranked: the empty pool's slots fill first
+  order = jax.lax.sort(
     (primary, secondary, jnp.broadcast_to(jnp.arange(ids.shape[2]), ids.shape)), dimension=2, num_keys=3
   )[2][:, :, :retain_top]
-  pool_fields = {
-    name: gather(jnp.concatenate([empty, full], axis=2), order)
-    for name, full, empty in (
-      ("pool_k", k_cells, cache.pool_k),
-      ("pool_v", v_cells, cache.pool_v),
-      ("pool_mean", mean, cache.pool_mean),
-      ("pool_norm", norm, cache.pool_norm),
-    )
-  }
-  return cache.replace(recent_ids=recent_ids, pool_ids=gather(ids, order), **recent_fields, **pool_fields)
+  fields["pool_ids"] = gather(ids, order)
+  for name, full in (("k", k_cells), ("v", v_cells), ("mean", mean), ("norm", norm)):
+    fields[f"pool_{name}"] = gather(jnp.concatenate([read(getattr(cache, f"pool_{name}")), full], axis=2), order)
+  return cache.replace(**{name: scatter(getattr(cache, name), (), value) for name, value in fields.items()})

@@ -3,7 +3,8 @@
 A scanned model (`ModelConfig.scan_layers`) keeps its cache stacked `[layers, ...]` and carries it through the
 scan over layers. Slicing a layer's cache out and writing it back whole would cost passes over the whole cache
 per step (XLA does not fold `stack.at[i].set(layer.at[j].set(u))` into `stack.at[i, j].set(u)`). So the arrays
-that grow with the sequence (the KV store's, the FS archive's, FS-B's forests, ZHA's tangents) reach a layer as
+that grow with the sequence (the KV store's, the FS archive's, FS-B's forests, ZHA's tangents) and FS-L's bounded
+cache (whose step writes only a token's slots and a block's cells) reach a layer as
 `LayerSlice`s: `read` indexes the layer, which XLA fuses into the fusion that consumes it, and `scatter` writes a
 chunk's slots straight into the stack. The other cache fields are sliced out and written back whole
 (`layer_view`, `write_back`).
@@ -20,6 +21,7 @@ XLA's CPU compiler has no such preference, and there the pin would stop a gather
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
 
@@ -57,6 +59,18 @@ def scatter(x, index, values, mode=None):
   if isinstance(x, LayerSlice):
     return x.replace(stack=x.stack.at[(x.layer, *index)].set(values, mode=mode))
   return x.at[index].set(values, mode=mode)
+
+
+def after(index, *reads):
+  """`index` (an integer array) unchanged, but computed from `reads` (arrays read from buffers that a write at
+  `index` then updates). XLA's copy insertion orders a read of a buffer before an in-place write into it only
+  through data: a write whose indices and values do not depend on what was read gets a copy of the whole buffer
+  (in a scanned model's step, of the layer's whole stack, every layer and token). `optimization_barrier` does
+  not order them for it. The term added is 0 whatever the reads hold: no float exceeds +inf, NaN included."""
+  never = jnp.zeros((), bool)
+  for x in reads:
+    never |= jnp.max(x) > jnp.inf
+  return index + never.astype(index.dtype)
 
 
 def layer_view(stacked, layer, viewed):
