@@ -430,21 +430,23 @@ def test_a_prompts_first_chunk_writes_the_stacked_cache_in_place():
     assert memory.temp_size_in_bytes < cache_bytes / 4, (kind, memory.temp_size_in_bytes, cache_bytes)
 
 
-def test_an_fsl_decode_step_updates_the_stacked_bounded_cache_in_place():
-  """Scanned layers, one FS-L token for 8 rows: the compiled step aliases every cache buffer and its temporaries
-  stay far below one copy of the cache, so no layer's pool, recent cells or ring is copied, reordered or written
-  back whole per token (a batch's step was then several passes over all of its caches)."""
-  config, _, _ = tiny_model("fsl", scan_layers=True)
-  config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, retain_top=32, retain_recent=4))
+@pytest.mark.parametrize("kind,routing", [("fsl", dict(retain_top=32, retain_recent=4)), ("swa", dict(window=1024))])
+def test_a_decode_step_reading_its_cache_before_writing_it_updates_the_stack_in_place(kind, routing):
+  """Scanned layers (4), one token for 8 rows, through the caches a step reads before it writes (FS-L's bounded
+  cache, SWA's ring): the compiled step aliases every cache buffer and its temporaries stay below half of the
+  cache, so no layer's stack is copied per token (XLA copies a buffer that is read, then written at indices that
+  do not depend on the read; FS-L's step also no longer reorders its pool or shifts its recent cells)."""
+  config, _, _ = tiny_model(kind, scan_layers=True)
+  config = dataclasses.replace(config, num_layers=4, attention=dataclasses.replace(config.attention, **routing))
   model, variables = Transformer(config), init_variables(config, jax.random.PRNGKey(0), 64)
   cache = init_cache(config, 8, 4096)
   compiled = decode.extend.lower(
-    model, variables, jnp.zeros((8, 1), jnp.int32), cache, jnp.full((8, 1), 300), jnp.ones((8, 1), bool)
+    model, variables, jnp.zeros((8, 1), jnp.int32), cache, jnp.full((8, 1), 3000), jnp.ones((8, 1), bool)
   ).compile()
   cache_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
   memory = compiled.memory_analysis()
   assert memory.alias_size_in_bytes == cache_bytes
-  assert memory.temp_size_in_bytes < cache_bytes / 4, (memory.temp_size_in_bytes, cache_bytes)
+  assert memory.temp_size_in_bytes < cache_bytes / 2, (memory.temp_size_in_bytes, cache_bytes)
 
 
 @pytest.mark.parametrize("kind", ["fs", "fsl"])

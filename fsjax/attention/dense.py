@@ -8,7 +8,7 @@ from fsjax import ops
 from fsjax.attention.cached import attend, attend_one, by_head_groups, visible
 from fsjax.attention.projections import Projection, project_out, project_qkv
 from fsjax.cache import store as kv
-from fsjax.cache.layered import LayerSlice, read
+from fsjax.cache.layered import LayerSlice, after, read
 from fsjax.ops import dispatch
 from fsjax.reference.common import compute_dtype
 from fsjax.reference.grouped import grouped_logits
@@ -129,8 +129,8 @@ class DenseAttention(nn.Module):
     k_rot = apply_rope(k.astype(dtype), positions, self.rope_theta)
     v = v.astype(dtype)
     if self.kind == "swa":  # the ring holds only the past window: attend over ring + chunk, then write
-      keys = kv.concat(cache, k_rot, v, positions, valid)
-      return attend(q_rot, positions, *keys, window=self.window), kv.write(cache, k_rot, v, positions, valid)
+      out = attend(q_rot, positions, *kv.concat(cache, k_rot, v, positions, valid), window=self.window)
+      return out, kv.write(cache, k_rot, v, after(positions, out), valid)  # in place: after the ring's read
     cache = kv.write(cache, k_rot, v, positions, valid)
     keys = (read(cache.k), read(cache.v), read(cache.pos))
     if path == "one_token":
