@@ -276,7 +276,7 @@ def bounded_long_range(cache: bounded.BoundedCache, q, pos, routing: Routing, *,
   The cache's cells are per key/value head; each query head scores its key/value head's candidates (their ids
   and summaries read per query head, small) and gathers only the K cells it selected, from where they lie."""
   ids, mean, norm, source = bounded.candidates(cache)  # [batch, kv_heads, N, ..]
-  batch, _, heads, head_dim = q.shape
+  _, _, heads, head_dim = q.shape
   kv_of = kv_head_of(heads, ids.shape[1])
   ids, mean, norm, source = (per_query_head(x, heads, axis=1) for x in (ids, mean, norm, source))
   q_sel = jax.lax.stop_gradient(q)
