@@ -346,9 +346,15 @@ def test_fsl_bounded_cache_size_does_not_grow_with_context():
   )
 
 
-def test_fsl_bounded_cache_selects_the_masked_operators_cells_at_every_step(rng):
-  """300 tokens = 37 cells with P=2, W=1: most cells are evicted long before the end."""
+@pytest.mark.parametrize("retain_top,retain_recent", [(2, 1), (3, 6)])
+def test_fsl_bounded_cache_selects_the_masked_operators_cells_at_every_step(rng, retain_top, retain_recent):
+  """300 tokens = 37 cells: most cells are evicted from the pool long before the end. W=6 keeps cells of two
+  blocks (4 cells each) in the recent ring, whose first slots a first chunk wrote in bulk (`fill`)."""
   config, model, variables = tiny_model("fsl")
+  if (retain_top, retain_recent) != (2, 1):
+    attention = dataclasses.replace(config.attention, retain_top=retain_top, retain_recent=retain_recent)
+    config = dataclasses.replace(config, attention=attention)
+    model = Transformer(config)
   att = config.attention
   seq, prompt = 300, 100
   tokens = _distinct_tokens(rng, config.vocab_size, 2, seq)
