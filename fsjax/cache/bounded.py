@@ -127,15 +127,14 @@ def _cells_of_block(cache: BoundedCache, cell):
   return k, v, jnp.mean(k, axis=3), jnp.max(jnp.linalg.norm(k, axis=-1), axis=3)
 
 
-def _pool_ranking(ids, norms):
-  """`[batch, heads, n]` positions of `ids` / `norms` in the order (max norm desc, cell id asc), empties
-  (id < 0) last: TopP of Eq. 15 keeps the first P."""
+def _pool_order(ids, norms):
+  """`[batch, heads, n]` positions of `ids` / `norms` in the order (max norm desc, cell id asc), empties (id < 0)
+  last, the position breaking ties among them: TopP of Eq. 15 keeps the first P."""
   primary = jnp.where(ids >= 0, -norms, jnp.inf)
   secondary = jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max)
-  order = jax.lax.sort(  # the position breaks ties among empties
+  return jax.lax.sort(
     (primary, secondary, jnp.broadcast_to(jnp.arange(ids.shape[2]), ids.shape)), dimension=2, num_keys=3
   )[2]
-  return jnp.argsort(order, axis=2)
 
 
 def _merge(cache: BoundedCache, block_index, complete):
@@ -161,11 +160,11 @@ def _merge(cache: BoundedCache, block_index, complete):
       updates[f"recent_{name}"] = scatter(field, (rows, head, slot), value.astype(field.dtype), mode="drop")
 
   heads_ids = jnp.broadcast_to(new_ids[:, None], (batch, heads, per_block))
-  rank = _pool_ranking(
+  order = _pool_order(
     jnp.concatenate([read(cache.pool_ids), heads_ids], axis=2),
     jnp.concatenate([read(cache.pool_norm), norm.astype(cache.pool_norm.dtype)], axis=2),
   )
-  kept = rank < retain_top
+  kept = jnp.argsort(order, axis=2) < retain_top  # each entry's rank
   admitted = kept[..., retain_top:] & complete[:, None, None]  # [batch, heads, B/s]
   freed = jnp.argsort(kept[..., :retain_top], axis=2, stable=True)  # dropped slots first, in slot order
   nth = jnp.clip(jnp.cumsum(admitted, axis=2) - 1, 0, retain_top - 1)
@@ -251,12 +250,7 @@ def fill(cache: BoundedCache, k_rot, k, v, pos, valid):
     axis=2,
   )
   ids = jnp.where(ids < eligible[:, None, None], ids, NO_CELL)
-  norms = jnp.concatenate([read(cache.pool_norm), norm], axis=2)
-  primary = jnp.where(ids >= 0, -norms, jnp.inf)
-  secondary = jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max)
-  order = jax.lax.sort(
-    (primary, secondary, jnp.broadcast_to(jnp.arange(ids.shape[2]), ids.shape)), dimension=2, num_keys=3
-  )[2][:, :, :retain_top]
+  order = _pool_order(ids, jnp.concatenate([read(cache.pool_norm), norm], axis=2))[:, :, :retain_top]
   fields["pool_ids"] = gather(ids, order)
   for name, full in (("k", k_cells), ("v", v_cells), ("mean", mean), ("norm", norm)):
     fields[f"pool_{name}"] = gather(jnp.concatenate([read(getattr(cache, f"pool_{name}")), full], axis=2), order)
