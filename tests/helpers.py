@@ -128,12 +128,15 @@ def tiny_model(kind, scan_layers=False, cell=8):
       zha=ZHAConfig(refs=4, chunk=4, top_p=(0.8,)),
     ),
   )
-  variables = init_variables(config, jax.random.PRNGKey(0), 64)
   if kind == "fsb":
-    # τ as `python -m fsjax.calibrate` finds it, from the FS model's cell norms: both forests hold cells.
+    # The FS model's variables are FS-B's bit for bit but τ (`init` would run FS-B's forest search eagerly just to
+    # build the same arrays); τ as `python -m fsjax.calibrate` finds it, from the FS model's cell norms: both
+    # forests hold cells.
+    _, fs, variables = tiny_model("fs", scan_layers, cell)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 128), 0, config.vocab_size)
-    fs = Transformer(dataclasses.replace(config, attention=dataclasses.replace(config.attention, kind="fs")))
     variables = loading.with_tau(config, variables, calibrate.calibrate(fs, variables, [tokens]))
+  else:
+    variables = init_variables(config, jax.random.PRNGKey(0), 64)
   return config, Transformer(config), variables
 
 

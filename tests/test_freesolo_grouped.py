@@ -4,6 +4,7 @@ kernels and caches against multi-head FreeSolo over K and V repeated per group (
 against the full forward; gradients."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -236,8 +237,10 @@ def test_forest_search_kernel_searches_each_query_heads_kv_head_forests(rng, int
 # The model: decode, gradients.
 
 
+@functools.lru_cache(maxsize=None)
 def _grouped_model(kind, scan_layers=False):
-  """The tiny model (4 query heads) with 2 key/value heads; FS-B's τ calibrated from the FS model."""
+  """The tiny model (4 query heads) with 2 key/value heads; FS-B's τ calibrated from the FS model. Shared by the
+  tests that ask for the same one (nothing here mutates it)."""
   config = model_preset("tiny", kind=kind, scan_layers=scan_layers)
   attention = dataclasses.replace(
     config.attention,
@@ -249,13 +252,15 @@ def _grouped_model(kind, scan_layers=False):
     zha=ZHAConfig(refs=4, chunk=4, top_p=(0.8,)),
   )
   config = dataclasses.replace(config, num_kv_heads=2, attention=attention)
-  variables = init_variables(config, jax.random.PRNGKey(0), 64)
   if kind == "fsb":
+    # The FS model's variables are FS-B's bit for bit but τ (`init` would run FS-B's forest search eagerly).
+    _, fs, variables = _grouped_model("fs", scan_layers)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 128), 0, config.vocab_size)
-    fs = Transformer(dataclasses.replace(config, attention=dataclasses.replace(attention, kind="fs")))
     tau = calibrate.calibrate(fs, variables, [tokens])
     assert tau.shape == (config.num_layers, 2)
     variables = loading.with_tau(config, variables, tau)
+  else:
+    variables = init_variables(config, jax.random.PRNGKey(0), 64)
   return config, Transformer(config), variables
 
 
