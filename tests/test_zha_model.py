@@ -186,11 +186,12 @@ def test_capped_model_decodes_like_its_full_forward(rng, impl, scan_layers):
   np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("start_length", [(0, 46), (8, 37)])
+@pytest.mark.parametrize("start_length", [(0, 46), (8, 37), (8, 36)])
 def test_a_chunk_writes_every_node_it_completes_and_none_from_padding(rng, start_length):
   """A 48-token chunk into a 48-slot cache (11 level-1 nodes of 4 keys): the slots for the nodes a chunk
   completes are capped at the node count, so a chunk from position 0 must not spend one on node -1. Padding
-  after each row's length writes no node: the cache's complete nodes equal `build_tree` over the valid keys."""
+  after each row's length writes no node: the cache's complete nodes equal `build_tree` over the valid keys, and
+  the slots past them stay empty. At length 36 the next node's last key is the first padded position."""
   start, length = start_length
   tree = ZHATree(refs=2, chunk=4, levels=2, top_p=(0.9,))
   k = jnp.asarray(rng.standard_normal((1, 48, 2, 8)), jnp.float32)
@@ -208,3 +209,4 @@ def test_a_chunk_writes_every_node_it_completes_and_none_from_padding(rng, start
     np.testing.assert_allclose(cache.keys[level][:, :count], keys, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(cache.bias[level][:, :count], bias, rtol=1e-5, atol=1e-6)
     assert not np.any(np.asarray(cache.keys[level][:, count:])), f"level {level + 1}: a node past the prompt"
+    assert not np.any(np.asarray(cache.bias[level][:, count:])), f"level {level + 1}: a node past the prompt"
