@@ -12,7 +12,7 @@ import pytest
 from fsjax import ops
 from fsjax.config import model_preset
 from fsjax.model import Transformer, init_variables
-from fsjax.ops import dispatch, zha_kl
+from fsjax.ops import dispatch, query_blocks, zha_kl
 from fsjax.reference import zha
 from fsjax.train import objectives
 
@@ -72,13 +72,13 @@ def test_float32_blocks_agree_with_the_reference_to_rounding(rng):
 def test_auto_takes_the_blocked_loss_only_past_one_block(rng, monkeypatch):
   """The dispatch: "auto" keeps the reference where all queries fit one block and takes the blocked form past it (with a
   budget shrunk to make 24 queries two blocks of 16); "pallas", which this op lacks, reaches it as "auto"."""
-  block = zha_kl.query_block_for(2, 4, 4096)
-  assert 2 * 4 * block * 4096 * 4 <= zha_kl.BLOCK_BYTES < 2 * 4 * (2 * block) * 4096 * 4  # the largest that fits
+  block = query_blocks.query_block_for(2, 4, 4096)
+  assert 2 * 4 * block * 4096 * 4 <= query_blocks.BLOCK_BYTES < 2 * 4 * (2 * block) * 4096 * 4  # the largest that fits
   assert dispatch.resolve("zha_kl_loss", "auto", batch=2, heads=4, tokens=4096) == "blocked"
   assert dispatch.resolve("zha_kl_loss", "auto", batch=1, heads=2, tokens=64) == "reference"
   assert dispatch.for_op("zha_kl_loss", "pallas") == "auto"
   q, k, ref_queries = _inputs(rng, 1, 24, 2, 2, 8, 2, np.float32)
-  monkeypatch.setattr(zha_kl, "BLOCK_BYTES", 1 * 2 * 16 * 24 * 4)
+  monkeypatch.setattr(query_blocks, "BLOCK_BYTES", 1 * 2 * 16 * 24 * 4)
   assert dispatch.resolve("zha_kl_loss", "auto", batch=1, heads=2, tokens=24) == "blocked"
   calls = []
   monkeypatch.setattr(zha_kl, "zha_kl_per_level", lambda *a, **kw: calls.append(1) or zha.zha_kl_per_level(*a, **kw))
@@ -119,7 +119,7 @@ def test_a_distilling_model_under_auto_takes_the_blocked_loss(rng, monkeypatch):
 
   tokens = jnp.asarray(rng.integers(0, base.vocab_size, (2, 41)))
   expected = loss_and_grad("reference")
-  monkeypatch.setattr(zha_kl, "BLOCK_BYTES", 2 * base.num_heads * 16 * 40 * 4)  # two blocks of 16, one of padding
+  monkeypatch.setattr(query_blocks, "BLOCK_BYTES", 2 * base.num_heads * 16 * 40 * 4)  # two blocks of 16, one of padding
   calls = []
   blocked = zha_kl.zha_kl_per_level
   monkeypatch.setattr(zha_kl, "zha_kl_per_level", lambda *a, **kw: calls.append(1) or blocked(*a, **kw))

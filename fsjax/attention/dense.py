@@ -11,7 +11,7 @@ from fsjax.cache import store as kv
 from fsjax.cache.layered import LayerSlice, after, read
 from fsjax.ops import dispatch
 from fsjax.reference.common import compute_dtype
-from fsjax.reference.grouped import grouped_logits
+from fsjax.reference.dense import moba_chosen_blocks, moba_mean_keys
 from fsjax.reference.rope import RoPE, apply_rope
 
 KINDS = ("tfpp", "swa", "moba")
@@ -26,29 +26,17 @@ def causal_attention(q, k, v, *, window, rope_theta, impl):
 
 
 def moba_block_mask(q_rot, q_pos, keys, *, moba_block, moba_top_k):
-  """MoBA's block selection for queries at positions over a dense cache's keys (slot = position), as
-  `fsjax.reference.dense.moba_attention` selects: `[batch, heads, C, capacity]` bool, a key readable when its
-  block is the query's own or one of the top `moba_top_k - 1` fully past blocks by `q · mean(k_rot over block)`
-  (lower index wins ties). The capacity must be a multiple of `moba_block`.
+  """MoBA's block selection (`fsjax.reference.dense.moba_chosen_blocks`) for queries at positions over a dense
+  cache's keys (slot = position): `[batch, heads, C, capacity]` bool, a key readable when its block is chosen.
+  The capacity must be a multiple of `moba_block`.
 
   Args:
     q_rot: `[batch, C, heads, d]` at `q_pos` `[batch, C]`; keys: `[batch, capacity, kv_heads, d]` rotated.
   """
-  batch, capacity, kv_heads, head_dim = keys.shape
-  num_blocks = capacity // moba_block
-  mean_keys = keys.reshape(batch, num_blocks, moba_block, kv_heads, head_dim).mean(axis=2)
-  gate = grouped_logits(q_rot, mean_keys)  # [batch, heads, C, num_blocks]
-  own = q_pos // moba_block  # [batch, C]
-  blocks = jnp.arange(num_blocks)
-  past = (blocks < own[..., None])[:, None]  # [batch, 1, C, num_blocks]
-  chosen = jnp.zeros(gate.shape, bool)
-  num_past = min(moba_top_k - 1, num_blocks)
-  if num_past > 0:
-    _, top = jax.lax.top_k(jnp.where(past, gate, -jnp.inf), num_past)
-    chosen = jnp.any(jax.nn.one_hot(top, num_blocks, dtype=bool), axis=-2) & past
-  chosen |= (blocks == own[..., None])[:, None]
-  key_block = jnp.arange(capacity) // moba_block
-  return jnp.take(chosen, key_block, axis=-1)
+  chosen = moba_chosen_blocks(
+    q_rot, q_pos, moba_mean_keys(keys, moba_block), moba_block=moba_block, moba_top_k=moba_top_k
+  )
+  return jnp.take(chosen, jnp.arange(keys.shape[1]) // moba_block, axis=-1)
 
 
 class DenseAttention(nn.Module):

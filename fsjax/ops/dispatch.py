@@ -18,7 +18,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from fsjax.ops import zha_kl
+from fsjax.ops import query_blocks
 from pallas_kernels import common as kernel_common
 from pallas_kernels import zha_routing
 
@@ -69,8 +69,8 @@ def _zha_kernels(*, chunk, refs, **_):
 
 
 def _several_query_blocks(*, batch, heads, tokens, **_):
-  """ZHA's blocked distillation loss pays for its scan only where the queries span more than one block."""
-  return zha_kl.query_block_for(batch, heads, tokens) < tokens
+  """An operator over blocks of queries pays for its scan only where the queries span more than one block."""
+  return query_blocks.query_block_for(batch, heads, tokens) < tokens
 
 
 def _one_token(*, tokens, **_):
@@ -94,7 +94,8 @@ TABLE = {
   "local_attention": (Implementation("cudnn", _cudnn),),
   "tfpp_attention": (Implementation("cudnn", _cudnn),),
   "swa_attention": (Implementation("cudnn", _cudnn),),
-  "moba_attention": (),
+  # MoBA: its training form over blocks of queries (the reference's rows, in bounded memory).
+  "moba_attention": (Implementation("blocked", _several_query_blocks),),
   # Decode: a chunk attending a half-precision dense cache through cuDNN; one token read in place by XLA.
   "cache_attention": (Implementation("cudnn", _cudnn_chunk), Implementation("one_token", _one_token)),
   # ZHA: the training-form operator is a reference; the distillation loss runs over query blocks in bounded

@@ -64,7 +64,7 @@ def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None, impl=
   """ZHA III-B distillation loss of each level of one layer (`fsjax.reference.zha.zha_kl_per_level`). `[levels]`.
 
   `impl` "auto" takes the query-blocked form (`fsjax.ops.zha_kl`: the same loss in memory that grows with T
-  instead of T²) wherever the queries span more than one block of `zha_kl.query_block_for` them.
+  instead of T²) wherever the queries span more than one block of `query_blocks.query_block_for` them.
   """
   batch, seq, heads, _ = q.shape
   if dispatch.resolve("zha_kl_loss", impl, batch=batch, heads=heads, tokens=seq) == "blocked":

@@ -13,21 +13,10 @@ live is one block's `[batch, heads, query_block, T]` rows and `[batch, heads, qu
 import jax
 import jax.numpy as jnp
 
+from fsjax.ops.query_blocks import query_block_for, split_queries
 from fsjax.reference.common import compute_dtype
 from fsjax.reference.grouped import check_grouped_qkv
 from fsjax.reference.zha import build_tree, check_ref_queries, mean_query_kl, rotate, summed_query_kl
-
-# Bytes of one float32 `[batch, heads, query_block, T]` array: the block is the largest power of two under it.
-BLOCK_BYTES = 2**26
-
-
-def query_block_for(batch, heads, seq):
-  """The largest power of two ≥ 16, and at most the first one ≥ `seq`, whose float32 rows of dense attention,
-  `batch · heads · block · seq · 4` bytes, fit `BLOCK_BYTES`."""
-  budget, block = BLOCK_BYTES, 16
-  while block < seq and batch * heads * (2 * block) * seq * 4 <= budget:
-    block *= 2
-  return block
 
 
 def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None, query_block=None):
@@ -41,21 +30,18 @@ def zha_kl_per_level(q, k, ref_queries, *, chunk, levels, rope_theta=None, query
   """
   check_grouped_qkv(q, k, k)
   check_ref_queries(ref_queries, k)
-  batch, seq, heads, dim = q.shape
+  batch, seq, heads, _ = q.shape
   block = query_block or query_block_for(batch, heads, seq)
-  blocks = -(-seq // block)
   dtype = compute_dtype(q.dtype)
   positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
   q_rot = jax.lax.stop_gradient(rotate(q.astype(dtype), positions, rope_theta))
   k_rot = jax.lax.stop_gradient(rotate(k.astype(dtype), positions, rope_theta))
   tree = build_tree(k_rot, ref_queries.astype(dtype), chunk=chunk, levels=levels, rope_theta=rope_theta)
-  q_blocks = jnp.pad(q_rot, ((0, 0), (0, blocks * block - seq), (0, 0), (0, 0)))
-  q_blocks = jnp.moveaxis(q_blocks.reshape(batch, blocks, block, heads, dim), 1, 0)  # [blocks, batch, Bq, h, d]
+  q_blocks, starts = split_queries(q_rot, block)  # [blocks, batch, Bq, h, d]
 
   def block_kl(sums, inputs):
     q_block, start = inputs
     return sums + summed_query_kl(q_block, k_rot, tree, start + jnp.arange(block), chunk=chunk), None
 
-  starts = jnp.arange(blocks) * block
   sums, _ = jax.lax.scan(jax.checkpoint(block_kl), jnp.zeros((len(tree),), dtype), (q_blocks, starts))
   return mean_query_kl(sums, batch, heads, seq, chunk)

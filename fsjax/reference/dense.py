@@ -37,8 +37,44 @@ def swa_attention(q, k, v, *, window=SWA_WINDOW, rope_theta=10000.0):
   return local_attention(q, k, v, window=window, rope_theta=rope_theta)
 
 
+def moba_mean_keys(k_rot, moba_block):
+  """Each key block's mean key, the gate's key side: `[batch, T, kv_heads, d]` → `[batch, ⌈T / moba_block⌉,
+  kv_heads, d]`. The last block is averaged with zero padding; it is never fully past for any query, so never
+  gated."""
+  batch, seq, kv_heads, head_dim = k_rot.shape
+  num_blocks = -(-seq // moba_block)
+  k_pad = jnp.pad(k_rot, ((0, 0), (0, num_blocks * moba_block - seq), (0, 0), (0, 0)))
+  return k_pad.reshape(batch, num_blocks, moba_block, kv_heads, head_dim).mean(axis=2)
+
+
+def moba_chosen_blocks(q_rot, q_pos, mean_keys, *, moba_block, moba_top_k):
+  """The key blocks each query reads: its own block plus the top `moba_top_k - 1` fully past blocks by the gate
+  `q_rot · mean_keys` (lower index wins ties).
+
+  Args:
+    q_rot: `[batch, C, heads, d]` rotated queries at positions `q_pos` (`[C]` or `[batch, C]`).
+    mean_keys: `[batch, num_blocks, kv_heads, d]` (`moba_mean_keys`).
+
+  Returns:
+    `[batch, heads, C, num_blocks]` boolean.
+  """
+  num_blocks = mean_keys.shape[1]
+  gate = grouped_logits(q_rot, mean_keys)  # [batch, heads, C, num_blocks]
+  own = (q_pos // moba_block)[..., None]  # [(batch,) C, 1]
+  if own.ndim == 3:
+    own = own[:, None]  # [batch, 1, C, 1]
+  blocks = jnp.arange(num_blocks)
+  past = blocks < own
+  chosen = jnp.zeros(gate.shape, bool)
+  num_past = min(moba_top_k - 1, num_blocks)
+  if num_past > 0:
+    _, top = jax.lax.top_k(jnp.where(past, gate, -jnp.inf), num_past)  # lower index wins ties
+    chosen = jnp.any(jax.nn.one_hot(top, num_blocks, dtype=bool), axis=-2) & past
+  return chosen | (blocks == own)
+
+
 def moba_block_mask(q_rot, k_rot, *, moba_block, moba_top_k):
-  """Which key blocks each query reads: its own block plus the top `moba_top_k - 1` past blocks by mean key.
+  """Which key blocks each query reads (`moba_chosen_blocks`), queries and keys at positions 0..T-1.
 
   Args:
     q_rot: `[batch, T, heads, d]`, k_rot: `[batch, T, kv_heads, d]`, RoPE-rotated queries and keys.
@@ -46,21 +82,9 @@ def moba_block_mask(q_rot, k_rot, *, moba_block, moba_top_k):
   Returns:
     `[batch, heads, T, num_blocks]` boolean.
   """
-  batch, seq, kv_heads, head_dim = k_rot.shape
-  num_blocks = -(-seq // moba_block)
-  k_pad = jnp.pad(k_rot, ((0, 0), (0, num_blocks * moba_block - seq), (0, 0), (0, 0)))
-  # The zero padding only touches the last block, which is never fully past for any query, so never gated.
-  mean_keys = k_pad.reshape(batch, num_blocks, moba_block, kv_heads, head_dim).mean(axis=2)
-  gate = grouped_logits(q_rot, mean_keys)  # [batch, heads, T, num_blocks]
-  query_block = jnp.arange(seq) // moba_block
-  past = jnp.arange(num_blocks)[None, :] < query_block[:, None]  # [T, num_blocks]
-  current = jnp.arange(num_blocks)[None, :] == query_block[:, None]
-  chosen = jnp.zeros(gate.shape, bool)
-  num_past = min(moba_top_k - 1, num_blocks)
-  if num_past > 0:
-    _, top = jax.lax.top_k(jnp.where(past, gate, -jnp.inf), num_past)  # lower index wins ties
-    chosen = jnp.any(jax.nn.one_hot(top, num_blocks, dtype=bool), axis=-2) & past
-  return chosen | current
+  mean_keys = moba_mean_keys(k_rot, moba_block)
+  positions = jnp.arange(k_rot.shape[1])
+  return moba_chosen_blocks(q_rot, positions, mean_keys, moba_block=moba_block, moba_top_k=moba_top_k)
 
 
 def moba_attention(q, k, v, *, moba_block=512, moba_top_k=3, rope_theta=10000.0):
