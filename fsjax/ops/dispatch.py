@@ -98,9 +98,9 @@ TABLE = {
   "moba_attention": (Implementation("blocked", _several_query_blocks),),
   # Decode: a chunk attending a half-precision dense cache through cuDNN; one token read in place by XLA.
   "cache_attention": (Implementation("cudnn", _cudnn_chunk), Implementation("one_token", _one_token)),
-  # ZHA: the training-form operator is a reference; the distillation loss runs over query blocks in bounded
-  # memory; capped decode routing has kernels.
-  "zha_attention": (),
+  # ZHA: the training-form operator and the distillation loss run over query blocks in bounded memory; capped
+  # decode routing has kernels.
+  "zha_attention": (Implementation("blocked", _several_query_blocks),),
   "zha_kl_loss": (Implementation("blocked", _several_query_blocks),),
   "zha_route": (Implementation("pallas", _zha_kernels),),
 }

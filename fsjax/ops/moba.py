@@ -11,10 +11,9 @@ query_block, T]` rows. The work stays the reference's O(T²): this bounds memory
 
 import math
 
-import jax
 import jax.numpy as jnp
 
-from fsjax.ops.query_blocks import join_queries, query_block_for, split_queries
+from fsjax.ops.query_blocks import over_query_blocks, query_block_for
 from fsjax.reference.common import compute_dtype
 from fsjax.reference.dense import moba_chosen_blocks, moba_mean_keys
 from fsjax.reference.grouped import check_grouped_qkv, grouped_logits, grouped_readout
@@ -47,15 +46,12 @@ def moba_attention(q, k, v, *, moba_block=512, moba_top_k=3, rope_theta=10000.0,
   v = v.astype(dtype)
   mean_keys = moba_mean_keys(k_rot, moba_block)  # [batch, num_blocks, kv_heads, d]
   key_block = positions // moba_block
-  q_blocks, starts = split_queries(q_rot, block)  # [blocks, batch, Bq, heads, d]
 
-  def one_block(_, inputs):
-    q_block, start = inputs
+  def one_block(start, q_block):  # q_block [batch, Bq, heads, d] → [batch, Bq, heads, d]
     q_pos = start + jnp.arange(block)
     chosen = moba_chosen_blocks(q_block, q_pos, mean_keys, moba_block=moba_block, moba_top_k=moba_top_k)
     mask = jnp.take(chosen, key_block, axis=-1) & (positions[None, :] <= q_pos[:, None])  # [batch, heads, Bq, T]
     logits = grouped_logits(q_block, k_rot) / math.sqrt(head_dim)
-    return None, grouped_readout(masked_softmax(logits, mask), v)  # [batch, Bq, heads, d]
+    return grouped_readout(masked_softmax(logits, mask), v)
 
-  _, out = jax.lax.scan(jax.checkpoint(one_block), None, (q_blocks, starts))
-  return join_queries(out, seq).astype(q.dtype)
+  return over_query_blocks(one_block, block, q_rot).astype(q.dtype)

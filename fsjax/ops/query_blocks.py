@@ -3,6 +3,7 @@ MoBA): how many query rows a block may hold, and the split of a sequence's queri
 `lax.scan`. At 64 rows of 1,024 tokens and 4 heads one such float32 array is 1 GiB, and a training step keeps
 several per layer for its backward; a scan over blocks whose body is under `jax.checkpoint` keeps one block's."""
 
+import jax
 import jax.numpy as jnp
 
 # Bytes of one float32 `[batch, heads, query_block, T]` array: the block is the largest power of two under it.
@@ -31,3 +32,14 @@ def join_queries(x, seq):
   """`[blocks, batch, block, ...]` → `[batch, seq, ...]`: `split_queries` undone, its padding dropped."""
   blocks, batch, block = x.shape[:3]
   return jnp.moveaxis(x, 0, 1).reshape(batch, blocks * block, *x.shape[3:])[:, :seq]
+
+
+def over_query_blocks(body, block, queries):
+  """`body(start, query_block)` over blocks of `block` queries of `queries` `[batch, T, ...]`, one after another in
+  a `lax.scan` with `body` under `jax.checkpoint` (the backward recomputes a block's temporaries instead of
+  keeping every block's); its outputs, a pytree of `[batch, block, ...]` arrays, joined to `[batch, T, ...]`.
+  `start` is the block's first position; the last block is padded with zero queries past T − 1, whose rows are
+  dropped."""
+  blocks, starts = split_queries(queries, block)
+  _, out = jax.lax.scan(jax.checkpoint(lambda _, inputs: (None, body(*inputs))), None, (starts, blocks))
+  return jax.tree_util.tree_map(lambda x: join_queries(x, queries.shape[1]), out)

@@ -1,8 +1,7 @@
 """ZHA ops (ZHA III) with their implementation chosen by `fsjax.ops.dispatch`.
 
-The training-form operator exists as a reference only (`fsjax.reference.zha`); the distillation loss also runs
-over blocks of queries in bounded memory (`fsjax.ops.zha_kl`). The
-capped decode step (one query per row, `max_nodes` set) has Pallas kernels (`pallas_kernels.zha_routing`): two
+The training-form operator (`fsjax.reference.zha`) and the distillation loss also run over blocks of queries in
+bounded memory (`fsjax.ops.zha_blocked`, `fsjax.ops.zha_kl`). The capped decode step (one query per row, `max_nodes` set) has Pallas kernels (`pallas_kernels.zha_routing`): two
 launches per level (candidate scoring, then the capped top-p selection) and the attention over the reached keys;
 its reference is `fsjax.reference.zha_decode`. One dispatch entry, "zha_route", decides for both stages, which
 pass each other the kernels' NO_NODE-padded rows as they are.
@@ -17,7 +16,7 @@ to read: the kernels then read that layer where it lies, the reference slices it
 
 import jax.numpy as jnp
 
-from fsjax.ops import dispatch, zha_kl
+from fsjax.ops import dispatch, zha_blocked, zha_kl
 from fsjax.reference import zha as reference
 from fsjax.reference import zha_decode as decode_reference
 from fsjax.reference.zha import ZHATree
@@ -39,14 +38,21 @@ def zha_attention(
   impl="reference",
 ):
   """Causal attention over the keys each query reaches through the ZHA tree: the reference's `zha_attention`
-  plus `impl` ("reference" or "auto"; no kernel computes the training form).
+  plus `impl`. "auto" runs the reference's routing and attention over blocks of queries (`fsjax.ops.zha_blocked`,
+  in memory that grows with T instead of T²) wherever the queries span more than one block of
+  `query_blocks.query_block_for` them; no kernel computes the training form.
 
   Returns:
     `[batch, T, heads, d]` in the dtype of `q` (and with `return_fraction` the attended fraction
     `[batch, T, heads]`).
   """
-  dispatch.resolve("zha_attention", impl)
-  return reference.zha_attention(
+  batch, seq, heads, _ = q.shape
+  form = (
+    zha_blocked
+    if dispatch.resolve("zha_attention", impl, batch=batch, heads=heads, tokens=seq) == "blocked"
+    else reference
+  )
+  return form.zha_attention(
     q,
     k,
     v,
