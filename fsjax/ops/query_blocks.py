@@ -1,7 +1,7 @@
-"""Queries in blocks, for operators whose reference holds `[batch, heads, T, T]` arrays (ZHA's distillation loss,
-MoBA): how many query rows a block may hold, and the split of a sequence's queries into padded blocks for a
-`lax.scan`. At 64 rows of 1,024 tokens and 4 heads one such float32 array is 1 GiB, and a training step keeps
-several per layer for its backward; a scan over blocks whose body is under `jax.checkpoint` keeps one block's."""
+"""Queries in blocks, for operators whose reference holds `[batch, heads, T, T]` arrays (MoBA, ZHA's training form and
+its distillation loss): how many query rows a block may hold, and a sequence's queries split into padded blocks for a
+`lax.scan`. At 64 rows of 1,024 tokens and 4 heads one such float32 array is 1 GiB, and a training step keeps several
+per layer for its backward; a scan over blocks whose body is under `jax.checkpoint` keeps one block's."""
 
 import jax
 import jax.numpy as jnp

@@ -1,10 +1,10 @@
 """ZHA ops (ZHA III) with their implementation chosen by `fsjax.ops.dispatch`.
 
-The training-form operator (`fsjax.reference.zha`) and the distillation loss also run over blocks of queries in
-bounded memory (`fsjax.ops.zha_blocked`, `fsjax.ops.zha_kl`). The capped decode step (one query per row, `max_nodes` set) has Pallas kernels (`pallas_kernels.zha_routing`): two
-launches per level (candidate scoring, then the capped top-p selection) and the attention over the reached keys;
-its reference is `fsjax.reference.zha_decode`. One dispatch entry, "zha_route", decides for both stages, which
-pass each other the kernels' NO_NODE-padded rows as they are.
+The training-form operator (`fsjax.reference.zha`) and the distillation loss also run over blocks of queries in bounded
+memory (`fsjax.ops.zha_blocked`, `fsjax.ops.zha_kl`). The capped decode step (one query per row, `max_nodes` set) has
+Pallas kernels (`pallas_kernels.zha_routing`): two launches per level (candidate scoring, then the capped top-p
+selection) and the attention over the reached keys; its reference is `fsjax.reference.zha_decode`. One dispatch entry,
+"zha_route", decides for both stages, which pass each other the kernels' NO_NODE-padded rows as they are.
 
 Grouped-query attention (ZHA III-A): trees, reference queries and the dense cache hold `kv_heads` heads, queries
 and routing `heads`; query head h reads key/value head `h // (heads // kv_heads)`. The references gather by that
