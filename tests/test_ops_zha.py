@@ -173,10 +173,11 @@ def test_bad_geometry_is_rejected(kwargs, message):
 
 
 def test_one_table_decides_the_zha_implementations(rng):
-  """The training form has no kernel: "auto" selects the reference, "pallas" is refused with the one dispatch
-  error, and a module configured with "pallas" reaches it as "auto"; the capped decode step has the kernels."""
+  """The training form has no kernel: "auto" selects the reference where the queries fit one block (past it, the
+  same rows over query blocks: tests/test_zha_blocked.py), "pallas" is refused with the one dispatch error, and a
+  module configured with "pallas" reaches it as "auto"; the capped decode step has the kernels."""
   q, k, v = random_qkv(rng, (1, 8, 1, 4), np.float32)
-  assert dispatch.resolve("zha_attention", "auto") == "reference"
+  assert dispatch.resolve("zha_attention", "auto", batch=1, heads=1, tokens=8) == "reference"
   with pytest.raises(dispatch.UnsupportedImpl, match="zha_attention has no 'pallas' implementation"):
     ops.zha_attention(q, k, v, _refs(rng, 1, 2, 4), chunk=2, levels=2, top_p=0.8, impl="pallas")
   assert dispatch.for_op("zha_attention", "pallas") == "auto"
