@@ -364,7 +364,14 @@ def test_the_zha_probe_reads_the_fraction_of_keys_the_full_forward_attends(optio
   config, model, variables = {**make, "gqa": _zha_grouped}[options]()
   rows = _probe_rows()
   summary = recall_eval.probe_rows(model, variables, rows, chunk=64)
-  _, state = model.apply(variables, jnp.asarray(np.stack([r.tokens for r in rows])), mutable=["intermediates"])
+  tokens = jnp.asarray(np.stack([r.tokens for r in rows]))
+  names = ("q_norm", "k_norm") if config.qk_norm else ("q_proj", "k_proj")
+  capture = lambda module, method: module.name in names
+  # One jitted forward gives the sown fractions and the captured queries and keys (op by op, this test compiled
+  # some 300 small programs per case).
+  _, state = jax.jit(lambda v, t: model.apply(v, t, capture_intermediates=capture, mutable=["intermediates"]))(
+    variables, tokens
+  )
   fraction = np.stack(
     [np.asarray(state["intermediates"][f"layer_{i}"]["attention"]["attended_fraction"][0]) for i in range(2)], axis=2
   )  # [batch, T, layers, heads]
@@ -375,22 +382,23 @@ def test_the_zha_probe_reads_the_fraction_of_keys_the_full_forward_attends(optio
 
   # Whether a query reads its value: the training form's key sets over the whole row (tree built from every key,
   # the descent from every query) at (query key, value position).
-  tokens = jnp.asarray(np.stack([r.tokens for r in rows]))
-  names = ("q_norm", "k_norm") if config.qk_norm else ("q_proj", "k_proj")
-  capture = lambda module, method: module.name in names
-  _, state = model.apply(variables, tokens, capture_intermediates=capture, mutable=["intermediates"])
   tree, theta = config.attention.zha.tree, config.attention.rope
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   values = np.stack([r.pair_positions + 1 for r in rows])
-  value_read = []
-  for i in range(config.num_layers):
-    attention = state["intermediates"][f"layer_{i}"]["attention"]
-    q, k = (zha_ref.rotate(attention[n]["__call__"][0], positions, theta) for n in names)
-    refs = variables["params"][f"layer_{i}"]["attention"]["ref_queries"]
+
+  @jax.jit  # every layer's shapes are the same: compiled once
+  def key_mask(q, k, refs):
+    q, k = (zha_ref.rotate(x, positions, theta) for x in (q, k))
     nodes = zha_ref.build_tree(k, refs, chunk=tree.chunk, levels=tree.levels, rope_theta=theta)
     scores = [zha_ref.node_scores(q, *level) for level in nodes]
     leaves = zha_ref.route(scores, positions, chunk=tree.chunk, top_p=tree.level_top_p)
-    mask = np.asarray(zha_ref.key_mask(leaves, positions, positions, tree.chunk))  # [batch, heads, T, T]
+    return zha_ref.key_mask(leaves, positions, positions, tree.chunk)  # [batch, heads, T, T]
+
+  value_read = []
+  for i in range(config.num_layers):
+    attention = state["intermediates"][f"layer_{i}"]["attention"]
+    q, k = (attention[n]["__call__"][0] for n in names)
+    mask = np.asarray(key_mask(q, k, variables["params"][f"layer_{i}"]["attention"]["ref_queries"]))
     b = np.arange(len(rows))[:, None]
     first_asks = np.stack([r.first_asks for r in rows])
     value_read.append(mask[b, :, queries, values][first_asks].mean())  # [batch, Q, heads] at first asks
