@@ -156,3 +156,32 @@ def ragged_teacher_forced(model, variables, tokens, lengths, steps, chunk):
     for row in range(batch):
       rows[row].append(np.asarray(step[row]))
   return [np.concatenate(parts) for parts in rows]
+
+
+def spy(monkeypatch, module, name):
+  """`module.name` replaced by a wrapper that records each call: the list the calls go to."""
+  calls, original = [], getattr(module, name)
+  monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+  return calls
+
+
+def assert_blocked_model_equals_reference(monkeypatch, config, tokens, module, name):
+  """A model configured "auto", with the query-block budget shrunk to blocks of 16 of `tokens`' queries, runs the
+  blocked form `module.name`, and its loss (mean log-partition of the logits) and gradient equal those of the
+  same model configured "reference"."""
+  from fsjax.ops import query_blocks
+
+  def loss_and_grad(impl):
+    configured = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl))
+    model = Transformer(configured)
+    variables = init_variables(configured, jax.random.PRNGKey(0), 32)
+    loss = lambda p: jnp.mean(jax.nn.logsumexp(model.apply({**variables, "params": p}, tokens), axis=-1))
+    return jax.jit(jax.value_and_grad(loss))(variables["params"])
+
+  expected = loss_and_grad("reference")
+  monkeypatch.setattr(query_blocks, "BLOCK_BYTES", tokens.shape[0] * config.num_heads * 16 * tokens.shape[1] * 4)
+  calls = spy(monkeypatch, module, name)
+  actual = loss_and_grad("auto")
+  assert calls, f"{module.__name__}.{name} was not called"
+  for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
+    assert float(jnp.max(jnp.abs(a - e))) <= 2e-6 * max(float(jnp.max(jnp.abs(e))), 1e-30)

@@ -11,12 +11,11 @@ import pytest
 
 from fsjax import ops
 from fsjax.config import model_preset
-from fsjax.model import Transformer, init_variables
 from fsjax.ops import dispatch, moba, query_blocks
 from fsjax.reference import dense
 from fsjax.reference.rope import RoPE, apply_rope
 
-from helpers import random_qkv
+from helpers import assert_blocked_model_equals_reference, random_qkv, spy
 
 # (batch, seq, heads, kv_heads, dim, moba_block, moba_top_k, query_block, rope_theta)
 CASES = [
@@ -99,9 +98,7 @@ def test_auto_takes_the_blocked_form_only_past_one_block(rng, monkeypatch):
   with pytest.raises(dispatch.UnsupportedImpl, match="moba_attention has no 'pallas'"):
     resolve("pallas", 16)
   assert dispatch.for_op("moba_attention", "pallas") == "auto"
-  calls = []
-  blocked = moba.moba_attention
-  monkeypatch.setattr(moba, "moba_attention", lambda *a, **kw: calls.append(1) or blocked(*a, **kw))
+  calls = spy(monkeypatch, moba, "moba_attention")
   monkeypatch.setattr(query_blocks, "BLOCK_BYTES", 2 * 2 * 16 * 24 * 4)  # 24 queries: two blocks of 16
   q, k, v, _ = _inputs(rng, 2, 24, 2, 2, 8, np.float32)
   ops.moba_attention(q, k, v, moba_block=8, impl="auto")
@@ -125,25 +122,9 @@ def test_blocked_form_needs_a_fraction_of_the_references_memory():
 
 def test_a_moba_model_under_auto_takes_the_blocked_form(rng, monkeypatch):
   """The MoBA module hands its `impl` to the op: a tiny model (scanned layers) configured "auto" runs the blocked
-  form once its queries span two blocks, and its logits and their gradient equal the "reference" model's."""
-  base = model_preset("tiny", kind="moba", scan_layers=True)
-  moba_config = dataclasses.replace(base.attention.moba, block=8, top_k=3)  # 40 tokens: five blocks to choose from
-  base = dataclasses.replace(base, attention=dataclasses.replace(base.attention, moba=moba_config))
-  tokens = jnp.asarray(rng.integers(0, base.vocab_size, (2, 40)))
-
-  def logits_and_grad(impl):
-    config = dataclasses.replace(base, attention=dataclasses.replace(base.attention, impl=impl))
-    model = Transformer(config)
-    variables = init_variables(config, jax.random.PRNGKey(0), 32)
-    loss = lambda p: jnp.mean(jax.nn.logsumexp(model.apply({**variables, "params": p}, tokens), axis=-1))
-    return jax.jit(jax.value_and_grad(loss))(variables["params"])
-
-  expected = logits_and_grad("reference")
-  monkeypatch.setattr(query_blocks, "BLOCK_BYTES", 2 * base.num_heads * 16 * 40 * 4)  # 40 queries: blocks of 16
-  calls = []
-  blocked = moba.moba_attention
-  monkeypatch.setattr(moba, "moba_attention", lambda *a, **kw: calls.append(1) or blocked(*a, **kw))
-  actual = logits_and_grad("auto")
-  assert calls
-  for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
-    assert float(jnp.max(jnp.abs(a - e))) <= 2e-6 * max(float(jnp.max(jnp.abs(e))), 1e-30)
+  form once its queries span two blocks, and its loss and gradient equal the "reference" model's."""
+  config = model_preset("tiny", kind="moba", scan_layers=True)
+  moba_config = dataclasses.replace(config.attention.moba, block=8, top_k=3)  # 40 tokens: five blocks to choose from
+  config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, moba=moba_config))
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 40)))
+  assert_blocked_model_equals_reference(monkeypatch, config, tokens, moba, "moba_attention")

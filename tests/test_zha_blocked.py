@@ -11,9 +11,10 @@ import pytest
 
 from fsjax import ops
 from fsjax.config import model_preset
-from fsjax.model import Transformer, init_variables
 from fsjax.ops import dispatch, query_blocks, zha_blocked
 from fsjax.reference import zha
+
+from helpers import assert_blocked_model_equals_reference, spy
 
 # (batch, seq, heads, kv_heads, dim, refs, chunk, levels, top_p, max_nodes, query_block, rope_theta)
 CASES = [
@@ -85,9 +86,7 @@ def test_auto_takes_the_blocked_form_only_past_one_block(rng, monkeypatch):
   with pytest.raises(dispatch.UnsupportedImpl, match="zha_attention has no 'pallas'"):
     resolve("pallas", 16)
   assert dispatch.for_op("zha_attention", "pallas") == "auto"
-  calls = []
-  blocked = zha_blocked.zha_attention
-  monkeypatch.setattr(zha_blocked, "zha_attention", lambda *a, **kw: calls.append(1) or blocked(*a, **kw))
+  calls = spy(monkeypatch, zha_blocked, "zha_attention")
   monkeypatch.setattr(query_blocks, "BLOCK_BYTES", 2 * 2 * 16 * 24 * 4)  # 24 queries: two blocks of 16
   q, k, v, ref_queries, _ = _inputs(rng, 2, 24, 2, 2, 8, 2, np.float32)
   ops.zha_attention(q, k, v, ref_queries, chunk=4, levels=2, top_p=0.9, impl="auto")
@@ -113,29 +112,9 @@ def test_blocked_form_needs_a_fraction_of_the_references_memory():
 
 def test_a_zha_model_under_auto_takes_the_blocked_form(rng, monkeypatch):
   """The ZHA module hands its `impl` to the op: a tiny model (scanned layers) configured "auto" runs the blocked
-  form once its queries span two blocks, and its logits' loss and gradient equal the "reference" model's."""
-  base = model_preset("tiny", kind="zha", scan_layers=True)
-  base = dataclasses.replace(
-    base,
-    attention=dataclasses.replace(
-      base.attention, zha=dataclasses.replace(base.attention.zha, refs=2, chunk=4, top_p=(0.8,))
-    ),
-  )
-  tokens = jnp.asarray(rng.integers(0, base.vocab_size, (2, 40)))
-
-  def loss_and_grad(impl):
-    config = dataclasses.replace(base, attention=dataclasses.replace(base.attention, impl=impl))
-    model = Transformer(config)
-    variables = init_variables(config, jax.random.PRNGKey(0), 32)
-    loss = lambda p: jnp.mean(jax.nn.logsumexp(model.apply({**variables, "params": p}, tokens), axis=-1))
-    return jax.jit(jax.value_and_grad(loss))(variables["params"])
-
-  expected = loss_and_grad("reference")
-  monkeypatch.setattr(query_blocks, "BLOCK_BYTES", 2 * base.num_heads * 16 * 40 * 4)  # 40 queries: blocks of 16
-  calls = []
-  blocked = zha_blocked.zha_attention
-  monkeypatch.setattr(zha_blocked, "zha_attention", lambda *a, **kw: calls.append(1) or blocked(*a, **kw))
-  actual = loss_and_grad("auto")
-  assert calls
-  for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
-    assert float(jnp.max(jnp.abs(a - e))) <= 2e-6 * max(float(jnp.max(jnp.abs(e))), 1e-30)
+  form once its queries span two blocks, and its loss and gradient equal the "reference" model's."""
+  config = model_preset("tiny", kind="zha", scan_layers=True)
+  zha_config = dataclasses.replace(config.attention.zha, refs=2, chunk=4, top_p=(0.8,))
+  config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, zha=zha_config))
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 40)))
+  assert_blocked_model_equals_reference(monkeypatch, config, tokens, zha_blocked, "zha_attention")

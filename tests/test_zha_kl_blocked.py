@@ -16,7 +16,7 @@ from fsjax.ops import dispatch, query_blocks, zha_kl
 from fsjax.reference import zha
 from fsjax.train import objectives
 
-from helpers import random_qkv
+from helpers import random_qkv, spy
 
 # (batch, seq, heads, kv_heads, dim, refs, chunk, levels, query_block, rope_theta)
 CASES = [
@@ -120,9 +120,7 @@ def test_a_distilling_model_under_auto_takes_the_blocked_loss(rng, monkeypatch):
   tokens = jnp.asarray(rng.integers(0, base.vocab_size, (2, 41)))
   expected = loss_and_grad("reference")
   monkeypatch.setattr(query_blocks, "BLOCK_BYTES", 2 * base.num_heads * 16 * 40 * 4)  # two blocks of 16, one of padding
-  calls = []
-  blocked = zha_kl.zha_kl_per_level
-  monkeypatch.setattr(zha_kl, "zha_kl_per_level", lambda *a, **kw: calls.append(1) or blocked(*a, **kw))
+  calls = spy(monkeypatch, zha_kl, "zha_kl_per_level")
   actual = loss_and_grad("auto")
   assert calls
   for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):

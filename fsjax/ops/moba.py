@@ -14,10 +14,8 @@ import math
 import jax.numpy as jnp
 
 from fsjax.ops.query_blocks import over_query_blocks, query_block_for
-from fsjax.reference.common import compute_dtype
-from fsjax.reference.dense import moba_chosen_blocks, moba_mean_keys
-from fsjax.reference.grouped import check_grouped_qkv, grouped_logits, grouped_readout
-from fsjax.reference.rope import apply_rope
+from fsjax.reference.dense import moba_chosen_blocks, moba_inputs, moba_mean_keys
+from fsjax.reference.grouped import grouped_logits, grouped_readout
 from fsjax.reference.softmax import masked_softmax
 
 
@@ -34,16 +32,10 @@ def moba_attention(q, k, v, *, moba_block=512, moba_top_k=3, rope_theta=10000.0,
   Returns:
     `[batch, T, heads, d]` in the dtype of `q`.
   """
-  check_grouped_qkv(q, k, v)
-  if moba_block < 1 or moba_top_k < 1:
-    raise ValueError(f"moba_block and moba_top_k must be >= 1, got {moba_block}, {moba_top_k}")
+  q_rot, k_rot, v = moba_inputs(q, k, v, moba_block=moba_block, moba_top_k=moba_top_k, rope_theta=rope_theta)
   batch, seq, heads, head_dim = q.shape
   block = query_block or query_block_for(batch, heads, seq)
-  dtype = compute_dtype(q.dtype)
   positions = jnp.arange(seq)
-  q_rot = apply_rope(q.astype(dtype), positions, rope_theta)
-  k_rot = apply_rope(k.astype(dtype), positions, rope_theta)
-  v = v.astype(dtype)
   mean_keys = moba_mean_keys(k_rot, moba_block)  # [batch, num_blocks, kv_heads, d]
   key_block = positions // moba_block
 

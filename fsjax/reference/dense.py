@@ -87,6 +87,21 @@ def moba_block_mask(q_rot, k_rot, *, moba_block, moba_top_k):
   return moba_chosen_blocks(q_rot, positions, mean_keys, moba_block=moba_block, moba_top_k=moba_top_k)
 
 
+def moba_inputs(q, k, v, *, moba_block, moba_top_k, rope_theta):
+  """MoBA's arguments checked (shapes as `moba_attention`'s), then `(q_rot, k_rot, v)` in the compute dtype,
+  queries and keys rotated to positions 0..T-1."""
+  check_grouped_qkv(q, k, v)
+  if moba_block < 1 or moba_top_k < 1:
+    raise ValueError(f"moba_block and moba_top_k must be >= 1, got {moba_block}, {moba_top_k}")
+  dtype = compute_dtype(q.dtype)
+  positions = jnp.arange(q.shape[1])
+  return (
+    apply_rope(q.astype(dtype), positions, rope_theta),
+    apply_rope(k.astype(dtype), positions, rope_theta),
+    v.astype(dtype),
+  )
+
+
 def moba_attention(q, k, v, *, moba_block=512, moba_top_k=3, rope_theta=10000.0):
   """MoBA: causal RoPE attention restricted to the selected key blocks (choices in the module docstring).
 
@@ -99,18 +114,12 @@ def moba_attention(q, k, v, *, moba_block=512, moba_top_k=3, rope_theta=10000.0)
   Returns:
     `[batch, T, heads, d]` in the dtype of `q`.
   """
-  check_grouped_qkv(q, k, v)
-  if moba_block < 1 or moba_top_k < 1:
-    raise ValueError(f"moba_block and moba_top_k must be >= 1, got {moba_block}, {moba_top_k}")
-  batch, seq, heads, head_dim = q.shape
-  dtype = compute_dtype(q.dtype)
-  positions = jnp.arange(seq)
-  q_rot = apply_rope(q.astype(dtype), positions, rope_theta)
-  k_rot = apply_rope(k.astype(dtype), positions, rope_theta)
+  q_rot, k_rot, v = moba_inputs(q, k, v, moba_block=moba_block, moba_top_k=moba_top_k, rope_theta=rope_theta)
+  positions = jnp.arange(q.shape[1])
   blocks = moba_block_mask(q_rot, k_rot, moba_block=moba_block, moba_top_k=moba_top_k)
   key_block = positions // moba_block
   causal = positions[None, :] <= positions[:, None]  # [T, T]
   mask = jnp.take(blocks, key_block, axis=-1) & causal  # [batch, heads, T, T]
-  logits = grouped_logits(q_rot, k_rot) / math.sqrt(head_dim)
+  logits = grouped_logits(q_rot, k_rot) / math.sqrt(q.shape[-1])
   probs = masked_softmax(logits, mask)
-  return grouped_readout(probs, v.astype(dtype)).astype(q.dtype)
+  return grouped_readout(probs, v).astype(q.dtype)
