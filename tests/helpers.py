@@ -14,6 +14,7 @@ from fsjax.cache import init_cache
 from fsjax.config import MoBAConfig, ZHAConfig, model_preset
 from fsjax.decode import extend, prefill
 from fsjax.model import Transformer, init_variables
+from fsjax.ops import query_blocks
 
 # RMS-relative tolerance per dtype of the computation under test.
 TOLERANCE = {
@@ -169,7 +170,6 @@ def assert_blocked_model_equals_reference(monkeypatch, config, tokens, module, n
   """A model configured "auto", with the query-block budget shrunk to blocks of 16 of `tokens`' queries, runs the
   blocked form `module.name`, and its loss (mean log-partition of the logits) and gradient equal those of the
   same model configured "reference"."""
-  from fsjax.ops import query_blocks
 
   def loss_and_grad(impl):
     configured = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl))
