@@ -159,6 +159,13 @@ def ragged_teacher_forced(model, variables, tokens, lengths, steps, chunk):
   return [np.concatenate(parts) for parts in rows]
 
 
+def gradient_temporaries(loss, *shapes, argnums=0):
+  """Bytes of temporaries XLA assigns the compiled value and gradient of `jnp.sum(loss(*args))` for arguments of
+  `shapes` (`jax.ShapeDtypeStruct`s; compiled, not run)."""
+  grad = jax.value_and_grad(lambda *args: jnp.sum(loss(*args)), argnums=argnums)
+  return jax.jit(grad).lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+
+
 def spy(monkeypatch, module, name):
   """`module.name` replaced by a wrapper that records each call: the list the calls go to."""
   calls, original = [], getattr(module, name)

@@ -15,7 +15,7 @@ from fsjax.ops import dispatch, moba, query_blocks
 from fsjax.reference import dense
 from fsjax.reference.rope import RoPE, apply_rope
 
-from helpers import assert_blocked_model_equals_reference, random_qkv, spy
+from helpers import assert_blocked_model_equals_reference, gradient_temporaries, random_qkv, spy
 
 # (batch, seq, heads, kv_heads, dim, moba_block, moba_top_k, query_block, rope_theta)
 CASES = [
@@ -110,11 +110,9 @@ def test_blocked_form_needs_a_fraction_of_the_references_memory():
   half the temporary memory of the reference's, which holds `[batch, heads, T, T]` arrays whole."""
   q = jax.ShapeDtypeStruct((8, 1024, 4, 32), jnp.float32)
 
-  def temporaries(attention):
-    loss = lambda q, k, v: jnp.sum(attention(q, k, v, moba_block=128, moba_top_k=3))
-    program = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile()
-    return program.memory_analysis().temp_size_in_bytes
-
+  temporaries = lambda attention: gradient_temporaries(
+    functools.partial(attention, moba_block=128, moba_top_k=3), q, q, q, argnums=(0, 1, 2)
+  )
   blocked = temporaries(functools.partial(moba.moba_attention, query_block=128))
   reference = temporaries(dense.moba_attention)
   assert blocked < 0.5 * reference, (blocked, reference)

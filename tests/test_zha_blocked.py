@@ -14,7 +14,7 @@ from fsjax.config import model_preset
 from fsjax.ops import dispatch, query_blocks, zha_blocked
 from fsjax.reference import zha
 
-from helpers import assert_blocked_model_equals_reference, spy
+from helpers import assert_blocked_model_equals_reference, gradient_temporaries, spy
 
 # (batch, seq, heads, kv_heads, dim, refs, chunk, levels, top_p, max_nodes, query_block, rope_theta)
 CASES = [
@@ -100,11 +100,9 @@ def test_blocked_form_needs_a_fraction_of_the_references_memory():
   r = jax.ShapeDtypeStruct((4, 4, 32), jnp.float32)
   tree = dict(chunk=8, levels=2, top_p=0.9, rope_theta=10000.0)
 
-  def temporaries(attention):
-    loss = lambda q, k, v: jnp.sum(attention(q, k, v, jnp.ones(r.shape, r.dtype), **tree))
-    program = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile()
-    return program.memory_analysis().temp_size_in_bytes
-
+  temporaries = lambda attention: gradient_temporaries(
+    functools.partial(attention, **tree), q, q, q, r, argnums=(0, 1, 2)
+  )
   blocked = temporaries(functools.partial(zha_blocked.zha_attention, query_block=128))
   reference = temporaries(zha.zha_attention)
   assert blocked < 0.5 * reference, (blocked, reference)

@@ -16,7 +16,7 @@ from fsjax.ops import dispatch, query_blocks, zha_kl
 from fsjax.reference import zha
 from fsjax.train import objectives
 
-from helpers import random_qkv, spy
+from helpers import gradient_temporaries, random_qkv, spy
 
 # (batch, seq, heads, kv_heads, dim, refs, chunk, levels, query_block, rope_theta)
 CASES = [
@@ -93,10 +93,7 @@ def test_blocked_gradient_holds_a_fraction_of_the_reference_memory():
   r = jax.ShapeDtypeStruct((2, 4, 16), jnp.float32)
   tree = dict(chunk=8, levels=2, rope_theta=10000.0)
 
-  def temporaries(loss):
-    program = jax.jit(jax.value_and_grad(lambda q, k, r: jnp.sum(loss(q, k, r)), argnums=2)).lower(q, q, r).compile()
-    return program.memory_analysis().temp_size_in_bytes
-
+  temporaries = lambda loss: gradient_temporaries(loss, q, q, r, argnums=2)
   blocked = temporaries(lambda q, k, r: zha_kl.zha_kl_per_level(q, k, r, query_block=64, **tree))
   reference = temporaries(lambda q, k, r: zha.zha_kl_per_level(q, k, r, **tree))
   assert blocked < 0.5 * reference, (blocked, reference)
