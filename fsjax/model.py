@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from fsjax import kinds, short_conv
 from fsjax.attention.freesolo import ROUTING
 from fsjax.attention.projections import Projection
-from fsjax.cache import layer_of, write_back
+from fsjax.cache import defer_block_merges, layer_of, merge_deferred_blocks, write_back
 from fsjax.config import ModelConfig
 
 EMBED_INIT_STD = 0.02  # keeps tied-embedding logits O(1) at init (LLaMA's choice)
@@ -151,6 +151,10 @@ class Transformer(nn.Module):
     x = embed(tokens)
     new_cache = {}
     history = None if cache is None else cache.get(short_conv.STATE_KEY)
+    # A one-token step merges FS-L's completed blocks after the last layer, for all layers at once.
+    one_token = cache is not None and tokens.shape[1] == 1 and not first_chunk
+    if one_token:
+      cache = defer_block_merges(cache)
     if c.scan_layers:
       (x, new_cache["layers"]), history = _scanned_layers(c, first_chunk)(
         (x, None if cache is None else cache["layers"]), jnp.arange(c.num_layers), history, positions, valid
@@ -171,6 +175,8 @@ class Transformer(nn.Module):
       history = jnp.stack(histories) if c.short_conv and cache is not None else None
     if c.short_conv and cache is not None:
       new_cache[short_conv.STATE_KEY] = history
+    if one_token:
+      new_cache = merge_deferred_blocks(new_cache, positions, valid)
     if logits_at is not None:
       at = jnp.asarray(logits_at)
       x = jnp.take_along_axis(x, (at[:, None] if at.ndim == 1 else at)[..., None], axis=1)

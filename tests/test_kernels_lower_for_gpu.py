@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import cell_scoring, forest_search, sparse_readout, zha_routing
+from pallas_kernels import bounded_decode, cell_scoring, forest_search, sparse_readout, zha_routing
 
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
 shape = jax.ShapeDtypeStruct
@@ -179,4 +179,40 @@ def test_sparse_readout_and_its_gradient_lower():
     q,
     cells,
     kernels=["freesolo_sparse_readout_fwd", "freesolo_sparse_readout_bwd_dq", "freesolo_sparse_readout_bwd_dkv"],
+  )
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_fsl_bounded_decode_lowers(stacked):
+  """The 341M geometry (ring 513, pool 64, recent 8, cell 32, d 64, K 4), grouped heads, a layer stack or not."""
+  lead = (3,) if stacked else ()
+  cache = dict(
+    ring_k=shape((*lead, 2, 513, 2, 64), bf16),
+    ring_v=shape((*lead, 2, 513, 2, 64), bf16),
+    ring_pos=shape((*lead, 2, 513), i32),
+    pool_ids=shape((*lead, 2, 2, 64), i32),
+    pool_mean=shape((*lead, 2, 2, 64, 64), bf16),
+    pool_norm=shape((*lead, 2, 2, 64), bf16),
+    pool_k=shape((*lead, 2, 2, 64, 32, 64), bf16),
+    pool_v=shape((*lead, 2, 2, 64, 32, 64), bf16),
+    recent_ids=shape((*lead, 2, 8), i32),
+    recent_mean=shape((*lead, 2, 2, 8, 64), bf16),
+    recent_norm=shape((*lead, 2, 2, 8), bf16),
+    recent_k=shape((*lead, 2, 2, 8, 32, 64), bf16),
+    recent_v=shape((*lead, 2, 2, 8, 32, 64), bf16),
+  )
+  q = shape((2, 4, 64), f32)
+  run = lambda q, q_rot, pos, lam, sigma, cache, layer: bounded_decode.bounded_decode(
+    q, q_rot, pos, lam, sigma, cache, window=512, cell=32, top_k=4, layer=layer, interpret=False
+  )
+  _lowers_for_cuda(
+    run,
+    q,
+    q,
+    shape((2,), i32),
+    shape((4,), f32),
+    shape((4,), f32),
+    cache,
+    shape((), i32) if stacked else None,
+    kernels=["fsl_bounded_decode"],
   )

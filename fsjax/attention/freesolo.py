@@ -95,7 +95,7 @@ class FreeSoloAttention(nn.Module):
     step = dict(rope_theta=self.rope_theta, lam=lam, sigma=sigma, lr_gain=lr_gain.astype(dtype))
     if isinstance(cache, BoundedCache):
       local, long_range, cell_idx, cache = freesolo_step.bounded_chunk(
-        cache, q, k, v, positions, valid, routing, **step
+        cache, q, k, v, positions, valid, routing, impl=self.impl, **step
       )
     else:
       local, long_range, cell_idx, cache = freesolo_step.archive_chunk(

@@ -38,6 +38,7 @@ from fsjax.reference.grouped import group_size, kv_head_of, per_query_head
 from fsjax.reference.rope import apply_rope
 from fsjax.reference.routing import Routing
 from fsjax.reference.softmax import masked_softmax
+from pallas_kernels import bounded_decode
 
 NO_CELL = -1
 
@@ -295,11 +296,65 @@ def bounded_long_range(cache: bounded.BoundedCache, q, pos, routing: Routing, *,
   return rms_norm(u, lr_gain), selected
 
 
-def bounded_segment(
+def _kernel_fields(cache: bounded.BoundedCache):
+  """The bounded cache's arrays as `pallas_kernels.bounded_decode` takes them, and the layer (None unless they
+  are views into a scanned model's stacks, which the kernel then reads where they lie)."""
+  fields = dict(ring_k=cache.ring.k, ring_v=cache.ring.v, ring_pos=cache.ring.pos)
+  for name in ("ids", "mean", "norm", "k", "v"):
+    fields[f"pool_{name}"], fields[f"recent_{name}"] = getattr(cache, f"pool_{name}"), getattr(cache, f"recent_{name}")
+  if isinstance(cache.pool_ids, LayerSlice):
+    return {name: x.stack for name, x in fields.items()}, cache.pool_ids.layer
+  return fields, None
+
+
+def bounded_token_kernel(
   cache: bounded.BoundedCache, q, k, v, pos, valid, routing: Routing, *, rope_theta, lam, sigma, lr_gain
 ):
+  """`bounded_segment` for one token per row through `pallas_kernels.bounded_decode`: the token enters the ring
+  first, then one kernel computes both branches and the selection; the block buffer is written after."""
+  q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
+  cache = bounded.write_ring(cache, k_rot, v, pos, valid)
+  fields, layer = _kernel_fields(cache)
+  local, summed, selected = bounded_decode.bounded_decode(
+    q[:, 0],
+    q_rot[:, 0],
+    pos[:, 0],
+    lam,
+    sigma,
+    fields,
+    window=routing.window,
+    cell=routing.cell,
+    top_k=routing.top_k,
+    layer=layer,
+  )
+  local, long_range = local[:, None].astype(q.dtype), rms_norm(summed[:, None].astype(q.dtype), lr_gain)
+  pos = after(pos, local, long_range)  # a non-deferred merge below updates the pool these read in place
+  return local, long_range, selected[:, None], bounded.write_block(cache, k, v, pos, valid)
+
+
+def bounded_segment(
+  cache: bounded.BoundedCache,
+  q,
+  k,
+  v,
+  pos,
+  valid,
+  routing: Routing,
+  *,
+  rope_theta,
+  lam,
+  sigma,
+  lr_gain,
+  impl="reference",
+):
   """Queries/keys at `pos` `[batch, L]`, every row's valid tokens inside one query block, in order:
-  `(o_sr, o_lr, cells, new cache)` (the cache merged at the end of a completed block)."""
+  `(o_sr, o_lr, cells, new cache)` (the cache merged at the end of a completed block). One token per row runs
+  the fused kernel where `impl` picks it (`fsjax.ops.dispatch`, "bounded_decode")."""
+  facts = dict(tokens=q.shape[1], cell=routing.cell, head_dim=q.shape[-1])
+  if q.shape[1] == 1 and dispatch.resolve("bounded_decode", impl, **facts) == "pallas":
+    return bounded_token_kernel(
+      cache, q, k, v, pos, valid, routing, rope_theta=rope_theta, lam=lam, sigma=sigma, lr_gain=lr_gain
+    )
   q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
   local = attend(q_rot, pos, *bounded.concat_ring(cache, k_rot, v, pos, valid), window=routing.window)
   long_range, selected = bounded_long_range(cache, q, pos, routing, lam=lam, sigma=sigma, lr_gain=lr_gain)
@@ -308,7 +363,19 @@ def bounded_segment(
 
 
 def bounded_chunk(
-  cache: bounded.BoundedCache, q, k, v, positions, valid, routing: Routing, *, rope_theta, lam, sigma, lr_gain
+  cache: bounded.BoundedCache,
+  q,
+  k,
+  v,
+  positions,
+  valid,
+  routing: Routing,
+  *,
+  rope_theta,
+  lam,
+  sigma,
+  lr_gain,
+  impl="reference",
 ):
   """A chunk of one token or whole query blocks through FS-L's bounded cache, block by block (availability
   changes at block boundaries): `(o_sr, o_lr, cells, new cache)`. The blocks run in a `lax.scan`, so a chunk
@@ -319,7 +386,7 @@ def bounded_chunk(
       f"a chunk for the FS-L bounded cache must be 1 token or whole blocks, got {chunk} tokens with block={block}"
     )
   segment = functools.partial(
-    bounded_segment, routing=routing, rope_theta=rope_theta, lam=lam, sigma=sigma, lr_gain=lr_gain
+    bounded_segment, routing=routing, rope_theta=rope_theta, lam=lam, sigma=sigma, lr_gain=lr_gain, impl=impl
   )
   if chunk <= block:
     return segment(cache, q, k, v, positions, valid)

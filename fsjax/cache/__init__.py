@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from fsjax import short_conv
 from fsjax.cache.archive import Archive
-from fsjax.cache.bounded import BoundedCache
+from fsjax.cache.bounded import BoundedCache, merge_completed
 from fsjax.cache.forest import Forest, ForestCache
 from fsjax.cache.layered import layer_view, write_back
 from fsjax.cache.store import KVStore
@@ -25,6 +25,36 @@ def layer_of(stacked, layer):
   """Layer `layer` (int32 scalar) of a scanned model's stacked cache: KV stores, archives, FS-L's bounded caches,
   FS-B forests and ZHA caches as views into the stack (`fsjax.cache.layered`), every other array sliced out."""
   return layer_view(stacked, layer, IN_PLACE)
+
+
+def _map_bounded(cache, fn):
+  return jax.tree_util.tree_map(
+    lambda node: fn(node) if isinstance(node, BoundedCache) else node,
+    cache,
+    is_leaf=lambda node: isinstance(node, BoundedCache),
+  )
+
+
+def defer_block_merges(cache):
+  """`cache` with every FS-L bounded cache deferring its block merges (`BoundedCache.defer_merge`): for a
+  one-token step, whose layers then write only their token and leave the merge to `merge_deferred_blocks`."""
+  return _map_bounded(cache, lambda node: node.replace(defer_merge=True))
+
+
+def merge_deferred_blocks(cache, positions, valid):
+  """Merges the blocks that a step's tokens at `positions` `[batch, L]` (`valid` `[batch, L]`) completed into every
+  layer's deferring bounded cache, all layers of a stack at once (vmapped: one sort and a dozen scatters per
+  token for the whole model), and stops the deferral. Other caches pass unchanged."""
+
+  def merge(node):
+    if not node.defer_merge:
+      return node
+    node = node.replace(defer_merge=False)
+    if node.block_k.ndim == 5:  # stacked `[layers, batch, B, heads, d]`
+      return jax.vmap(merge_completed, in_axes=(0, None, None))(node, positions, valid)
+    return merge_completed(node, positions, valid)
+
+  return _map_bounded(cache, merge)
 
 
 def cache_capacity(config, max_len):
@@ -65,7 +95,9 @@ __all__ = [
   "KVStore",
   "ZHACache",
   "cache_capacity",
+  "defer_block_merges",
   "init_cache",
   "layer_of",
+  "merge_deferred_blocks",
   "write_back",
 ]

@@ -37,7 +37,12 @@ class BoundedCache:
   recent_ids `[batch, W]` (cell c in slot c mod W), recent_k/v `[batch, heads, W, s, d]`, recent_mean `[batch,
   heads, W, d]`, recent_norm `[batch, heads, W]`; pool_ids `[batch, heads, P]` (in no particular order),
   pool_k/v `[batch, heads, P, s, d]`, pool_mean `[batch, heads, P, d]`, pool_norm `[batch, heads, P]`. Ids are
-  cell indices, -1 = empty. `heads` are key/value heads."""
+  cell indices, -1 = empty. `heads` are key/value heads.
+
+  `defer_merge` (static): a segment's write leaves a completed block's merge (Eq. 15) to `merge_completed`. A
+  one-token decode step sets it for every layer and merges all layers at once after the last one
+  (`fsjax.cache.merge_deferred_blocks`): the merge is a sort and a dozen scatters, launched once per token
+  instead of once per layer. A query never reads the merge of its own token's block, so the order is free."""
 
   ring: kv.KVStore
   block_k: jax.Array
@@ -52,6 +57,7 @@ class BoundedCache:
   pool_v: jax.Array
   pool_mean: jax.Array
   pool_norm: jax.Array
+  defer_merge: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def empty_bounded(batch, heads, head_dim, routing: Routing, dtype=jnp.float32):
@@ -183,19 +189,37 @@ def concat_ring(cache: BoundedCache, k_rot, v, pos, valid):
 
 def write_segment(cache: BoundedCache, k_rot, k, v, pos, valid):
   """Writes a segment whose valid tokens lie in one query block, in order: the ring takes the rotated keys, the
-  block buffer the raw ones, and a completed block's cells join the recent cells and the pool (Eq. 15).
+  block buffer the raw ones, and a completed block's cells join the recent cells and the pool (Eq. 15; left to
+  `merge_completed` when the cache `defer_merge`s).
 
   Args:
     k_rot, k, v: `[batch, L, heads, d]` (k_rot RoPE-rotated at `pos`); pos, valid: `[batch, L]`.
   """
+  return write_block(write_ring(cache, k_rot, v, pos, valid), k, v, pos, valid)
+
+
+def write_ring(cache: BoundedCache, k_rot, v, pos, valid):
+  """The segment's rotated keys and values into the ring (the local branch's window)."""
+  return cache.replace(ring=kv.write(cache.ring, k_rot, v, pos, valid))
+
+
+def write_block(cache: BoundedCache, k, v, pos, valid):
+  """The segment's raw keys and values into the block buffer, then a completed block's merge (Eq. 15; left to
+  `merge_completed` when the cache `defer_merge`s)."""
   block = cache.block_k.shape[1]
   rows = jnp.arange(pos.shape[0])[:, None]
   slot = jnp.where(valid, pos % block, block)
   cache = cache.replace(
-    ring=kv.write(cache.ring, k_rot, v, pos, valid),
     block_k=scatter(cache.block_k, (rows, slot), k.astype(cache.block_k.dtype), mode="drop"),
     block_v=scatter(cache.block_v, (rows, slot), v.astype(cache.block_v.dtype), mode="drop"),
   )
+  return cache if cache.defer_merge else merge_completed(cache, pos, valid)
+
+
+def merge_completed(cache: BoundedCache, pos, valid):
+  """The cache after a segment at `pos` `[batch, L]` (`valid` `[batch, L]`, inside one query block per row) was
+  written: where the segment completed its block, the block's cells join the recent cells and the pool (Eq. 15)."""
+  block = cache.block_k.shape[1]
   complete = jnp.any(valid & (pos % block == block - 1), axis=1)
   last_pos = jnp.max(jnp.where(valid, pos, 0), axis=1)
   return _merge(cache, last_pos // block, complete)

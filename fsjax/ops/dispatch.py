@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.ops import query_blocks
+from pallas_kernels import bounded_decode, zha_routing
 from pallas_kernels import common as kernel_common
-from pallas_kernels import zha_routing
 
 IMPLS = ("reference", "auto", "pallas")
 HALF_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -64,6 +64,10 @@ def _beam_kernel(*, cell, head_dim, beam, **_):
   return beam & (beam - 1) == 0 and _cell_kernels(cell=cell, head_dim=head_dim)
 
 
+def _bounded_decode_kernel(*, tokens, cell, head_dim, **_):
+  return on_gpu() and tokens == 1 and bounded_decode.compilable(cell=cell, head_dim=head_dim)
+
+
 def _zha_kernels(*, chunk, refs, **_):
   return on_gpu() and zha_routing.compilable(chunk=chunk, refs=refs)
 
@@ -90,6 +94,8 @@ TABLE = {
   "sparse_readout": (Implementation("pallas", _cell_kernels),),
   # FS-B's beam search over a decode step's streaming forests (FS Eq. 11).
   "forest_search": (Implementation("pallas", _beam_kernel),),
+  # FS-L's one-token step over its bounded cache: local branch, scoring, top-K and readout in one kernel.
+  "bounded_decode": (Implementation("pallas", _bounded_decode_kernel),),
   # Local and dense RoPE attention: cuDNN's fused kernel.
   "local_attention": (Implementation("cudnn", _cudnn),),
   "tfpp_attention": (Implementation("cudnn", _cudnn),),

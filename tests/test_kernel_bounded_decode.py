@@ -1,0 +1,216 @@
+"""`pallas_kernels.bounded_decode` (FS-L's one-token step in one kernel) against its jnp specification, the
+reference path of `fsjax.attention.freesolo_step.bounded_segment`: local branch, long-range branch, selected
+cells and the cache it leaves, on fresh random caches (interpreted on CPU, compiled on a GPU)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fsjax.attention import freesolo_step
+from fsjax.cache import bounded
+from fsjax.cache.layered import LayerSlice, read
+from fsjax.reference.rope import apply_rope
+from fsjax.reference.routing import Routing
+
+from helpers import assert_close, kernel_modes
+
+
+def _filled_cache(rng, routing, *, batch, kv_heads, dim, prompt, steps, dtype):
+  """A bounded cache after a `prompt`-token first chunk (`fill`) and `steps` one-token writes per row, over random
+  keys and values: a ring that has wrapped, a pool that evicted cells, recent cells from bulk and token writes."""
+  cache = bounded.empty_bounded(batch, kv_heads, dim, routing, dtype)
+  chunk = -(-prompt // routing.block) * routing.block
+  k = jnp.asarray(rng.standard_normal((batch, chunk, kv_heads, dim)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((batch, chunk, kv_heads, dim)), jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(chunk), (batch, chunk))
+  cache = bounded.fill(cache, apply_rope(k, pos, 10000.0), k, v, pos, pos < prompt)
+  for t in range(prompt, prompt + steps):
+    k = jnp.asarray(rng.standard_normal((batch, 1, kv_heads, dim)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((batch, 1, kv_heads, dim)), jnp.float32)
+    at = jnp.full((batch, 1), t)
+    cache = bounded.write_segment(cache, apply_rope(k, at, 10000.0), k, v, at, jnp.ones((batch, 1), bool))
+  return cache
+
+
+def _step(cache, routing, *, heads, positions, impl, seed=7, lam=None, sigma=None):
+  """One token per row at `positions` `[batch]` through `bounded_segment`; the token, λ, σ and the readout gain
+  drawn from `seed`, so two implementations see the same step."""
+  shape = read(cache.pool_k).shape
+  batch, kv_heads, dim = shape[0], shape[1], shape[-1]
+  draw = np.random.default_rng(seed)
+  q = jnp.asarray(draw.standard_normal((batch, 1, heads, dim)), jnp.float32)
+  k, v = (jnp.asarray(draw.standard_normal((batch, 1, kv_heads, dim)), jnp.float32) for _ in range(2))
+  lam = jnp.asarray(draw.uniform(0.5, 2.0, heads), jnp.float32) if lam is None else lam
+  sigma = jnp.asarray(draw.uniform(2.0, 8.0, heads), jnp.float32) if sigma is None else sigma
+  gain = jnp.asarray(draw.uniform(0.5, 1.5, dim), jnp.float32)
+  valid = jnp.ones((batch, 1), bool)
+  return freesolo_step.bounded_segment(
+    cache,
+    q,
+    k,
+    v,
+    positions[:, None],
+    valid,
+    routing,
+    rope_theta=10000.0,
+    lam=lam,
+    sigma=sigma,
+    lr_gain=gain,
+    impl=impl,
+  )
+
+
+def _assert_steps_agree(kernel, reference, dtype):
+  local, long_range, cells, cache = kernel
+  local_ref, long_ref, cells_ref, cache_ref = reference
+  assert_close(local, local_ref, dtype)
+  assert_close(long_range, long_ref, dtype)
+  np.testing.assert_array_equal(np.asarray(cells), np.asarray(cells_ref))
+  for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(cache_ref)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+CASES = {
+  # name: routing, batch, heads, kv_heads, dim, prompt, steps, positions of the step
+  "mha-ring-wrapped": (
+    dict(window=40, cell=8, block=32, top_k=3, retain_top=5, retain_recent=3),
+    2,
+    2,
+    2,
+    16,
+    100,
+    7,
+    [107, 107],
+  ),
+  "grouped-no-recent": (
+    dict(window=24, cell=4, block=16, top_k=4, retain_top=3, retain_recent=0),
+    2,
+    4,
+    2,
+    16,
+    70,
+    3,
+    [73, 73],
+  ),
+  "early-few-cells": (
+    dict(window=40, cell=8, block=32, top_k=4, retain_top=6, retain_recent=2),
+    1,
+    2,
+    1,
+    16,
+    33,
+    0,
+    [33],
+  ),
+  "ends-a-block": (
+    dict(window=40, cell=8, block=32, top_k=2, retain_top=4, retain_recent=5),
+    2,
+    2,
+    2,
+    32,
+    60,
+    3,
+    [63, 63],
+  ),
+}
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_kernel_step_equals_the_reference_step(rng, interpret, case, monkeypatch):
+  """Both branches, the K cells in order and the cache after the step (merge included at a block's end)."""
+  spec, batch, heads, kv_heads, dim, prompt, steps, positions = CASES[case]
+  routing = Routing(variant="fsl", **spec)
+  cache = _filled_cache(
+    rng, routing, batch=batch, kv_heads=kv_heads, dim=dim, prompt=prompt, steps=steps, dtype=jnp.float32
+  )
+  seed = int(rng.integers(1 << 30))
+  run = lambda impl: _step(cache, routing, heads=heads, positions=jnp.asarray(positions), impl=impl, seed=seed)
+  _force_interpret(monkeypatch, interpret)
+  kernel, reference = run("pallas"), run("reference")
+  _assert_steps_agree(kernel, reference, np.float32)
+  assert np.all(np.asarray(kernel[2]) >= -1) and np.any(np.asarray(kernel[2]) >= 0)
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+def test_the_kernel_breaks_exact_score_ties_toward_the_lower_cell(rng, interpret, monkeypatch):
+  """λ = 0 leaves the content score only; two pool cells with the same mean key tie exactly, and the lower cell
+  index must win, as `lax.top_k` over cells sorted by index decides in the reference."""
+  routing = Routing(variant="fsl", window=16, cell=4, block=16, top_k=1, retain_top=4, retain_recent=0)
+  cache = _filled_cache(rng, routing, batch=1, kv_heads=1, dim=16, prompt=64, steps=0, dtype=jnp.float32)
+  ids = np.asarray(cache.pool_ids[0, 0])
+  q_dir = np.random.default_rng(7).standard_normal(16)  # the step's query (head 0): make two cells its best match
+  mean = np.asarray(cache.pool_mean).copy()
+  low, high = np.argsort(ids)[:2]
+  mean[0, 0, low] = mean[0, 0, high] = 5.0 * q_dir / np.linalg.norm(q_dir)
+  cache = cache.replace(pool_mean=jnp.asarray(mean))
+  _force_interpret(monkeypatch, interpret)
+  zeros = jnp.zeros((1,), jnp.float32)
+  run = lambda impl: _step(cache, routing, heads=1, positions=jnp.array([64]), impl=impl, lam=zeros, sigma=zeros + 4)
+  kernel, reference = run("pallas"), run("reference")
+  assert int(kernel[2][0, 0, 0, 0]) == int(ids[low]) == int(reference[2][0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+def test_the_kernel_reads_a_scanned_models_layer_where_it_lies(rng, interpret, monkeypatch):
+  """Caches as views into `[layers, ...]` stacks (a scanned model's decode step): the kernel reads layer 1 and
+  the step writes only layer 1, equal to the step over that layer alone."""
+  routing = Routing(variant="fsl", window=40, cell=8, block=32, top_k=3, retain_top=5, retain_recent=3)
+  layers = [
+    _filled_cache(rng, routing, batch=2, kv_heads=2, dim=16, prompt=90, steps=2, dtype=jnp.bfloat16) for _ in range(3)
+  ]
+  stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+  view = jax.tree_util.tree_map(lambda x: LayerSlice(x, jnp.int32(1)), stacked)
+  view = dataclasses.replace(view, defer_merge=False)
+  _force_interpret(monkeypatch, interpret)
+  positions = jnp.array([92, 92])
+  local, long_range, cells, written = _step(view, routing, heads=2, positions=positions, impl="pallas")
+  written = jax.tree_util.tree_map(lambda x: x.stack, written, is_leaf=lambda x: isinstance(x, LayerSlice))
+  alone = _step(layers[1], routing, heads=2, positions=positions, impl="reference")
+  _assert_steps_agree((local, long_range, cells, jax.tree_util.tree_map(lambda x: x[1], written)), alone, np.float32)
+  for a, b in zip(jax.tree_util.tree_leaves(written), jax.tree_util.tree_leaves(stacked)):
+    np.testing.assert_array_equal(np.asarray(a)[::2], np.asarray(b)[::2])  # layers 0 and 2 untouched
+
+
+def _force_interpret(monkeypatch, interpret):
+  """The kernel compiled (a GPU) or interpreted: `impl="pallas"` picks the kernel on any platform."""
+  from pallas_kernels import bounded_decode
+
+  original = bounded_decode.bounded_decode
+  monkeypatch.setattr(
+    bounded_decode, "bounded_decode", lambda *args, **kwargs: original(*args, **kwargs, interpret=interpret)
+  )
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+def test_a_scanned_model_decodes_through_the_kernel_as_through_the_reference(rng, interpret, monkeypatch):
+  """The tiny FS-L model, scanned, two rows at different positions: prefill, then 12 one-token steps (crossing a
+  block end, whose merge the model runs after its last layer) with `impl="pallas"` give the reference's logits
+  and cells at every step."""
+  from fsjax.cache import init_cache
+  from fsjax.decode import extend, prefill
+  from fsjax.model import Transformer
+
+  from helpers import tiny_model
+
+  config, model, variables = tiny_model("fsl", scan_layers=True)
+  kernel_config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl="pallas"))
+  _force_interpret(monkeypatch, interpret)
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 100)), jnp.int32)
+  lengths = jnp.array([86, 75])
+  results = {}
+  for name, m in (("reference", model), ("pallas", Transformer(kernel_config))):
+    _, cache = prefill(m, variables, tokens, lengths, init_cache(config, 2, 128), chunk=32)
+    steps = []
+    for t in range(12):
+      at = lengths[:, None] + t
+      step = jnp.take_along_axis(tokens, at, axis=1)
+      logits, cache, inter = extend(m, variables, step, cache, at, jnp.ones((2, 1), bool))
+      steps.append((logits, inter["layers"]["layer"]["attention"]["selected_cells"][0]))
+    results[name] = steps
+  for (logits, cells), (logits_ref, cells_ref) in zip(results["pallas"], results["reference"]):
+    assert_close(logits, logits_ref, np.float32)
+    np.testing.assert_array_equal(np.asarray(cells), np.asarray(cells_ref))
