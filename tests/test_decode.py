@@ -12,6 +12,7 @@ from fsjax import decode, kinds, memory, ops
 from fsjax.cache import BoundedCache, init_cache
 from fsjax.config import model_preset
 from fsjax.decode import extend, generate, prefill, sample
+from fsjax.loading import with_tau
 from fsjax.model import Transformer, init_variables
 
 from helpers import assert_close, stack_layers, tiny_model
@@ -436,23 +437,33 @@ def test_a_prompts_first_chunk_writes_the_stacked_cache_in_place():
     assert memory.temp_size_in_bytes < cache_bytes / 4, (kind, memory.temp_size_in_bytes, cache_bytes)
 
 
-@pytest.mark.parametrize("kind,routing", [("fsl", dict(retain_top=32, retain_recent=4)), ("swa", dict(window=1024))])
-def test_a_decode_step_reading_its_cache_before_writing_it_updates_the_stack_in_place(kind, routing):
+@pytest.mark.parametrize(
+  "kind,routing,bound",
+  [("fsl", dict(retain_top=32, retain_recent=4), 1 / 2), ("swa", dict(window=1024), 1 / 2), ("fsb", {}, 1 / 4)],
+)
+def test_a_decode_step_reading_its_cache_before_writing_it_updates_the_stack_in_place(kind, routing, bound):
   """Scanned layers (4), one token for 8 rows, through the caches a step reads before it writes (FS-L's bounded
-  cache, SWA's ring): the compiled step aliases every cache buffer and its temporaries stay below half of the
+  cache, SWA's ring, FS-B's node tables, whose admission writes each level and the join slots into the tables it
+  has just read): the compiled step aliases every cache buffer and its temporaries stay below `bound` of the
   cache, so no layer's stack is copied per token (XLA copies a buffer that is read, then written at indices that
-  do not depend on the read; FS-L's step also no longer reorders its pool or shifts its recent cells)."""
+  do not depend on the read; FS-L's step also no longer reorders its pool or shifts its recent cells). FS-B's
+  bound is a quarter: its μ stack `[layers, batch, 2·heads, nodes, d]` is 0.28 of this cache (the archive holds
+  most of the rest), so a copy of it stays below half."""
   config, _, _ = tiny_model(kind, scan_layers=True)
   config = dataclasses.replace(config, num_layers=4, attention=dataclasses.replace(config.attention, **routing))
-  model, variables = Transformer(config), init_variables(config, jax.random.PRNGKey(0), 64)
-  cache = init_cache(config, 8, 4096)
+  if kind == "fsb":  # FS's variables and a τ, as `tiny_model` builds them: FS-B's `init` runs its forest search
+    fs = dataclasses.replace(config, attention=dataclasses.replace(config.attention, kind="fs"))
+    variables = with_tau(config, init_variables(fs, jax.random.PRNGKey(0), 64), jnp.zeros((4, config.num_heads)))
+  else:
+    variables = init_variables(config, jax.random.PRNGKey(0), 64)
+  model, cache = Transformer(config), init_cache(config, 8, 4096)
   compiled = decode.extend.lower(
     model, variables, jnp.zeros((8, 1), jnp.int32), cache, jnp.full((8, 1), 3000), jnp.ones((8, 1), bool)
   ).compile()
   cache_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
   memory = compiled.memory_analysis()
   assert memory.alias_size_in_bytes == cache_bytes
-  assert memory.temp_size_in_bytes < cache_bytes / 2, (memory.temp_size_in_bytes, cache_bytes)
+  assert memory.temp_size_in_bytes < cache_bytes * bound, (memory.temp_size_in_bytes, cache_bytes)
 
 
 @pytest.mark.parametrize("kind", ["fs", "fsl"])

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsjax.cache import archive as archive_lib
-from fsjax.cache.layered import read, scatter
+from fsjax.cache.layered import after, read, scatter, update_slice
 from fsjax.reference import forest as forest_ref
 
 NO_NODE = forest_ref.NO_NODE
@@ -246,12 +246,19 @@ def _rejoin(forest: Forest):
     return {name: value[0] for name, value in joins.items()}, root[0]
 
   joins, root = jax.vmap(jax.vmap(one))({name: read(x) for name, x in nodes.items()}, read(forest.count))
+  # Each field's join slots are written in place into the table its chains just read (in a scanned model, the
+  # stack), and XLA orders a read before an in-place write only through data (`layered.after`); a write it cannot
+  # order gets a copy of the whole table. Each summary's joins depend on the reads of its own table (child and
+  # leaf joins read none), but rho's also read mu's (Eq. 21), so mu's joins go last, at a position computed from
+  # rho's join slots as written. Read back from the table rather than taken from `joins`: a second use of rho's
+  # joins moved one join's rho by its last bit on CPU (presumably a different fusion of their computation).
+  where = (slice(None), slice(None), slice(first_join, None))
   nodes = {
-    name: scatter(value, (slice(None), slice(None), slice(first_join, None)), joins[name].astype(value.dtype))
-    if name in joins
-    else value
+    name: scatter(value, where, joins[name].astype(value.dtype)) if name in joins and name != "mu" else value
     for name, value in nodes.items()
   }
+  start = after(jnp.int32(first_join), read(nodes["rho"])[where])
+  nodes["mu"] = update_slice(nodes["mu"], (0, 0, start, 0), joins["mu"].astype(nodes["mu"].dtype))
   return forest.replace(nodes=nodes, root=scatter(forest.root, (Ellipsis,), root.astype(forest.root.dtype)))
 
 

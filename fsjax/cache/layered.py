@@ -61,6 +61,16 @@ def scatter(x, index, values, mode=None):
   return x.at[index].set(values, mode=mode)
 
 
+def update_slice(x, start, values):
+  """`lax.dynamic_update_slice(x, values, start)` for an array; for a `LayerSlice`, the same write into its
+  stack. `start`: one scalar per dimension of the layer, which may be traced (as `after` gives them); they are
+  cast to int32, since the op takes indices of one type and Python ints become int64 under `jax_enable_x64`."""
+  as_int32 = lambda indices: tuple(jnp.asarray(i).astype(jnp.int32) for i in indices)
+  if isinstance(x, LayerSlice):
+    return x.replace(stack=jax.lax.dynamic_update_slice(x.stack, values[None], as_int32((x.layer, *start))))
+  return jax.lax.dynamic_update_slice(x, values, as_int32(start))
+
+
 def after(index, *reads):
   """`index` (an integer array) unchanged, but computed from `reads` (arrays read from buffers that a write at
   `index` then updates). XLA's copy insertion orders a read of a buffer before an in-place write into it only
