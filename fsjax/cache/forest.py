@@ -250,8 +250,8 @@ def _rejoin(forest: Forest):
   # stack), and XLA orders a read before an in-place write only through data (`layered.after`); a write it cannot
   # order gets a copy of the whole table. Each summary's joins depend on the reads of its own table (child and
   # leaf joins read none), but rho's also read mu's (Eq. 21), so mu's joins go last, at a position computed from
-  # rho's join slots as written. Read back from the table rather than taken from `joins`: a second use of rho's
-  # joins moved one join's rho by its last bit on CPU (presumably a different fusion of their computation).
+  # rho's join slots as written. They are read back from the table rather than taken from `joins`: a second use of
+  # that computation lets XLA fuse it differently, which can move a join's rho by its last bit.
   where = (slice(None), slice(None), slice(first_join, None))
   nodes = {
     name: scatter(value, where, joins[name].astype(value.dtype)) if name in joins and name != "mu" else value
