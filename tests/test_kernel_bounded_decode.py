@@ -3,6 +3,7 @@ reference path of `fsjax.attention.freesolo_step.bounded_segment`: local branch,
 cells and the cache it leaves, on fresh random caches (interpreted on CPU, compiled on a GPU)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,12 +11,15 @@ import numpy as np
 import pytest
 
 from fsjax.attention import freesolo_step
-from fsjax.cache import bounded
+from fsjax.cache import bounded, init_cache
 from fsjax.cache.layered import LayerSlice, read
+from fsjax.decode import extend, prefill
+from fsjax.model import Transformer
 from fsjax.reference.rope import apply_rope
 from fsjax.reference.routing import Routing
+from pallas_kernels import bounded_decode
 
-from helpers import assert_close, kernel_modes
+from helpers import assert_close, kernel_modes, tiny_model
 
 
 def _filled_cache(rng, routing, *, batch, kv_heads, dim, prompt, steps, dtype):
@@ -26,12 +30,12 @@ def _filled_cache(rng, routing, *, batch, kv_heads, dim, prompt, steps, dtype):
   k = jnp.asarray(rng.standard_normal((batch, chunk, kv_heads, dim)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((batch, chunk, kv_heads, dim)), jnp.float32)
   pos = jnp.broadcast_to(jnp.arange(chunk), (batch, chunk))
-  cache = bounded.fill(cache, apply_rope(k, pos, 10000.0), k, v, pos, pos < prompt)
+  cache = jax.jit(bounded.fill)(cache, apply_rope(k, pos, 10000.0), k, v, pos, pos < prompt)
+  write = jax.jit(lambda cache, k, v, at: bounded.write_segment(cache, apply_rope(k, at, 10000.0), k, v, at, at >= 0))
   for t in range(prompt, prompt + steps):
     k = jnp.asarray(rng.standard_normal((batch, 1, kv_heads, dim)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((batch, 1, kv_heads, dim)), jnp.float32)
-    at = jnp.full((batch, 1), t)
-    cache = bounded.write_segment(cache, apply_rope(k, at, 10000.0), k, v, at, jnp.ones((batch, 1), bool))
+    cache = write(cache, k, v, jnp.full((batch, 1), t))
   return cache
 
 
@@ -47,20 +51,8 @@ def _step(cache, routing, *, heads, positions, impl, seed=7, lam=None, sigma=Non
   sigma = jnp.asarray(draw.uniform(2.0, 8.0, heads), jnp.float32) if sigma is None else sigma
   gain = jnp.asarray(draw.uniform(0.5, 1.5, dim), jnp.float32)
   valid = jnp.ones((batch, 1), bool)
-  return freesolo_step.bounded_segment(
-    cache,
-    q,
-    k,
-    v,
-    positions[:, None],
-    valid,
-    routing,
-    rope_theta=10000.0,
-    lam=lam,
-    sigma=sigma,
-    lr_gain=gain,
-    impl=impl,
-  )
+  segment = jax.jit(functools.partial(freesolo_step.bounded_segment, routing=routing, impl=impl, rope_theta=10000.0))
+  return segment(cache, q, k, v, positions[:, None], valid, lam=lam, sigma=sigma, lr_gain=gain)
 
 
 def _assert_steps_agree(kernel, reference, dtype):
@@ -70,7 +62,12 @@ def _assert_steps_agree(kernel, reference, dtype):
   assert_close(long_range, long_ref, dtype)
   np.testing.assert_array_equal(np.asarray(cells), np.asarray(cells_ref))
   for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(cache_ref)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if a.size == 0:  # no recent cells
+      continue
+    if jnp.issubdtype(a.dtype, jnp.integer):  # slots, positions, cell ids: exactly
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    else:  # the ring's keys are rotated in two compiled programs, which may round RoPE's last bit differently
+      assert_close(a, b, dtype)
 
 
 CASES = {
@@ -177,8 +174,6 @@ def test_the_kernel_reads_a_scanned_models_layer_where_it_lies(rng, interpret, m
 
 def _force_interpret(monkeypatch, interpret):
   """The kernel compiled (a GPU) or interpreted: `impl="pallas"` picks the kernel on any platform."""
-  from pallas_kernels import bounded_decode
-
   original = bounded_decode.bounded_decode
   monkeypatch.setattr(
     bounded_decode, "bounded_decode", lambda *args, **kwargs: original(*args, **kwargs, interpret=interpret)
@@ -191,12 +186,6 @@ def test_a_scanned_model_decodes_through_the_kernel_as_through_the_reference(rng
   (crossing a block end, whose merge the model runs after its last layer) with `impl="pallas"` give the
   reference's logits and cells at every step. (Only the decode steps differ: the tiny model's 8-token cells are
   below what the compiled training kernels of a Pallas prefill tile.)"""
-  from fsjax.cache import init_cache
-  from fsjax.decode import extend, prefill
-  from fsjax.model import Transformer
-
-  from helpers import tiny_model
-
   config, model, variables = tiny_model("fsl", scan_layers=True)
   reference = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl="reference"))
   kernel = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl="pallas"))
