@@ -161,7 +161,6 @@ def test_the_kernel_reads_a_scanned_models_layer_where_it_lies(rng, interpret, m
   ]
   stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
   view = jax.tree_util.tree_map(lambda x: LayerSlice(x, jnp.int32(1)), stacked)
-  view = dataclasses.replace(view, defer_merge=False)
   _force_interpret(monkeypatch, interpret)
   positions = jnp.array([92, 92])
   local, long_range, cells, written = _step(view, routing, heads=2, positions=positions, impl="pallas")
