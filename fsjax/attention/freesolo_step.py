@@ -328,7 +328,8 @@ def bounded_token_kernel(
     layer=layer,
   )
   local, long_range = local[:, None].astype(q.dtype), rms_norm(summed[:, None].astype(q.dtype), lr_gain)
-  pos = after(pos, local, long_range)  # a non-deferred merge below updates the pool these read in place
+  if not cache.defer_merge:  # a merge below updates the pool the kernel read, in place: order it after the read
+    pos = after(pos, local, long_range)
   return local, long_range, selected[:, None], bounded.write_block(cache, k, v, pos, valid)
 
 
