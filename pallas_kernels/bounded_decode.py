@@ -1,14 +1,17 @@
 """FS-L's attention for one decode token over its bounded cache (FS Sec. 3.3 "Inference", Eq. 3-4 and 7-9) in one
-launch per layer: one program per (batch row, query head) runs
+launch per layer. The grid is (batch row, query head, part), T + K parts per head, so that a batch of one row
+still fills the GPU (each part is a short chain of loads; one program walking them all is latency-bound):
 
-  - the local branch over the ring (Eq. 3-4; the token already written to it), an online softmax over tiles;
-  - the scores of `pool ∪ recent` (Eq. 7-8, empties skipped);
-  - the top K by (score desc, cell index asc) as `lax.top_k` over the candidates sorted by cell index gives it. A
-    recent cell that is also in the pool has the same index, score and keys in both lists: each pick takes a cell
-    index and retires it from both, so the union needs no deduplication;
-  - the readout of the K selected cells (Eq. 9) gathered from the pool or recent slot where each lies,
+  - parts 0 .. T-1: the local branch (Eq. 3-4; the token already written to the ring) over one ring tile each;
+  - parts T .. T+K-1: each scores `pool ∪ recent` (Eq. 7-8, empties skipped), finds the top K by (score desc,
+    cell index asc) as `lax.top_k` over the candidates sorted by cell index gives it, and reads out (Eq. 9) the
+    one selected cell of its rank from the pool or recent slot where it lies. A recent cell that is also in the
+    pool has the same index, score and keys in both lists: each pick takes a cell index and retires it from
+    both, so the union needs no deduplication. The K parts repeat the scoring (a few KB, from L2) rather than
+    wait for one another.
 
-and returns the local output, the unnormed long-range sum and the selected cells. The jnp specification is
+Each part writes its softmax normalized over its own keys and their log-sum-exp; `_merge_parts` combines them
+exactly into the local output and the unnormed long-range sum. The jnp specification is
 `fsjax.attention.freesolo_step.bounded_segment`: `attend` over the ring and the token, and `bounded_long_range`.
 
 The cache arrays are read where they lie: a scanned model's stacks `[layers, batch, ...]` with the layer index,
@@ -31,6 +34,88 @@ NO_CELL = -1
 RING_TILE = 128  # ring slots per step of the local branch's online softmax
 
 
+def _softmax_part(logits, seen, values, o_ref, lse_ref):
+  """One part of a softmax over keys split across programs: writes the part's normalized output `[d]` and its
+  log-sum-exp (-inf where it saw no key), which `_merge_parts` combines exactly."""
+  m = jnp.max(jnp.where(seen, logits, -jnp.inf))
+  shift = jnp.where(m > -jnp.inf, m, 0.0)
+  p = jnp.where(seen, jnp.exp(logits - shift), 0.0)
+  total = jnp.sum(p)
+  o_ref[...] = jnp.where(total > 0, jnp.sum(p[:, None] * values, axis=0) / jnp.where(total > 0, total, 1.0), 0.0)
+  lse_ref[...] = jnp.full(
+    lse_ref.shape, jnp.where(total > 0, shift + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+  )
+
+
+def _ring_part(
+  tile, q_rot, pos, layer, scale, ring_k_ref, ring_v_ref, ring_pos_ref, o_ref, lse_ref, *, window, ring_slots
+):
+  """The local branch (Eq. 3-4) over ring tile `tile`: keys at j <= pos with pos - j <= window (the ring holds
+  position j at slot j mod R)."""
+  slots = tile * RING_TILE + jnp.arange(RING_TILE)
+  at = jnp.minimum(slots, ring_slots - 1)
+  k_pos = ring_pos_ref[layer, at]
+  seen = (slots < ring_slots) & (k_pos >= 0) & (k_pos <= pos) & (pos - k_pos <= window)
+  k = ring_k_ref[layer, at, :].astype(jnp.float32)  # [T, d]
+  logits = jnp.sum(k * q_rot[None, :], axis=1) * scale
+  _softmax_part(logits, seen, ring_v_ref[layer, at, :].astype(jnp.float32), o_ref, lse_ref)
+
+
+def _cell_part(
+  rank, q, pos, lam, sigma, layer, scale, cell_refs, o_ref, lse_ref, cells_ref, *, cell, top_k, pool_size, recent_size
+):
+  """The long-range branch's part for the `rank`-th selected cell: scores of pool ∪ recent (Eq. 7-8, empties
+  skipped), the top K by (score desc, cell index asc), then the readout (Eq. 9) over that one cell's s keys,
+  gathered from its pool or recent slot. Every cell part finds the same K and writes them all to cells_ref."""
+
+  def scores(ids, mean, norm):
+    content = jnp.sum(mean * q[None, :], axis=1) * scale
+    distance = pos.astype(jnp.float32) - (ids.astype(jnp.float32) + 0.5) * cell
+    return jnp.where(ids >= 0, content + lam * norm * erf(distance / (2.0 * sigma)), -jnp.inf)
+
+  # P and W padded to powers of two; padding is no cell.
+  candidates = []
+  for (ids_ref, mean_ref, norm_ref, k_ref, v_ref), size in ((cell_refs[:5], pool_size), (cell_refs[5:], recent_size)):
+    if not size:
+      continue
+    at = jnp.minimum(jnp.arange(pl.next_power_of_2(size)), size - 1)
+    ids = jnp.where(jnp.arange(at.shape[0]) < size, ids_ref[layer, at], NO_CELL)
+    mean, norm = mean_ref[layer, at, :].astype(jnp.float32), norm_ref[layer, at].astype(jnp.float32)
+    candidates.append((ids, scores(ids, mean, norm), at, k_ref, v_ref))
+
+  never = jnp.iinfo(jnp.int32).max
+  chosen = jnp.full(cells_ref.shape, NO_CELL, jnp.int32)
+  ranks = jnp.arange(cells_ref.shape[0])
+  live = [score for _, score, _, _, _ in candidates]
+  mine = [jnp.int32(-1)] * len(candidates)  # the rank-th cell's slot in each list (-1: not there)
+  for j in range(top_k):
+    best = live[0].max()
+    for score in live[1:]:
+      best = jnp.maximum(best, score.max())
+    found = best > -jnp.inf
+    winner = never
+    for (ids, *_), score in zip(candidates, live):
+      winner = jnp.minimum(winner, jnp.min(jnp.where(found & (score == best), ids, never)))
+    for i, ((ids, _, at, _, _), score) in enumerate(zip(candidates, live)):
+      slot = jnp.max(jnp.where(found & (ids == winner), at, -1))
+      mine[i] = jnp.where(rank == j, slot, mine[i])
+    live = [jnp.where(ids == winner, -jnp.inf, score) for (ids, *_), score in zip(candidates, live)]
+    chosen = jnp.where(found & (ranks == j), winner, chosen)
+  cells_ref[...] = chosen
+
+  cell_k = jnp.zeros((cell, q.shape[0]), jnp.float32)
+  cell_v = jnp.zeros((cell, q.shape[0]), jnp.float32)
+  for (_, _, _, k_ref, v_ref), slot in zip(candidates, mine):
+    here, safe = slot >= 0, jnp.maximum(slot, 0)
+    cell_k = jnp.where(here, k_ref[layer, safe, :, :].astype(jnp.float32), cell_k)
+    cell_v = jnp.where(here, v_ref[layer, safe, :, :].astype(jnp.float32), cell_v)
+  any_here = mine[0] >= 0
+  for slot in mine[1:]:
+    any_here = any_here | (slot >= 0)
+  logits = jnp.sum(cell_k * q[None, :], axis=1) * scale  # [s]
+  _softmax_part(logits, jnp.broadcast_to(any_here, logits.shape), cell_v, o_ref, lse_ref)
+
+
 def _bounded_decode_kernel(
   q_ref,
   q_rot_ref,
@@ -41,20 +126,7 @@ def _bounded_decode_kernel(
   ring_k_ref,
   ring_v_ref,
   ring_pos_ref,
-  pool_ids_ref,
-  pool_mean_ref,
-  pool_norm_ref,
-  pool_k_ref,
-  pool_v_ref,
-  recent_ids_ref,
-  recent_mean_ref,
-  recent_norm_ref,
-  recent_k_ref,
-  recent_v_ref,
-  local_ref,
-  long_ref,
-  cells_ref,
-  *,
+  *refs,
   window,
   cell,
   top_k,
@@ -62,98 +134,65 @@ def _bounded_decode_kernel(
   pool_size,
   recent_size,
 ):
-  """One (row, query head). q_ref / q_rot_ref `[d]`; pos_ref, lam_ref, sigma_ref, layer_ref `[1]`; cache refs
-  `[layers, ...]` of which layer `layer_ref[0]` is read: ring k/v `[R, d]`, ring pos `[R]`, pool ids / norm `[P]`,
-  mean `[P, d]`, k/v `[P, s, d]`, recent the same with W (recent ids shared by the heads). Writes local_ref and
-  long_ref `[d]` (float32) and cells_ref `[K']` (K' ≥ K a power of two; -1 past K and where none)."""
-  q = q_ref[...].astype(jnp.float32)
-  q_rot = q_rot_ref[...].astype(jnp.float32)
-  pos, lam, sigma, layer = pos_ref[0], lam_ref[0], sigma_ref[0], layer_ref[0]
-  dim = q.shape[0]
-  scale = 1.0 / math.sqrt(dim)
-
-  # Local branch (Eq. 3-4): keys at j <= pos and pos - j <= window; the ring holds each position at slot j mod R.
-  def ring_tile(t, carry):
-    m, total, acc = carry
-    slots = t * RING_TILE + jnp.arange(RING_TILE)
-    at = jnp.minimum(slots, ring_slots - 1)
-    k_pos = ring_pos_ref[layer, at]
-    seen = (slots < ring_slots) & (k_pos >= 0) & (k_pos <= pos) & (pos - k_pos <= window)
-    k = ring_k_ref[layer, at, :].astype(jnp.float32)  # [T, d]
-    logits = jnp.where(seen, jnp.sum(k * q_rot[None, :], axis=1) * scale, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(logits))
-    shift = jnp.where(m_new > -jnp.inf, m_new, 0.0)
-    p = jnp.where(seen, jnp.exp(logits - shift), 0.0)
-    rescale = jnp.exp(jnp.where(m > -jnp.inf, m, shift) - shift)
-    v = ring_v_ref[layer, at, :].astype(jnp.float32)
-    return m_new, total * rescale + jnp.sum(p), acc * rescale + jnp.sum(p[:, None] * v, axis=0)
-
+  """One (row, query head, part): parts 0 .. T-1 are the ring's tiles (local branch), parts T .. T+K-1 the K
+  selected cells (long-range branch). q_ref / q_rot_ref `[d]`; pos_ref, lam_ref, sigma_ref, layer_ref `[1]`; cache
+  refs `[layers, ...]` of which layer `layer_ref[0]` is read: ring k/v `[R, d]`, ring pos `[R]`, pool ids / norm
+  `[P]`, mean `[P, d]`, k/v `[P, s, d]`, recent the same with W (recent ids shared by the heads). Writes the
+  part's o_ref `[d]` and lse_ref `[1]` (float32); cell parts write cells_ref `[K']` (K' ≥ K a power of two; -1
+  past K and where none)."""
+  cell_refs, (o_ref, lse_ref, cells_ref) = refs[:10], refs[10:]
+  part = pl.program_id(2)
   tiles = -(-ring_slots // RING_TILE)
-  init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.zeros((dim,), jnp.float32))
-  _, total, acc = jax.lax.fori_loop(0, tiles, ring_tile, init)
-  local_ref[...] = jnp.where(total > 0, acc / jnp.where(total > 0, total, 1.0), 0.0)
+  pos, layer = pos_ref[0], layer_ref[0]
+  scale = 1.0 / math.sqrt(q_ref.shape[0])
 
-  # Scores of pool ∪ recent (Eq. 7-8); P and W padded to powers of two, padding unavailable.
-  def scores(ids, mean, norm):
-    content = jnp.sum(mean * q[None, :], axis=1) * scale
-    distance = pos.astype(jnp.float32) - (ids.astype(jnp.float32) + 0.5) * cell
-    return content + lam * norm * erf(distance / (2.0 * sigma))
-
-  pool_at = jnp.minimum(jnp.arange(pl.next_power_of_2(pool_size)), pool_size - 1)
-  in_pool = jnp.arange(pool_at.shape[0]) < pool_size
-  pool_ids = jnp.where(in_pool, pool_ids_ref[layer, pool_at], NO_CELL)
-  pool_scores = scores(
-    pool_ids, pool_mean_ref[layer, pool_at, :].astype(jnp.float32), pool_norm_ref[layer, pool_at].astype(jnp.float32)
-  )
-  pool_scores = jnp.where(pool_ids >= 0, pool_scores, -jnp.inf)
-  never = jnp.iinfo(jnp.int32).max
-  candidates = [(pool_ids, pool_scores, pool_at, True)]
-  if recent_size:
-    recent_at = jnp.minimum(jnp.arange(pl.next_power_of_2(recent_size)), recent_size - 1)
-    recent_ids = recent_ids_ref[layer, recent_at]
-    recent_ids = jnp.where(jnp.arange(recent_at.shape[0]) < recent_size, recent_ids, NO_CELL)
-    recent_scores = scores(
-      recent_ids,
-      recent_mean_ref[layer, recent_at, :].astype(jnp.float32),
-      recent_norm_ref[layer, recent_at].astype(jnp.float32),
+  @pl.when(part < tiles)
+  def _():
+    q_rot = q_rot_ref[...].astype(jnp.float32)
+    _ring_part(
+      part,
+      q_rot,
+      pos,
+      layer,
+      scale,
+      ring_k_ref,
+      ring_v_ref,
+      ring_pos_ref,
+      o_ref,
+      lse_ref,
+      window=window,
+      ring_slots=ring_slots,
     )
-    candidates.append((recent_ids, jnp.where(recent_ids >= 0, recent_scores, -jnp.inf), recent_at, False))
 
-  # Top K, then the readout (Eq. 9) of each chosen cell as it is found: an online softmax over its s keys.
-  m = jnp.float32(-jnp.inf)
-  total = jnp.float32(0.0)
-  acc = jnp.zeros((dim,), jnp.float32)
-  chosen = jnp.full(cells_ref.shape, NO_CELL, jnp.int32)
-  slots_out = jnp.arange(cells_ref.shape[0])
-  live = [score for _, score, _, _ in candidates]
-  for j in range(top_k):
-    best = live[0].max()
-    for score in live[1:]:
-      best = jnp.maximum(best, score.max())
-    found = best > -jnp.inf
-    winner = never
-    for (ids, _, _, _), score in zip(candidates, live):
-      winner = jnp.minimum(winner, jnp.min(jnp.where(found & (score == best), ids, never)))
-    cell_k = jnp.zeros((cell, dim), jnp.float32)
-    cell_v = jnp.zeros((cell, dim), jnp.float32)
-    for (ids, _, at, from_pool), score in zip(candidates, live):
-      hit = (ids == winner) & found
-      slot = jnp.max(jnp.where(hit, at, -1))
-      here = slot >= 0
-      k_ref, v_ref = (pool_k_ref, pool_v_ref) if from_pool else (recent_k_ref, recent_v_ref)
-      safe = jnp.maximum(slot, 0)
-      cell_k = jnp.where(here, k_ref[layer, safe, :, :].astype(jnp.float32), cell_k)
-      cell_v = jnp.where(here, v_ref[layer, safe, :, :].astype(jnp.float32), cell_v)
-    live = [jnp.where(ids == winner, -jnp.inf, score) for (ids, _, _, _), score in zip(candidates, live)]
-    chosen = jnp.where(found & (slots_out == j), winner, chosen)
-    logits = jnp.sum(cell_k * q[None, :], axis=1) * scale  # [s]
-    m_new = jnp.where(found, jnp.maximum(m, jnp.max(logits)), m)
-    shift = jnp.where(m_new > -jnp.inf, m_new, 0.0)
-    p = jnp.where(found, jnp.exp(logits - shift), 0.0)
-    rescale = jnp.exp(jnp.where(m > -jnp.inf, m, shift) - shift)
-    m, total, acc = m_new, total * rescale + jnp.sum(p), acc * rescale + jnp.sum(p[:, None] * cell_v, axis=0)
-  long_ref[...] = jnp.where(total > 0, acc / jnp.where(total > 0, total, 1.0), 0.0)
-  cells_ref[...] = chosen
+  @pl.when(part >= tiles)
+  def _():
+    q = q_ref[...].astype(jnp.float32)
+    _cell_part(
+      part - tiles,
+      q,
+      pos,
+      lam_ref[0],
+      sigma_ref[0],
+      layer,
+      scale,
+      cell_refs,
+      o_ref,
+      lse_ref,
+      cells_ref,
+      cell=cell,
+      top_k=top_k,
+      pool_size=pool_size,
+      recent_size=recent_size,
+    )
+
+
+def _merge_parts(o, lse):
+  """Softmax parts `o [.., parts, d]` (each normalized over its keys) with their log-sum-exps `lse [.., parts]`
+  → the softmax over all their keys `[.., d]` (0 where no part saw a key)."""
+  top = jnp.max(lse, axis=-1, keepdims=True)
+  weight = jnp.where(lse > -jnp.inf, jnp.exp(lse - jnp.where(top > -jnp.inf, top, 0.0)), 0.0)
+  total = jnp.sum(weight, axis=-1, keepdims=True)
+  return jnp.sum(weight[..., None] * o, axis=-2) / jnp.where(total > 0, total, 1.0)
 
 
 def compilable(*, cell, head_dim):
@@ -204,14 +243,17 @@ def bounded_decode(q, q_rot, pos, lam, sigma, cache, *, window, cell, top_k, lay
   group = group_size(heads, kv_heads)
   width = pl.next_power_of_2(top_k)
 
+  tiles = -(-ring_slots // RING_TILE)
+  parts = tiles + top_k
+
   def spec(name):
     shape = stacks[name].shape
     if name in ("ring_k", "ring_v"):
-      return pl.BlockSpec((layers, None, ring_slots, None, dim), lambda b, h: (0, b, 0, h // group, 0))
+      return pl.BlockSpec((layers, None, ring_slots, None, dim), lambda b, h, z: (0, b, 0, h // group, 0))
     if name in ("ring_pos", "recent_ids"):
-      return pl.BlockSpec((layers, None, shape[2]), lambda b, h: (0, b, 0))
+      return pl.BlockSpec((layers, None, shape[2]), lambda b, h, z: (0, b, 0))
     rest = shape[3:]
-    return pl.BlockSpec((layers, None, None, *rest), lambda b, h: (0, b, h // group) + (0,) * len(rest))
+    return pl.BlockSpec((layers, None, None, *rest), lambda b, h, z: (0, b, h // group) + (0,) * len(rest))
 
   names = list(axes)
   recent = max(recent_size, 1)  # an empty recent list still hands the kernel a one-slot array it never reads
@@ -222,8 +264,8 @@ def bounded_decode(q, q_rot, pos, lam, sigma, cache, *, window, cell, top_k, lay
         x.shape[:2] + (recent,) + x.shape[3:] if name == "recent_ids" else x.shape[:3] + (recent,) + x.shape[4:],
         x.dtype,
       )
-  row = pl.BlockSpec((None, None, dim), lambda b, h: (b, h, 0))
-  local, long_range, cells = pl.pallas_call(
+  row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h, 0))
+  o, lse, cells = pl.pallas_call(
     functools.partial(
       _bounded_decode_kernel,
       window=window,
@@ -233,20 +275,24 @@ def bounded_decode(q, q_rot, pos, lam, sigma, cache, *, window, cell, top_k, lay
       pool_size=pool_size,
       recent_size=recent_size,
     ),
-    grid=(batch, heads),
+    grid=(batch, heads, parts),
     in_specs=[
       row,
       row,
-      pl.BlockSpec((1,), lambda b, h: (b,)),
-      pl.BlockSpec((1,), lambda b, h: (h,)),
-      pl.BlockSpec((1,), lambda b, h: (h,)),
-      pl.BlockSpec((1,), lambda b, h: (0,)),
+      pl.BlockSpec((1,), lambda b, h, z: (b,)),
+      pl.BlockSpec((1,), lambda b, h, z: (h,)),
+      pl.BlockSpec((1,), lambda b, h, z: (h,)),
+      pl.BlockSpec((1,), lambda b, h, z: (0,)),
       *(spec(name) for name in names),
     ],
-    out_specs=[row, row, pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0))],
+    out_specs=[
+      pl.BlockSpec((None, None, None, dim), lambda b, h, z: (b, h, z, 0)),
+      pl.BlockSpec((None, None, 1), lambda b, h, z: (b, h, z)),
+      pl.BlockSpec((None, None, width), lambda b, h, z: (b, h, 0)),
+    ],
     out_shape=[
-      jax.ShapeDtypeStruct((batch, heads, dim), jnp.float32),
-      jax.ShapeDtypeStruct((batch, heads, dim), jnp.float32),
+      jax.ShapeDtypeStruct((batch, heads, parts, dim), jnp.float32),
+      jax.ShapeDtypeStruct((batch, heads, parts), jnp.float32),
       jax.ShapeDtypeStruct((batch, heads, width), jnp.int32),
     ],
     compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
@@ -261,4 +307,6 @@ def bounded_decode(q, q_rot, pos, lam, sigma, cache, *, window, cell, top_k, lay
     layer_index,
     *(stacks[name] for name in names),
   )
+  local = _merge_parts(o[:, :, :tiles], lse[:, :, :tiles])
+  long_range = _merge_parts(o[:, :, tiles:], lse[:, :, tiles:])
   return local, long_range, cells[..., :top_k]
