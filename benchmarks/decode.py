@@ -1,7 +1,7 @@
 """Prefill and decode throughput, attention-state bytes and the HBM roofline: FS-L, FS, FS-B, TF++, SWA and ZHA.
 
     python benchmarks/decode.py [--lengths 4096,16384,65536,131072,262144] [--kinds fsl,fs,fsb,tfpp,swa,zha]
-        [--decode-tokens 64] [--preset fs_341m] [--layers scanned|unrolled] [--zha-max-nodes 64] [--profile]
+        [--decode-tokens 64] [--preset fs_341m] [--layers scanned|unrolled] [--zha-max-nodes 64] [--profile [N]]
 
 Batch 1, random weights, bf16 parameters and caches. Each (kind, length) runs in its own subprocess. Prefill goes
 through `fsjax.decode.prefill` (the chunk it chooses, or `--chunk`); decode through the on-device `decode_loop`.
@@ -14,9 +14,10 @@ batch 1 a step is short enough for launches to matter.
 ZHA (the preset's tree, random reference queries) decodes through the capped routing, `--zha-max-nodes` per level,
 which runs the `zha_routing` kernels on a GPU; 0 keeps the uncapped reference routing, which masks the whole cache.
 FS-B prefills with the prefill formulation and decodes through the streaming forest cache, τ calibrated on the
-first 4096 tokens; its per-block forest update is timed alone by `forest_update.py`. `--profile` traces one more
-decode loop per case and prints the device kernels that take the most time per token. A case prints its phases
-on stderr (prefill compile, prefill, decode-loop compile), so one cut by `--case-timeout` says how far it got.
+first 4096 tokens; its per-block forest update is timed alone by `forest_update.py`. `--profile [N]` traces one
+more decode loop per case and prints the N (default 12) device kernels that take the most time per token. A case
+prints its phases on stderr (prefill compile, prefill, decode-loop compile), so one cut by `--case-timeout` says
+how far it got.
 """
 
 import json
@@ -45,7 +46,7 @@ def progress(message):
   print(message, file=sys.stderr, flush=True)
 
 
-def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, profile=False):
+def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, profile=0):
   vocab_size = model_preset(preset, kind=kind).vocab_size
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, vocab_size)
   config, model, variables = random_model(
@@ -73,7 +74,7 @@ def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, 
   start = time.perf_counter()
   run(cache).block_until_ready()
   decode_s = (time.perf_counter() - start) / (decode_tokens - 1)
-  kernels = traced_kernels(lambda: run(traced), decode_tokens - 1) if profile else []
+  kernels = traced_kernels(lambda: run(traced), decode_tokens - 1, count=profile) if profile else []
   param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(variables))
   return dict(
     kind=kind,
@@ -95,7 +96,9 @@ def main():
   parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: chosen per prompt)")
   parser.add_argument("--layers", choices=("scanned", "unrolled"), default="scanned")
   parser.add_argument("--zha-max-nodes", type=int, default=64, help="ZHA's per-level cap in decode (0: none)")
-  parser.add_argument("--profile", action="store_true", help="print each case's costliest kernels per token")
+  parser.add_argument(
+    "--profile", type=int, nargs="?", const=12, default=0, help="print each case's N (12) costliest kernels per token"
+  )
   args = parser.parse_args()
   if args.case:
     print(
@@ -118,7 +121,7 @@ def main():
       args.layers,
       "--zha-max-nodes",
       args.zha_max_nodes,
-      *(["--profile"] if args.profile else []),
+      *(["--profile", args.profile] if args.profile else []),
     ],
     args.case_timeout,
   )
