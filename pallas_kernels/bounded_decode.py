@@ -31,7 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import default_interpret, erf, group_size, layer_stack
 
 NO_CELL = -1
-RING_TILE = 128  # ring slots per step of the local branch's online softmax
+RING_TILE = 128  # ring slots per local-branch part (one program each)
 
 
 def _softmax_part(logits, seen, values, o_ref, lse_ref):
