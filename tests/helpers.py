@@ -137,8 +137,14 @@ def tiny_model(kind, scan_layers=False, cell=8):
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 128), 0, config.vocab_size)
     variables = loading.with_tau(config, variables, calibrate.calibrate(fs, variables, [tokens]))
   else:
-    variables = init_variables(config, jax.random.PRNGKey(0), 64)
+    variables = jitted_init(config)
   return config, Transformer(config), variables
+
+
+def jitted_init(config, seq_len=64):
+  """`init_variables(config, PRNGKey(0), seq_len)` compiled as one program: `init` runs the model's forward pass,
+  which op by op took several seconds per tiny model, more than compiling it."""
+  return jax.jit(Transformer(config).init)(jax.random.PRNGKey(0), jnp.zeros((1, seq_len), jnp.int32))
 
 
 def ragged_teacher_forced(model, variables, tokens, lengths, steps, chunk):

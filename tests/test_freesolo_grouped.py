@@ -19,14 +19,14 @@ from fsjax.cache import forest as forest_cache
 from fsjax.cache import init_cache
 from fsjax.config import MoBAConfig, ZHAConfig, model_preset
 from fsjax.decode import extend, prefill
-from fsjax.model import Transformer, init_variables
+from fsjax.model import Transformer
 from fsjax.reference import cells as cells_ref
 from fsjax.reference import freesolo as ref
 from pallas_kernels import cell_scoring, forest_search
 from pallas_kernels import sparse_readout as readout_kernel
 
 import brute_force
-from helpers import assert_close, assert_same_cells, kernel_modes
+from helpers import assert_close, assert_same_cells, jitted_init, kernel_modes
 
 HEADS, KV_HEADS = 6, 2  # group 3: query heads 0-2 read key/value head 0, 3-5 head 1
 GROUP = HEADS // KV_HEADS
@@ -260,7 +260,7 @@ def _grouped_model(kind, scan_layers=False):
     assert tau.shape == (config.num_layers, 2)
     variables = loading.with_tau(config, variables, tau)
   else:
-    variables = init_variables(config, jax.random.PRNGKey(0), 64)
+    variables = jitted_init(config)
   return config, Transformer(config), variables
 
 
