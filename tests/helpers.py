@@ -144,7 +144,7 @@ def tiny_model(kind, scan_layers=False, cell=8):
 def jitted_init(config, seq_len=64):
   """`init_variables(config, PRNGKey(0), seq_len)` compiled as one program: `init` runs the model's forward pass,
   which op by op took several seconds per tiny model, more than compiling it."""
-  return jax.jit(Transformer(config).init)(jax.random.PRNGKey(0), jnp.zeros((1, seq_len), jnp.int32))
+  return jax.jit(init_variables, static_argnums=(0, 2))(config, jax.random.PRNGKey(0), seq_len)
 
 
 def ragged_teacher_forced(model, variables, tokens, lengths, steps, chunk):
