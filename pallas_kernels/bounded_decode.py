@@ -133,6 +133,7 @@ def _bounded_decode_kernel(
   ring_slots,
   pool_size,
   recent_size,
+  tiles,
 ):
   """One (row, query head, part): parts 0 .. T-1 are the ring's tiles (local branch), parts T .. T+K-1 the K
   selected cells (long-range branch). q_ref / q_rot_ref `[d]`; pos_ref, lam_ref, sigma_ref, layer_ref `[1]`; cache
@@ -142,7 +143,6 @@ def _bounded_decode_kernel(
   past K and where none)."""
   cell_refs, (o_ref, lse_ref, cells_ref) = refs[:10], refs[10:]
   part = pl.program_id(2)
-  tiles = -(-ring_slots // RING_TILE)
   pos, layer = pos_ref[0], layer_ref[0]
   scale = 1.0 / math.sqrt(q_ref.shape[0])
 
@@ -274,6 +274,7 @@ def bounded_decode(q, q_rot, pos, lam, sigma, cache, *, window, cell, top_k, lay
       ring_slots=ring_slots,
       pool_size=pool_size,
       recent_size=recent_size,
+      tiles=tiles,
     ),
     grid=(batch, heads, parts),
     in_specs=[
