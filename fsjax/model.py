@@ -13,6 +13,7 @@ from fsjax.attention.freesolo import ROUTING
 from fsjax.attention.projections import Projection
 from fsjax.cache import defer_block_merges, layer_of, merge_deferred_blocks, write_back
 from fsjax.config import ModelConfig
+from fsjax.layer_weights import LayerWeights, child, dense_products
 
 EMBED_INIT_STD = 0.02  # keeps tied-embedding logits O(1) at init (LLaMA's choice)
 
@@ -36,18 +37,23 @@ def make_attention(config: ModelConfig, name=None):
 
 
 class SwiGLU(nn.Module):
-  """`x [.., d_model]` → `W_down(silu(W_gate x) * W_up x)`."""
+  """`x [.., d_model]` → `W_down(silu(W_gate x) * W_up x)`. `weights`: the module's
+  `fsjax.layer_weights.LayerWeights` at a decode step (the products then read the weights where they lie)."""
 
   hidden: int
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, weights=None):
     dense = lambda features, name: nn.Dense(
       features, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name
     )
-    return dense(x.shape[-1], "down")(nn.silu(dense(self.hidden, "gate")(x)) * dense(self.hidden, "up")(x))
+    gate_up = dense_products(weights, x, ("gate", "up"), 1, self.dtype)
+    gate, up = gate_up if gate_up is not None else (dense(self.hidden, "gate")(x), dense(self.hidden, "up")(x))
+    h = nn.silu(gate) * up
+    down = dense_products(weights, h, ("down",), 1, self.dtype)
+    return down[0] if down is not None else dense(x.shape[-1], "down")(h)
 
 
 class DecoderLayer(nn.Module):
@@ -59,13 +65,16 @@ class DecoderLayer(nn.Module):
 
   `first_chunk`: the cache is empty and the chunk starts at position 0 in every row (a prompt's first chunk),
   so attention runs the training operator over the chunk and writes the cache in bulk.
+
+  `weights`: with a cache, this layer's `fsjax.layer_weights.LayerWeights` (a scanned model's parameter stacks
+  and the layer's index), through which a step of a few rows reads each projection's weights where they lie.
   """
 
   config: ModelConfig
   first_chunk: bool = False
 
   @nn.compact
-  def __call__(self, x, cache=None, positions=None, valid=None, history=None):
+  def __call__(self, x, cache=None, positions=None, valid=None, history=None, weights=None):
     c = self.config
     norm = lambda name: nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name=name)
     attention = make_attention(c, name="attention")
@@ -80,9 +89,11 @@ class DecoderLayer(nn.Module):
     if cache is None:
       x = x + attention(h)
     else:
-      y, cache = attention(h, cache, positions, valid, first_chunk=self.first_chunk)
+      attention_weights = child(weights, "attention")
+      y, cache = attention(h, cache, positions, valid, first_chunk=self.first_chunk, weights=attention_weights)
       x = x + y
-    x = x + SwiGLU(c.ffn_hidden_size, dtype=c.dtype, param_dtype=c.param_dtype, name="mlp")(norm("mlp_norm")(x))
+    mlp = SwiGLU(c.ffn_hidden_size, dtype=c.dtype, param_dtype=c.param_dtype, name="mlp")
+    x = x + mlp(norm("mlp_norm")(x), child(weights, "mlp"))
     return x if cache is None else (x, cache, history)
 
 
@@ -92,32 +103,34 @@ class ScannedLayer(nn.Module):
 
   The whole stacked cache is carried, and the layer reads and writes its own layer in place
   (`fsjax.cache.layer_of`): scanning the cache as per-layer slices would copy every layer's cache out and
-  back at each step.
+  back at each step. `stacks` (broadcast; with a cache) are the layers' parameter stacks, which the layer's
+  products of a few rows read at its index where they lie (`fsjax.layer_weights`).
   """
 
   config: ModelConfig
   first_chunk: bool = False
 
   @nn.compact
-  def __call__(self, carry, index, history, positions, valid):
+  def __call__(self, carry, index, history, positions, valid, stacks):
     x, cache = carry
     layer = (nn.remat(DecoderLayer) if self.config.remat else DecoderLayer)(
       self.config, first_chunk=self.first_chunk, name="layer"
     )
     if cache is None:
       return (layer(x), None), None
-    x, view, history = layer(x, layer_of(cache, index), positions, valid, history)
+    weights = None if stacks is None else LayerWeights(stacks, index, self.config.attention.impl)
+    x, view, history = layer(x, layer_of(cache, index), positions, valid, history, weights)
     return (x, write_back(cache, view, index)), history
 
 
 def _scanned_layers(config: ModelConfig, first_chunk=False):
   """All layers as one scanned module over the layer index: parameters, routing buffers and sown intermediates
-  stacked on axis 0; x and the stacked cache carried; positions and valid broadcast."""
+  stacked on axis 0; x and the stacked cache carried; positions, valid and the parameter stacks broadcast."""
   return nn.scan(
     ScannedLayer,
     variable_axes={"params": 0, ROUTING: 0, "intermediates": 0},
     split_rngs={"params": True},
-    in_axes=(0, 0, nn.broadcast, nn.broadcast),
+    in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
     length=config.num_layers,
   )(config, first_chunk=first_chunk, name="layers")
 
@@ -155,9 +168,12 @@ class Transformer(nn.Module):
     one_token = cache is not None and tokens.shape[1] == 1 and not first_chunk
     if one_token:
       cache = defer_block_merges(cache)
+    # A step reads each layer's projection weights where they lie (`fsjax.layer_weights`); at init there are none.
+    params = self.variables.get("params", {}) if cache is not None else {}
     if c.scan_layers:
+      stacks = params["layers"]["layer"] if "layers" in params else None
       (x, new_cache["layers"]), history = _scanned_layers(c, first_chunk)(
-        (x, None if cache is None else cache["layers"]), jnp.arange(c.num_layers), history, positions, valid
+        (x, None if cache is None else cache["layers"]), jnp.arange(c.num_layers), history, positions, valid, stacks
       )
     else:
       layer = nn.remat(DecoderLayer) if c.remat else DecoderLayer
@@ -168,8 +184,9 @@ class Transformer(nn.Module):
           x = layer(c, name=name)(x)
         else:
           layer_history = None if history is None else history[i]
+          weights = LayerWeights(params[name], None, c.attention.impl) if name in params else None
           x, new_cache[name], layer_history = layer(c, first_chunk=first_chunk, name=name)(
-            x, cache[name], positions, valid, layer_history
+            x, cache[name], positions, valid, layer_history, weights
           )
           histories.append(layer_history)
       history = jnp.stack(histories) if c.short_conv and cache is not None else None

@@ -69,12 +69,12 @@ class DenseAttention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False):
+  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False, weights=None):
     if self.kind not in KINDS:
       raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-    q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.projection, self.dtype, self.param_dtype)
+    q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.projection, self.dtype, self.param_dtype, weights)
     if cache is None:
-      return project_out(self._causal(q, k, v), x.shape[-1], self.dtype, self.param_dtype)
+      return project_out(self._causal(q, k, v), x.shape[-1], self.dtype, self.param_dtype, weights)
     if first_chunk:  # an empty cache and positions 0..C-1: the training operator, then one bulk write
       o = self._causal(q, k, v)
       dtype = compute_dtype(k.dtype)
@@ -82,7 +82,7 @@ class DenseAttention(nn.Module):
       cache = kv.write(cache, k_rot, v.astype(dtype), positions, valid)
     else:
       o, cache = self._extend(q, k, v, cache, positions, valid)
-    return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
+    return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype, weights), cache
 
   def _causal(self, q, k, v):
     """The training operator over a whole sequence from position 0: `[batch, T, heads, d]` in q's dtype."""

@@ -54,10 +54,10 @@ class FreeSoloAttention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False):
+  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False, weights=None):
     heads, dim, routing = self.num_heads, self.head_dim, self.routing
     kv_heads = self.projection.kv_heads(heads)
-    q, k, v = project_qkv(x, heads, dim, self.projection, self.dtype, self.param_dtype)
+    q, k, v = project_qkv(x, heads, dim, self.projection, self.dtype, self.param_dtype, weights)
     alpha = self.param("alpha", nn.initializers.ones, (heads,), self.param_dtype)
     lr_gain = self.param("lr_gain", nn.initializers.ones, (dim,), self.param_dtype)
     lam = self.variable(ROUTING, "lam", lambda: jnp.full((heads,), self.lam, jnp.float32)).value
@@ -81,7 +81,7 @@ class FreeSoloAttention(nn.Module):
         rope_theta=self.rope_theta,
         impl=self.impl,
       )
-      y = project_out(o, x.shape[-1], self.dtype, self.param_dtype)
+      y = project_out(o, x.shape[-1], self.dtype, self.param_dtype, weights)
       if cache is None:
         return y
       dtype = compute_dtype(k.dtype)
@@ -103,4 +103,4 @@ class FreeSoloAttention(nn.Module):
       )
     self.sow("intermediates", "selected_cells", cell_idx)
     o = mix_branches(local, long_range, alpha.astype(dtype))
-    return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
+    return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype, weights), cache

@@ -13,6 +13,8 @@ import dataclasses
 
 import flax.linen as nn
 
+from fsjax.layer_weights import dense_products
+
 
 @dataclasses.dataclass(frozen=True)
 class Projection:
@@ -44,22 +46,31 @@ def project_heads(x, num_heads, head_dim, name, dtype, param_dtype, bias=False):
   return nn.DenseGeneral((num_heads, head_dim), use_bias=bias, dtype=dtype, param_dtype=param_dtype, name=name)(x)
 
 
-def project_qkv(x, num_heads, head_dim, projection: Projection, dtype, param_dtype):
+def project_qkv(x, num_heads, head_dim, projection: Projection, dtype, param_dtype, weights=None):
   """`x [batch, seq, d_model]` → q `[batch, seq, heads, head_dim]`, k and v `[batch, seq, kv_heads, head_dim]`,
-  unrotated (q and k normed per head when `projection.qk_norm`); call inside a compact module."""
+  unrotated (q and k normed per head when `projection.qk_norm`); call inside a compact module. `weights`: the
+  attention module's `fsjax.layer_weights.LayerWeights` at a decode step (one launch for W_q, W_k and W_v)."""
   kv_heads = projection.kv_heads(num_heads)
   bias = projection.qkv_bias
-  q = project_heads(x, num_heads, head_dim, "q_proj", dtype, param_dtype, bias)
-  k = project_heads(x, kv_heads, head_dim, "k_proj", dtype, param_dtype, bias)
-  v = project_heads(x, kv_heads, head_dim, "v_proj", dtype, param_dtype, bias)
+  products = dense_products(weights, x, ("q_proj", "k_proj", "v_proj"), 1, dtype)
+  if products is not None:
+    q, k, v = products
+  else:
+    q = project_heads(x, num_heads, head_dim, "q_proj", dtype, param_dtype, bias)
+    k = project_heads(x, kv_heads, head_dim, "k_proj", dtype, param_dtype, bias)
+    v = project_heads(x, kv_heads, head_dim, "v_proj", dtype, param_dtype, bias)
   if projection.qk_norm:
     norm = lambda name: nn.RMSNorm(epsilon=projection.norm_eps, dtype=dtype, param_dtype=param_dtype, name=name)
     q, k = norm("q_norm")(q), norm("k_norm")(k)
   return q, k, v
 
 
-def project_out(o, features, dtype, param_dtype):
-  """`[batch, seq, heads, head_dim]` → `[batch, seq, features]` through W_o; call inside a compact module."""
+def project_out(o, features, dtype, param_dtype, weights=None):
+  """`[batch, seq, heads, head_dim]` → `[batch, seq, features]` through W_o; call inside a compact module.
+  `weights`: as for `project_qkv`."""
+  products = dense_products(weights, o, ("o_proj",), 2, dtype)
+  if products is not None:
+    return products[0]
   return nn.DenseGeneral(features, axis=(-2, -1), use_bias=False, dtype=dtype, param_dtype=param_dtype, name="o_proj")(
     o
   )

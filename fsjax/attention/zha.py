@@ -49,10 +49,10 @@ class ZHAAttention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False):
+  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False, weights=None):
     tree = self.tree
     kv_heads = self.projection.kv_heads(self.num_heads)
-    q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.projection, self.dtype, self.param_dtype)
+    q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.projection, self.dtype, self.param_dtype, weights)
     ref_queries = self.param(
       "ref_queries", nn.initializers.normal(REF_INIT_STD), (kv_heads, tree.refs, self.head_dim), self.param_dtype
     )
@@ -60,7 +60,7 @@ class ZHAAttention(nn.Module):
       o, fraction = self._routed(q, k, v, ref_queries)
       self.sow("intermediates", "attended_fraction", fraction)
       cache = zha_step.write(cache, k, v, positions, valid, ref_queries, tree=tree, rope_theta=self.rope_theta)
-      return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
+      return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype, weights), cache
     if cache is not None:
       o, fraction, cache = zha_step.step(
         cache,
@@ -75,7 +75,7 @@ class ZHAAttention(nn.Module):
         impl=dispatch.for_op("zha_route", self.impl),
       )
       self.sow("intermediates", "attended_fraction", fraction)
-      return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype), cache
+      return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype, weights), cache
     if self.distill:
       self.sow(
         "intermediates",
@@ -94,7 +94,7 @@ class ZHAAttention(nn.Module):
     else:
       o, fraction = self._routed(q, k, v, ref_queries)
       self.sow("intermediates", "attended_fraction", fraction)
-    return project_out(o, x.shape[-1], self.dtype, self.param_dtype)
+    return project_out(o, x.shape[-1], self.dtype, self.param_dtype, weights)
 
   def _routed(self, q, k, v, ref_queries):
     """The training form over a whole sequence from position 0: outputs in q's dtype and attended fractions."""

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.ops import query_blocks
-from pallas_kernels import bounded_decode, zha_routing
+from pallas_kernels import bounded_decode, matvec, zha_routing
 from pallas_kernels import common as kernel_common
 
 IMPLS = ("reference", "auto", "pallas")
@@ -68,6 +68,10 @@ def _bounded_decode_kernel(*, tokens, cell, head_dim, **_):
   return on_gpu() and tokens == 1 and bounded_decode.compilable(cell=cell, head_dim=head_dim)
 
 
+def _matvec_kernel(*, rows, k, ns, **_):
+  return on_gpu() and matvec.compilable(rows=rows, k=k, ns=ns)
+
+
 def _zha_kernels(*, chunk, refs, **_):
   return on_gpu() and zha_routing.compilable(chunk=chunk, refs=refs)
 
@@ -96,6 +100,8 @@ TABLE = {
   "forest_search": (Implementation("pallas", _beam_kernel),),
   # FS-L's one-token step over its bounded cache: local branch, scoring, top-K and readout in one kernel.
   "bounded_decode": (Implementation("pallas", _bounded_decode_kernel),),
+  # A decode step's projections of a few rows, the weights read where they lie (`fsjax.layer_weights`).
+  "matvec": (Implementation("pallas", _matvec_kernel),),
   # Local and dense RoPE attention: cuDNN's fused kernel.
   "local_attention": (Implementation("cudnn", _cudnn),),
   "tfpp_attention": (Implementation("cudnn", _cudnn),),

@@ -1,0 +1,171 @@
+"""A few rows times weight matrices read where they lie: `x [rows, K] @ W_j [K, N_j]` for decode, where each
+projection of a batch-1 step is a matrix-vector product (rows ≤ `MAX_ROWS`).
+
+Why a kernel: XLA's GPU compiler rewrites a dot with a vector operand (operands under 10M elements together)
+into a multiply and a reduction. For W_o, W_gate/W_up and W_down it writes the elementwise product to memory and
+reads it back; the products ran at about 0.6 TB/s of an H200's 4.8 (docs/notes.md). This kernel reads each
+weight once.
+
+The weights are read where they lie: a scanned model's parameter stacks `[layers, K, N]` with the layer index,
+as `bounded_decode` reads the caches. A custom call handed `W[layer]` would get a copy of the slice.
+
+Grid: (column block, contraction split). Program (c, s) reads rows `s·K/S ..` of the `BN` columns of block c
+in steps of `BK` rows, and writes its partial sums `[rows, BN]` (float32) to `partials[s]`. The launcher adds
+the S partials; XLA fuses that sum into the consumer. Weights that share the input (W_q, W_k, W_v; W_gate, W_up)
+go in one launch: their column blocks follow one another on the grid's first axis, so the grid is as wide as
+their columns together. The jnp specification is `matvec_reference`.
+
+Rows: below `DOT_ROWS`, float32 elementwise products and sums per row, since `tl.dot` needs 16 rows. From
+`DOT_ROWS` on, the rows are padded to 16 and each tile is one `tl.dot`.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import MIN_DOT_DIM, default_interpret, layer_stack
+
+MAX_ROWS = 16  # the kernel's rows: a batch-1 step's 1, up to a small batch's 16
+DOT_ROWS = 4  # from this many rows on, each tile is one tl.dot over 16 padded rows
+TARGET_PROGRAMS = 264  # two programs per SM of an H100 / H200 (132 SMs)
+
+
+def compilable(*, rows, k, ns):
+  """Whether the kernel takes `rows` rows against weights `[k, n]` for each n in `ns`: tiles of at least 16
+  rows and columns must divide them."""
+  return 0 < rows <= MAX_ROWS and k % MIN_DOT_DIM == 0 and all(n % MIN_DOT_DIM == 0 for n in ns)
+
+
+def _power_of_two_divisor(n, cap):
+  """The largest power of two that divides `n`, at most `cap`."""
+  size = cap
+  while n % size:
+    size //= 2
+  return size
+
+
+def tiling(rows, k, ns):
+  """(block_k, block_n, splits) for `rows` rows against weights `[k, n]`, `n` in `ns`: column tiles of up to 64,
+  contraction tiles of up to 128 (elementwise rows) or 256 (tl.dot), and the fewest splits of the contraction
+  (a divisor of its tiles) that give `TARGET_PROGRAMS` programs, all of them where even that is too few."""
+  block_n = _power_of_two_divisor(math.gcd(*ns), 64)
+  block_k = _power_of_two_divisor(k, 128 if rows < DOT_ROWS else 256)
+  columns = sum(n // block_n for n in ns)
+  tiles = k // block_k
+  splits = next((s for s in range(1, tiles + 1) if tiles % s == 0 and columns * s >= TARGET_PROGRAMS), tiles)
+  return block_k, block_n, splits
+
+
+def _matvec_kernel(layer_ref, x_ref, *refs, starts, block_k, steps, rows, dot_precision):
+  """Program (c, s): its weight is the one whose column blocks `[starts[j], starts[j+1])` hold c. layer_ref
+  `[1]`; x_ref `[rows', K/S]` (rows' = 16 on the tl.dot path); each weight ref `[layers, K/S, BN]` read at layer
+  `layer_ref[0]`; o_ref `[rows', BN]` float32, this split's partial sums."""
+  *w_refs, o_ref = refs
+  layer = layer_ref[0]
+  column = pl.program_id(0)
+
+  def product(w_ref):
+    def step(i, acc):
+      k = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+      w = w_ref[layer, k, :].astype(x_ref.dtype)
+      if dot_precision is not None:
+        return acc + jax.lax.dot(x_ref[:, k], w, precision=dot_precision, preferred_element_type=jnp.float32)
+      w = w.astype(jnp.float32)
+      return tuple(a + jnp.sum(x_ref[r, k].astype(jnp.float32)[:, None] * w, axis=0) for r, a in enumerate(acc))
+
+    block_n = o_ref.shape[-1]
+    if dot_precision is not None:
+      o_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((MIN_DOT_DIM, block_n), jnp.float32))
+      return
+    sums = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(rows)))
+    for r, total in enumerate(sums):
+      o_ref[r, :] = total
+
+  if len(w_refs) == 1:
+    product(w_refs[0])
+    return
+  for j, w_ref in enumerate(w_refs):
+    pl.when((column >= starts[j]) & (column < starts[j + 1]))(functools.partial(product, w_ref))
+
+
+def matvec(x, weights, *, layer=None, dtype=None, tiles=None, num_warps=4, num_stages=2, interpret=None):
+  """`x [rows, K]` times each of `weights` → a tuple of `[rows, N_j]` float32 sums, the products in `dtype`.
+
+  Args:
+    x: `[rows, K]`, rows ≤ `MAX_ROWS`.
+    weights: a sequence of `[K, N_j]` matrices, or with `layer`, of a scanned model's stacks `[layers, K, N_j]`
+      (read at `layer` where they lie).
+    layer: int32 scalar, the layer of the stacks; None for plain matrices.
+    dtype: the products' dtype (`x` and the weights are cast to it before multiplying, as `nn.Dense` promotes
+      them); default `x.dtype`. The sums are float32 whatever it is.
+    tiles: (block_k, block_n, splits) overriding `tiling`'s choice (powers of two dividing K and every N_j;
+      splits dividing K / block_k).
+    num_warps, num_stages: Triton's launch parameters.
+    interpret: Pallas interpret mode; default: compiled on a GPU only.
+  """
+  interpret = default_interpret() if interpret is None else interpret
+  dtype = jnp.dtype(dtype or x.dtype)
+  rows, k = x.shape
+  stacks, layer_index = zip(*(layer_stack(w, layer, 2) for w in weights))
+  layer_index = layer_index[0]
+  ns = [w.shape[2] for w in stacks]
+  if any(w.shape[1] != k for w in stacks):
+    raise ValueError(f"every weight must have x's {k} rows, got {[w.shape[1:] for w in stacks]}")
+  if not compilable(rows=rows, k=k, ns=ns):
+    raise ValueError(
+      f"matvec takes 1..{MAX_ROWS} rows and weights whose sizes are multiples of {MIN_DOT_DIM}; got x {x.shape}, "
+      f"weights {[w.shape[1:] for w in stacks]}"
+    )
+  block_k, block_n, splits = tiles or tiling(rows, k, ns)
+  if k % (block_k * splits) or any(n % block_n for n in ns):
+    raise ValueError(f"tiles {(block_k, block_n, splits)} must divide K = {k} and every N in {ns}")
+  on_dot = rows >= DOT_ROWS
+  x_rows = MIN_DOT_DIM if on_dot else rows
+  x = jnp.pad(x.astype(dtype), ((0, x_rows - rows), (0, 0)))
+  dot_precision = None
+  if on_dot:
+    dot_precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+  starts = [0]
+  for n in ns:
+    starts.append(starts[-1] + n // block_n)
+  chunk = k // splits
+
+  def weight_spec(j):
+    last = starts[j + 1] - starts[j] - 1
+    return pl.BlockSpec((stacks[j].shape[0], chunk, block_n), lambda c, s: (0, s, jnp.clip(c - starts[j], 0, last)))
+
+  partials = pl.pallas_call(
+    functools.partial(
+      _matvec_kernel,
+      starts=tuple(starts),
+      block_k=block_k,
+      steps=chunk // block_k,
+      rows=rows,
+      dot_precision=dot_precision,
+    ),
+    grid=(starts[-1], splits),
+    in_specs=[
+      pl.BlockSpec((1,), lambda c, s: (0,)),
+      pl.BlockSpec((x_rows, chunk), lambda c, s: (0, s)),
+      *(weight_spec(j) for j in range(len(stacks))),
+    ],
+    out_specs=pl.BlockSpec((None, x_rows, block_n), lambda c, s: (s, 0, c)),
+    out_shape=jax.ShapeDtypeStruct((splits, x_rows, starts[-1] * block_n), jnp.float32),
+    compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    interpret=interpret,
+    name="matvec",
+  )(layer_index, x, *stacks)
+  sums = jnp.sum(partials[:, :rows], axis=0)
+  offsets = [start * block_n for start in starts]
+  return tuple(sums[:, offsets[j] : offsets[j + 1]] for j in range(len(stacks)))
+
+
+def matvec_reference(x, weights, *, layer=None, dtype=None):
+  """The specification of `matvec`: `x @ W_j` (or `x @ W_j[layer]`) in `dtype` with float32 sums, per weight."""
+  dtype = jnp.dtype(dtype or x.dtype)
+  pick = (lambda w: w) if layer is None else (lambda w: w[layer])
+  return tuple(jnp.matmul(x.astype(dtype), pick(w).astype(dtype), preferred_element_type=jnp.float32) for w in weights)

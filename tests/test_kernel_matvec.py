@@ -1,0 +1,130 @@
+"""`pallas_kernels.matvec` (a decode step's projections, weights read where they lie) against its jnp
+specification `matvec_reference`, on fresh random inputs (interpreted on CPU, compiled on a GPU), and a model's
+decode steps through it against the same steps through `nn.Dense`."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fsjax.cache import init_cache
+from fsjax.decode import extend, prefill
+from fsjax.model import Transformer
+from pallas_kernels import matvec
+
+from helpers import assert_close, kernel_modes, tiny_model
+
+# (rows, K, widths of the weights sharing x, tiles or None for `tiling`'s): one row and a few (elementwise), 4 and
+# 16 (tl.dot over 16 padded rows), K of 22 tiles of 16 (2816 / 128, the 341M shape's W_down scaled down), several
+# weights of different widths in one launch, contraction splits with more than one step each.
+CASES = [
+  (1, 352, (128,), None),
+  (3, 96, (48, 80, 16), None),
+  (1, 256, (64, 32), (32, 32, 2)),
+  (4, 160, (96,), (32, 32, 1)),
+  (16, 64, (16, 48), (16, 16, 2)),
+  (7, 512, (32,), (64, 32, 4)),
+]
+
+
+def _inputs(rng, rows, k, widths, dtype, layers=3):
+  x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+  stacks = [jnp.asarray(rng.standard_normal((layers, k, n)) / np.sqrt(k), dtype) for n in widths]
+  return x, stacks
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+@pytest.mark.parametrize("rows,k,widths,tiles", CASES)
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_products_equal_the_reference_at_a_layer_of_the_stacks(rng, interpret, rows, k, widths, tiles, dtype):
+  x, stacks = _inputs(rng, rows, k, widths, dtype)
+  layer = jnp.int32(rng.integers(0, 3))
+  got = jax.jit(lambda x, w, i: matvec.matvec(x, w, layer=i, tiles=tiles, interpret=interpret))(x, stacks, layer)
+  want = matvec.matvec_reference(x, stacks, layer=layer)
+  assert len(got) == len(widths)
+  for g, w, n in zip(got, want, widths):
+    assert g.shape == (rows, n) and g.dtype == jnp.float32
+    assert_close(g, w, np.float32)  # bfloat16 products are exact in float32: only the order of the sums differs
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+def test_plain_matrices_and_a_product_dtype_below_the_inputs(rng, interpret):
+  """Without a layer the weights are plain matrices; `dtype` rounds float32 inputs to bfloat16 first, as
+  `nn.Dense(dtype=bfloat16)` does with float32 parameters."""
+  x, (w,) = _inputs(rng, 2, 128, (64,), np.float32, layers=1)
+  (got,) = matvec.matvec(x, [w[0]], dtype=jnp.bfloat16, interpret=interpret)
+  (want,) = matvec.matvec_reference(x, [w[0]], dtype=jnp.bfloat16)
+  assert_close(got, want, np.float32)
+  assert not np.allclose(np.asarray(got), np.asarray(x @ w[0]), rtol=1e-5, atol=0)  # the rounding happened
+
+
+def test_tiling_splits_the_contraction_until_the_grid_fills_the_gpu():
+  block_k, block_n, splits = matvec.tiling(1, 2816, (1024,))
+  assert (block_k, block_n) == (128, 64) and 2816 % (block_k * splits) == 0
+  assert 1024 // block_n * splits >= matvec.TARGET_PROGRAMS
+  assert matvec.tiling(16, 1024, (1024, 256, 256))[0] == 256  # the tl.dot path's deeper tiles
+  assert matvec.tiling(1, 48, (80,)) == (16, 16, 3)  # every split where even all are too few programs
+
+
+@pytest.mark.parametrize(
+  "rows,k,widths,tiles,message",
+  [
+    (17, 64, (32,), None, "1..16 rows"),
+    (1, 72, (32,), None, "multiples of 16"),
+    (1, 64, (40,), None, "multiples of 16"),
+    (1, 64, (32,), (32, 32, 4), "must divide"),
+  ],
+)
+def test_rejects_what_it_cannot_tile(rng, rows, k, widths, tiles, message):
+  x, stacks = _inputs(rng, rows, k, widths, np.float32)
+  with pytest.raises(ValueError, match=message):
+    matvec.matvec(x, stacks, layer=0, tiles=tiles, interpret=True)
+
+
+def test_weights_must_share_the_contraction(rng):
+  x, stacks = _inputs(rng, 1, 64, (32,), np.float32)
+  with pytest.raises(ValueError, match="x's 64 rows"):
+    matvec.matvec(x, [stacks[0], jnp.zeros((3, 32, 32))], layer=0, interpret=True)
+
+
+def _with_impl(config, impl):
+  return dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl))
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_decode_steps_through_the_kernel_equal_those_through_dense(rng, monkeypatch, scan_layers):
+  """The tiny TF++ model, two rows prefilled to different lengths: one-token steps (2 rows: elementwise) and a
+  two-token chunk (4 rows: tl.dot) with `impl="pallas"` give the logits of `impl="reference"`, and every
+  projection went through the kernel, a scanned model's as whole stacks read at the layer index."""
+  config, _, variables = tiny_model("tfpp", scan_layers=scan_layers)
+  calls, original = [], matvec.matvec
+  monkeypatch.setattr(
+    matvec,
+    "matvec",
+    lambda x, w, **kw: calls.append((x.shape[0], tuple(m.shape for m in w), kw["layer"])) or original(x, w, **kw),
+  )
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 48)), jnp.int32)
+  lengths = jnp.array([37, 30])
+  reference = Transformer(_with_impl(config, "reference"))
+  _, prefilled = prefill(reference, variables, tokens, lengths, init_cache(config, 2, 64), chunk=32)
+  assert not calls
+  results = {}
+  for impl in ("reference", "pallas"):
+    model, cache, logits = Transformer(_with_impl(config, impl)), jax.tree_util.tree_map(jnp.copy, prefilled), []
+    for width in (1, 1, 2):
+      at = lengths[:, None] + len(logits) + jnp.arange(width)
+      step, cache, _ = extend(model, variables, jnp.take_along_axis(tokens, at, 1), cache, at, at >= 0)
+      logits.extend(np.moveaxis(np.asarray(step), 1, 0))
+    results[impl] = logits
+  for got, want in zip(results["pallas"], results["reference"]):
+    assert_close(got, want, np.float32)
+  d, hidden, heads = config.d_model, config.ffn_hidden_size, config.num_heads * config.head_dim
+  kv = (config.num_kv_heads or config.num_heads) * config.head_dim
+  products = {((d, heads), (d, kv), (d, kv)), ((heads, d),), ((d, hidden), (d, hidden)), ((hidden, d),)}
+  assert {rows for rows, _, _ in calls} == {2, 4}  # the elementwise path and the tl.dot one
+  assert {tuple(shape[-2:] for shape in shapes) for _, shapes, _ in calls} == products
+  for _, shapes, layer in calls:  # a scanned model's weights as whole stacks, read at the layer index
+    assert (layer is not None) == scan_layers
+    assert all(len(shape) == 3 and shape[0] == config.num_layers for shape in shapes) == scan_layers
