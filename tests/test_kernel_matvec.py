@@ -14,7 +14,7 @@ from fsjax.decode import extend, prefill
 from fsjax.model import Transformer
 from pallas_kernels import matvec
 
-from helpers import assert_close, kernel_modes, tiny_model
+from helpers import assert_close, jitted_init, kernel_modes, tiny_model
 
 # (rows, K, widths of the weights sharing x, tiles or None for `tiling`'s): one row and a few (elementwise), 4 and
 # 16 (tl.dot over 16 padded rows), K of 22 tiles of 16 (2816 / 128, the 341M shape's W_down scaled down), several
@@ -93,12 +93,25 @@ def _with_impl(config, impl):
   return dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl))
 
 
-@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
-def test_decode_steps_through_the_kernel_equal_those_through_dense(rng, monkeypatch, scan_layers):
+def _with_hf_options(config, rng):
+  """`config` with grouped key/value heads, q/k biases and q/k norms, and variables whose biases are random (they
+  start at zero)."""
+  config = dataclasses.replace(config, num_kv_heads=2, qk_norm=True, qkv_bias=True)
+  randomize = lambda path, x: jnp.asarray(rng.standard_normal(x.shape), x.dtype) if path[-1].key == "bias" else x
+  return config, jax.tree_util.tree_map_with_path(randomize, jitted_init(config))
+
+
+@pytest.mark.parametrize(
+  "scan_layers,options", [(True, False), (False, False), (True, True)], ids=["scanned", "unrolled", "hf-options"]
+)
+def test_decode_steps_through_the_kernel_equal_those_through_dense(rng, monkeypatch, scan_layers, options):
   """The tiny TF++ model, two rows prefilled to different lengths: one-token steps (2 rows: elementwise) and a
   two-token chunk (4 rows: tl.dot) with `impl="pallas"` give the logits of `impl="reference"`, and every
-  projection went through the kernel, a scanned model's as whole stacks read at the layer index."""
+  projection went through the kernel, a scanned model's as whole stacks read at the layer index. With the Hugging
+  Face options (`fsjax.attention.projections`), the biases are added to the kernel's products."""
   config, _, variables = tiny_model("tfpp", scan_layers=scan_layers)
+  if options:
+    config, variables = _with_hf_options(config, rng)
   calls, original = [], matvec.matvec
   monkeypatch.setattr(
     matvec,
