@@ -1,0 +1,82 @@
+"""A decode step's projections: `pallas_kernels.matvec` against XLA's dot, product by product of a layer.
+
+    python benchmarks/matvec.py [--preset fs_341m] [--rows 1]
+
+The preset's layers run as one `lax.scan` over stacked bf16 weights, as a scanned model's decode step reads them.
+The rows are W_q/W_k/W_v (one launch), W_o, W_gate/W_up (one launch), W_down, then all four together. Each time
+is µs per layer: the wall time of 30 calls of the scanned loop, divided by the layers. GB/s is the weights' bytes
+over that time. Before timing, the kernel's sums are checked against XLA's (float32 sums of bf16 products, so
+only the order of the additions differs).
+"""
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fsjax.config import model_preset
+from pallas_kernels import matvec
+
+CALLS = 30
+
+
+def seconds_per_call(fn, *args):
+  jax.block_until_ready(fn(*args))
+  start = time.perf_counter()
+  for _ in range(CALLS):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / CALLS
+
+
+def scanned(product, layers):
+  """`product(x, weights, layer)` for every layer, in one jitted `lax.scan` over the layer index."""
+  return jax.jit(lambda xs, ws: jax.lax.scan(lambda _, i: (None, product(xs, ws, i)), None, jnp.arange(layers))[1])
+
+
+def products(config):
+  """name → (K, [N_j]): a layer's matrix products, those sharing an input together."""
+  d, hidden = config.d_model, config.ffn_hidden_size
+  heads, kv = config.num_heads * config.head_dim, (config.num_kv_heads or config.num_heads) * config.head_dim
+  return {"q, k, v": (d, [heads, kv, kv]), "o": (heads, [d]), "gate, up": (d, [hidden, hidden]), "down": (hidden, [d])}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--preset", default="fs_341m")
+  parser.add_argument("--rows", type=int, default=1)
+  args = parser.parse_args()
+  config = model_preset(args.preset)
+  layers, key = config.num_layers, jax.random.PRNGKey(0)
+  groups = products(config)
+  weights, inputs = {}, {}
+  for g, (name, (k, ns)) in enumerate(groups.items()):
+    keys = jax.random.split(jax.random.fold_in(key, g), len(ns) + 1)
+    weights[name] = [jax.random.normal(kj, (layers, k, n), jnp.bfloat16) * k**-0.5 for kj, n in zip(keys[1:], ns)]
+    inputs[name] = jax.random.normal(keys[0], (args.rows, k), jnp.bfloat16)
+
+  xla = lambda x, ws, i: tuple(jnp.matmul(x, w[i], preferred_element_type=jnp.float32) for w in ws)
+  kernel = lambda x, ws, i: matvec.matvec(x, ws, layer=i)
+  every = lambda product: lambda xs, ws, i: [product(xs[name], ws[name], i) for name in groups]
+  print(f"{jax.devices()[0].device_kind}, {args.preset}: {layers} layers, {args.rows} row(s), bf16, µs per layer")
+  print("| product | XLA µs | XLA GB/s | kernel µs | kernel GB/s | kernel ÷ XLA | tiles (BK, BN, splits) |")
+  print("|---|---|---|---|---|---|---|")
+  rows = [(name, inputs[name], weights[name]) for name in groups] + [("all four", inputs, weights)]
+  for name, x, ws in rows:
+    reference, fast = (scanned(every(p) if name == "all four" else p, layers) for p in (xla, kernel))
+    for got, want in zip(jax.tree_util.tree_leaves(fast(x, ws)), jax.tree_util.tree_leaves(reference(x, ws))):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)
+    nbytes = sum(w.nbytes for w in jax.tree_util.tree_leaves(ws)) / layers
+    us = [seconds_per_call(fn, x, ws) / layers * 1e6 for fn in (reference, fast)]
+    tiles = "–" if name == "all four" else str(matvec.tiling(args.rows, groups[name][0], groups[name][1]))
+    print(
+      f"| {name} | {us[0]:.2f} | {nbytes / us[0] / 1e3:,.0f} | {us[1]:.2f} | {nbytes / us[1] / 1e3:,.0f} | "
+      f"{us[1] / us[0]:.2f} | {tiles} |",
+      flush=True,
+    )
+
+
+if __name__ == "__main__":
+  main()
