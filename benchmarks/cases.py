@@ -62,13 +62,15 @@ def run_cases(script, kinds, lengths, extra_args, timeout=None):
   return rows
 
 
-def random_model(kind, preset, tokens, scan_layers=True, zha_max_nodes=None):
+def random_model(kind, preset, tokens, scan_layers=True, zha_max_nodes=None, impl="auto"):
   """The preset's model of `kind` with bf16 parameters and activations and random weights: `(config, model,
   variables)`. ZHA keeps at most `zha_max_nodes` per level (None: the preset's routing). FS-B's τ is what
-  `fsjax.calibrate` computes from the FS forward over the first 4096 tokens of `tokens` `[batch, T]`."""
+  `fsjax.calibrate` computes from the FS forward over the first 4096 tokens of `tokens` `[batch, T]`. `impl`:
+  the attention's `impl` (`fsjax.ops.dispatch`)."""
   config = dataclasses.replace(
     model_preset(preset, kind=kind), dtype="bfloat16", param_dtype="bfloat16", scan_layers=scan_layers
   )
+  config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl))
   if kind == "zha" and zha_max_nodes is not None:
     att = config.attention
     config = dataclasses.replace(

@@ -2,6 +2,7 @@
 
     python benchmarks/decode.py [--lengths 4096,16384,65536,131072,262144] [--kinds fsl,fs,fsb,tfpp,swa,zha]
         [--decode-tokens 64] [--preset fs_341m] [--layers scanned|unrolled] [--zha-max-nodes 64] [--profile [N]]
+        [--impl auto|pallas|reference]
 
 Batch 1, random weights, bf16 parameters and caches. Each (kind, length) runs in its own subprocess. Prefill goes
 through `fsjax.decode.prefill` (the chunk it chooses, or `--chunk`); decode through the on-device `decode_loop`.
@@ -17,7 +18,8 @@ FS-B prefills with the prefill formulation and decodes through the streaming for
 first 4096 tokens; its per-block forest update is timed alone by `forest_update.py`. `--profile [N]` traces one
 more decode loop per case and prints the N (default 12) device kernels that take the most time per token. A case
 prints its phases on stderr (prefill compile, prefill, decode-loop compile), so one cut by `--case-timeout` says
-how far it got.
+how far it got. `--impl` sets the attention's `impl` (`fsjax.ops.dispatch`); `pallas` also runs a step's
+projections through `pallas_kernels.matvec`, which `auto` does not pick yet.
 """
 
 import json
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 from fsjax.cache import init_cache
 from fsjax.config import model_preset
 from fsjax.decode import prefill
+from fsjax.ops.dispatch import IMPLS
 
 from cases import case_parser, compiled_decode_loop, random_model, run_cases
 from timing import copy_bandwidth, print_top_kernels, traced_kernels
@@ -46,11 +49,11 @@ def progress(message):
   print(message, file=sys.stderr, flush=True)
 
 
-def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, profile=0):
+def run_case(kind, length, decode_tokens, preset, chunk, layers, zha_max_nodes, profile=0, impl="auto"):
   vocab_size = model_preset(preset, kind=kind).vocab_size
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, vocab_size)
   config, model, variables = random_model(
-    kind, preset, tokens, scan_layers=layers == "scanned", zha_max_nodes=zha_max_nodes or None
+    kind, preset, tokens, scan_layers=layers == "scanned", zha_max_nodes=zha_max_nodes or None, impl=impl
   )
   max_len = length + decode_tokens
   fresh = lambda: init_cache(config, 1, max_len, dtype=jnp.bfloat16)
@@ -99,11 +102,23 @@ def main():
   parser.add_argument(
     "--profile", type=int, nargs="?", const=12, default=0, help="print each case's N (12) costliest kernels per token"
   )
+  parser.add_argument(
+    "--impl", choices=IMPLS, default="auto", help="the attention's impl; pallas also runs the projections' kernel"
+  )
   args = parser.parse_args()
   if args.case:
     print(
       json.dumps(
-        run_case(*args.case, args.decode_tokens, args.preset, args.chunk, args.layers, args.zha_max_nodes, args.profile)
+        run_case(
+          *args.case,
+          args.decode_tokens,
+          args.preset,
+          args.chunk,
+          args.layers,
+          args.zha_max_nodes,
+          args.profile,
+          args.impl,
+        )
       )
     )
     return
@@ -122,6 +137,8 @@ def main():
       "--zha-max-nodes",
       args.zha_max_nodes,
       *(["--profile", args.profile] if args.profile else []),
+      "--impl",
+      args.impl,
     ],
     args.case_timeout,
   )
