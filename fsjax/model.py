@@ -67,7 +67,8 @@ class DecoderLayer(nn.Module):
   so attention runs the training operator over the chunk and writes the cache in bulk.
 
   `weights`: with a cache, this layer's `fsjax.layer_weights.LayerWeights` (a scanned model's parameter stacks
-  and the layer's index), through which a step of a few rows reads each projection's weights where they lie.
+  and the layer's index, or an unscanned layer's own parameters), through which a step of a few rows reads each
+  projection's weights where they lie.
   """
 
   config: ModelConfig
