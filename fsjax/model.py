@@ -124,21 +124,15 @@ class ScannedLayer(nn.Module):
     return (x, write_back(cache, view, index)), history
 
 
-def _scanned_layers(config: ModelConfig, first_chunk=False, decoding=False):
+def _scanned_layers(config: ModelConfig, first_chunk=False):
   """All layers as one scanned module over the layer index: parameters, routing buffers and sown intermediates
-  stacked on axis 0; x and the stacked cache carried; positions, valid and the parameter stacks broadcast.
-
-  `decoding` (with a cache) skips flax's constancy check, a second trace of the body that verifies broadcast
-  variables and outputs: the layer has neither. With the matrix-vector kernel in the body, the check raised
-  "broadcasted variable has a data dependency on the scan body" under the GPU machine's flax and JAX 0.11,
-  though nothing is broadcast out."""
+  stacked on axis 0; x and the stacked cache carried; positions, valid and the parameter stacks broadcast."""
   return nn.scan(
     ScannedLayer,
     variable_axes={"params": 0, ROUTING: 0, "intermediates": 0},
     split_rngs={"params": True},
     in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
     length=config.num_layers,
-    check_constancy_invariants=not decoding,
   )(config, first_chunk=first_chunk, name="layers")
 
 
@@ -179,7 +173,7 @@ class Transformer(nn.Module):
     params = self.variables.get("params", {}) if cache is not None else {}
     if c.scan_layers:
       stacks = params["layers"]["layer"] if "layers" in params else None
-      (x, new_cache["layers"]), history = _scanned_layers(c, first_chunk, decoding=cache is not None)(
+      (x, new_cache["layers"]), history = _scanned_layers(c, first_chunk)(
         (x, None if cache is None else cache["layers"]), jnp.arange(c.num_layers), history, positions, valid, stacks
       )
     else:

@@ -92,6 +92,7 @@ def _matvec_kernel(layer_ref, x_ref, *refs, starts, block_k, steps, rows, dot_pr
     pl.when((column >= starts[j]) & (column < starts[j + 1]))(functools.partial(product, w_ref))
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "tiles", "num_warps", "num_stages", "interpret"))
 def matvec(x, weights, *, layer=None, dtype=None, tiles=None, num_warps=4, num_stages=2, interpret=None):
   """`x [rows, K]` times each of `weights` → a tuple of `[rows, N_j]` float32 sums, the products in `dtype`.
 
@@ -106,6 +107,11 @@ def matvec(x, weights, *, layer=None, dtype=None, tiles=None, num_warps=4, num_s
       splits dividing K / block_k).
     num_warps, num_stages: Triton's launch parameters.
     interpret: Pallas interpret mode; default: compiled on a GPU only.
+
+  Jitted, like the other kernels' launchers: a bare `pallas_call` is never dead-code eliminated (JAX's rule for
+  it keeps every input), so inside `nn.scan` flax's constancy check would see the carried x and the layer index
+  reach the body's broadcast outputs and raise "broadcasted variable has a data dependency on the scan body".
+  Wrapped in `jit`, the whole call is dropped when its outputs are unused, as that check needs.
   """
   interpret = default_interpret() if interpret is None else interpret
   dtype = jnp.dtype(dtype or x.dtype)

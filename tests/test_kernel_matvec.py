@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.interpreters import partial_eval
 
 from fsjax.cache import init_cache
 from fsjax.decode import extend, prefill
@@ -87,6 +88,17 @@ def test_weights_must_share_the_contraction(rng):
   x, stacks = _inputs(rng, 1, 64, (32,), np.float32)
   with pytest.raises(ValueError, match="x's 64 rows"):
     matvec.matvec(x, [stacks[0], jnp.zeros((3, 32, 32))], layer=0, interpret=True)
+
+
+def test_a_call_whose_outputs_are_unused_is_dead_code(rng):
+  """Inside `nn.scan`, flax's constancy check traces the body and eliminates dead code. Any kernel call left over
+  counts as a dependence of the broadcast outputs on the carry (the GPU machine's flax raises "broadcasted variable
+  has a data dependency on the scan body"). A bare `pallas_call` is never eliminated; the jitted launcher is."""
+  x, (w,) = _inputs(rng, 1, 64, (32,), np.float32)
+  jaxpr = jax.make_jaxpr(lambda x, w: (matvec.matvec(x, [w], layer=0, interpret=True), x.sum())[1])(x, w).jaxpr
+  live, _ = partial_eval.dce_jaxpr(jaxpr, [True])
+  assert len(jaxpr.eqns) > 1  # the kernel's call was traced
+  assert [e.primitive.name for e in live.eqns] == ["reduce_sum"]
 
 
 def _with_impl(config, impl):
