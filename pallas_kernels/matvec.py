@@ -109,9 +109,9 @@ def matvec(x, weights, *, layer=None, dtype=None, tiles=None, num_warps=4, num_s
     interpret: Pallas interpret mode; default: compiled on a GPU only.
 
   Jitted, like the other kernels' launchers: a bare `pallas_call` is never dead-code eliminated (JAX's rule for
-  it keeps every input), so inside `nn.scan` flax's constancy check would see the carried x and the layer index
-  reach the body's broadcast outputs and raise "broadcasted variable has a data dependency on the scan body".
-  Wrapped in `jit`, the whole call is dropped when its outputs are unused, as that check needs.
+  it keeps every input). flax's constancy check for `nn.scan` (in the GPU machine's flax) eliminates dead code
+  from the body and raises "broadcasted variable has a data dependency on the scan body" if the carried x or the
+  layer index is still used then. A jitted call whose outputs are unused is dropped whole.
   """
   interpret = default_interpret() if interpret is None else interpret
   dtype = jnp.dtype(dtype or x.dtype)
