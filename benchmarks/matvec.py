@@ -10,7 +10,6 @@ only the order of the additions differs).
 """
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -19,16 +18,9 @@ import numpy as np
 from fsjax.config import model_preset
 from pallas_kernels import matvec
 
+from timing import queued_ms
+
 CALLS = 30
-
-
-def seconds_per_call(fn, *args):
-  jax.block_until_ready(fn(*args))
-  start = time.perf_counter()
-  for _ in range(CALLS):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) / CALLS
 
 
 def scanned(product, layers):
@@ -69,7 +61,7 @@ def main():
     for got, want in zip(jax.tree_util.tree_leaves(fast(x, ws)), jax.tree_util.tree_leaves(reference(x, ws))):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)
     nbytes = sum(w.nbytes for w in jax.tree_util.tree_leaves(ws)) / layers
-    us = [seconds_per_call(fn, x, ws) / layers * 1e6 for fn in (reference, fast)]
+    us = [queued_ms(fn, x, ws, calls=CALLS) / layers * 1e3 for fn in (reference, fast)]
     tiles = "–" if name == "all four" else str(matvec.tiling(args.rows, groups[name][0], groups[name][1]))
     print(
       f"| {name} | {us[0]:.2f} | {nbytes / us[0] / 1e3:,.0f} | {us[1]:.2f} | {nbytes / us[1] / 1e3:,.0f} | "
