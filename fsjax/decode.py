@@ -293,13 +293,21 @@ def _decode_loop(
 ):
   """`decode_loop`, returning `(tokens, cells, final cache)`. Returning the cache lets XLA give the donated input
   buffers to the loop: otherwise it copies the whole cache into the loop's state, doubling its memory."""
+  state = initial_state(
+    model.config, cache, first_token, position, rng, limits, max_new_tokens, eos_id, return_cells=return_cells
+  )
+  final = _run(model, variables, state, limits, 0, max_new_tokens, eos_id, temperature, top_p, return_cells)
+  return final.out, final.cells, final.cache
+
+
+def initial_state(config, cache, first_token, position, rng, limits, max_new_tokens, eos_id, return_cells=False):
+  """The loop's state before its first step: `first_token` `[batch]` at `position` `[batch]` is out[:, 0]."""
   batch = first_token.shape[0]
-  config = model.config
   out = jnp.full((batch, max_new_tokens), eos_id, jnp.int32).at[:, 0].set(first_token)
   cells_shape = (
     (batch, max_new_tokens, config.num_layers, config.num_heads, config.attention.top_k) if return_cells else (0,)
   )
-  state = _Loop(
+  return _Loop(
     cache=cache,
     token=first_token,
     position=position,
@@ -310,8 +318,24 @@ def _decode_loop(
     cells=jnp.full(cells_shape, -1, jnp.int32),
   )
 
+
+@functools.partial(
+  jax.jit, static_argnames=("model", "max_new_tokens", "eos_id", "temperature", "top_p"), donate_argnames=("state",)
+)
+def resume(model, variables, state, limits, live_floor, *, max_new_tokens, eos_id, temperature, top_p):
+  """Runs the loop on from `state` (donated) until `max_new_tokens`, every row done, or at most `live_floor` (int32
+  scalar) rows still running; returns the state there. `fsjax.compaction` calls it between shrinking the batch."""
+  return _run(model, variables, state, limits, live_floor, max_new_tokens, eos_id, temperature, top_p, False)
+
+
+def _run(model, variables, state, limits, live_floor, max_new_tokens, eos_id, temperature, top_p, return_cells):
+  """The on-device loop over one-token steps from `state` while some step is left and more than `live_floor` rows
+  are still running."""
+  batch = state.token.shape[0]
+  config = model.config
+
   def cond(s):
-    return (s.step < max_new_tokens) & ~jnp.all(s.done)
+    return (s.step < max_new_tokens) & (jnp.sum(~s.done) > live_floor)
 
   def body(s):
     logits, cache, intermediates = _apply(
@@ -331,8 +355,7 @@ def _decode_loop(
       cells=cells,
     )
 
-  final = jax.lax.while_loop(cond, body, state)
-  return final.out, final.cells, final.cache
+  return jax.lax.while_loop(cond, body, state)
 
 
 def generate(
@@ -350,6 +373,7 @@ def generate(
   max_len=None,
   return_cells=False,
   limits=None,
+  compact=False,
 ):
   """Prefill right-padded prompts, then decode on device. A cache larger than the free device memory is refused
   with `fsjax.memory.DeviceMemoryError` before anything is compiled.
@@ -358,6 +382,8 @@ def generate(
     tokens: `[batch, P]` right-padded prompts; lengths: `[batch]` their lengths (>= 1).
     max_new_tokens: the most tokens any row generates (the loop's static bound); limits: optional `[batch]` caps
       of each row (1..max_new_tokens), see `decode_loop`.
+    compact: halve the batch whenever at most half of its rows are still running, so finished rows stop costing
+      steps (`fsjax.compaction`; not with `return_cells`). Greedy output is the same either way.
 
   Returns:
     `[batch, max_new_tokens]` int32 tokens (EOS after a row's end or limit); with `return_cells` (FreeSolo models)
@@ -381,6 +407,22 @@ def generate(
   last, cache = prefill(model, variables, tokens, lengths, cache, chunk, all_logits=False)
   rng, key = jax.random.split(jax.random.PRNGKey(seed))
   first = sample(last, key, temperature, top_p)
+  if compact and not return_cells:
+    from fsjax.compaction import decode_compacting  # at call time: it runs this module's loop
+
+    return decode_compacting(
+      model,
+      variables,
+      cache,
+      first,
+      lengths,
+      rng,
+      max_new_tokens=max_new_tokens,
+      eos_id=eos_id,
+      temperature=temperature,
+      top_p=top_p,
+      limits=limits,
+    )
   return decode_loop(
     model,
     variables,
@@ -398,12 +440,24 @@ def generate(
 
 
 def generate_each(
-  model, variables, prompts, limits, *, eos_id, batch_size=8, temperature=0.0, top_p=1.0, seed=0, chunk=None
+  model,
+  variables,
+  prompts,
+  limits,
+  *,
+  eos_id,
+  batch_size=8,
+  temperature=0.0,
+  top_p=1.0,
+  seed=0,
+  chunk=None,
+  compact=True,
 ):
   """Generates for a list of prompts of any lengths, each with its own cap, `batch_size` rows at a time.
 
   Prompts are sorted longest first so a batch holds rows of similar length, right-padded to a power of two of
-  at least 64 tokens (few programs compile), and each row stops at EOS or its cap (`generate`'s `limits`).
+  at least 64 tokens (few programs compile), and each row stops at EOS or its cap (`generate`'s `limits`). With
+  `compact` a batch halves as its rows finish (`fsjax.compaction`), so finished rows stop costing steps.
   Batch b samples with seed `seed + b * batch_size`, so sampled output depends on the batching; greedy does not.
 
   Args:
@@ -435,6 +489,7 @@ def generate_each(
       seed=seed + start,
       chunk=chunk,
       limits=row_limits,
+      compact=compact,
     )
     out = np.asarray(out)  # one transfer per batch
     for row, i in enumerate(rows):

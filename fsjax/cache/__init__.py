@@ -57,6 +57,18 @@ def merge_deferred_blocks(cache, positions, valid):
   return _map_bounded(cache, merge)
 
 
+def cache_rows(cache, rows):
+  """The cache of a batch's rows `rows` `[n]` (int, repeats allowed), in that order. A per-layer cache's arrays
+  are `[batch, ...]`; a scanned model's stacks and the convolution history are `[layers, batch, ...]`
+  (`init_cache`)."""
+
+  def take(path, x):
+    axis = 1 if path[0].key in ("layers", short_conv.STATE_KEY) else 0
+    return jnp.take(x, rows, axis=axis)
+
+  return jax.tree_util.tree_map_with_path(take, cache)
+
+
 def cache_capacity(config, max_len):
   """Token slots per layer for `config` (a `ModelConfig`): its kind's capacity rule (`fsjax.kinds`), e.g.
   `window + 1` for the SWA ring, max_len rounded up to whole cells and blocks otherwise."""
@@ -95,6 +107,7 @@ __all__ = [
   "KVStore",
   "ZHACache",
   "cache_capacity",
+  "cache_rows",
   "defer_block_merges",
   "init_cache",
   "layer_of",

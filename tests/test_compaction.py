@@ -1,0 +1,66 @@
+"""A decode batch that halves as its rows finish (`fsjax.compaction`) generates what the fixed batch does."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fsjax import compaction, decode, kinds
+from fsjax.cache import cache_rows, init_cache
+from fsjax.config import model_preset
+from fsjax.decode import generate
+
+from helpers import jitted_init, tiny_model
+
+
+@pytest.mark.parametrize("kind,scan_layers,short_conv", [("fsl", True, 0), ("zha", False, 3)])
+def test_a_halving_batch_generates_what_the_fixed_batch_does(kind, scan_layers, short_conv, rng, monkeypatch):
+  """Five ragged rows, ended by their caps and by EOS: greedy tokens equal the fixed batch's, while the loop ran
+  on 5, then 4 (two rows padded with finished ones), 2 and 1 rows."""
+  config, model, variables = tiny_model(kind, scan_layers)
+  if short_conv:
+    config = dataclasses.replace(config, short_conv=short_conv)
+    model, variables = type(model)(config), jitted_init(config)
+  lengths = [30, 21, 45, 9, 33]
+  tokens = np.zeros((5, 48), np.int32)
+  for row, n in enumerate(lengths):
+    tokens[row, :n] = rng.integers(3, config.vocab_size, n)
+  run = lambda eos_id, limits, compact: np.asarray(
+    generate(
+      model, variables, tokens, lengths, max_new_tokens=14, eos_id=eos_id, max_len=64, limits=limits, compact=compact
+    )
+  )
+  free = run(-1, None, False)
+  eos_id = int(free[4, 5])  # row 4 ends at its sixth token, or earlier where that token comes sooner
+  limits = [2, 14, 3, 9, 14]
+
+  sizes = []
+  resume = decode.resume
+  monkeypatch.setattr(
+    compaction, "resume", lambda m, v, state, *a, **k: sizes.append(len(state.token)) or resume(m, v, state, *a, **k)
+  )
+  fixed, halving = run(eos_id, limits, False), run(eos_id, limits, True)
+  np.testing.assert_array_equal(halving, fixed)
+  assert sizes[0] == 5 and sizes == sorted(sizes, reverse=True) and len(set(sizes)) >= 3, sizes
+  for row, limit in enumerate(limits):
+    ended = list(fixed[row]).index(eos_id) if eos_id in fixed[row] else limit
+    np.testing.assert_array_equal(fixed[row, :ended], free[row, :ended])
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("kind", list(kinds.names()))
+def test_cache_rows_takes_each_array_along_its_batch_axis(kind, scan_layers):
+  """Every cache array of every kind, stacked or not, with a convolution history: the rows taken are the rows
+  asked for, in their order. An array's batch axis is the one that grows with the batch."""
+  config = dataclasses.replace(model_preset("tiny", kind=kind, scan_layers=scan_layers), short_conv=3)
+  four, five = (jax.eval_shape(lambda b=b: init_cache(config, b, 96)) for b in (4, 5))
+  axes = jax.tree_util.tree_map(lambda x, y: [a != b for a, b in zip(x.shape, y.shape)].index(True), four, five)
+  row_ids = lambda x, axis: jnp.broadcast_to(
+    jnp.arange(4).reshape([4 if i == axis else 1 for i in range(x.ndim)]), x.shape
+  ).astype(x.dtype)  # every element holds its batch row
+  taken = cache_rows(jax.tree_util.tree_map(row_ids, four, axes), jnp.asarray([3, 1, 3]))
+  for x, axis in zip(jax.tree_util.tree_leaves(taken), jax.tree_util.tree_leaves(axes)):
+    rows = np.moveaxis(np.asarray(x), axis, 0).reshape(3, -1)
+    np.testing.assert_array_equal(rows, np.broadcast_to(np.asarray([3, 1, 3])[:, None], rows.shape))
