@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from fsjax import decode, memory
-from fsjax.cache import init_cache
+from fsjax.cache import cache_rows, init_cache
 from fsjax.config import model_preset
 from fsjax.decode import prefill
 
@@ -43,23 +43,13 @@ def progress(message):
   print(message, file=sys.stderr, flush=True)
 
 
-def batch_axes(config, max_len):
-  """Per cache leaf, the axis that holds the batch (None: the leaf has none), read off the shapes of two batch
-  sizes; and the cache bytes per sequence and fixed bytes: `(axes, per_sequence, fixed)`."""
-  one, two = (jax.eval_shape(lambda b=b: init_cache(config, b, max_len, dtype=jnp.bfloat16)) for b in (1, 2))
-  axes = [
-    next((i for i, (a, b) in enumerate(zip(x.shape, y.shape)) if a != b), None)
-    for x, y in zip(jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(two))
-  ]
-  per_sequence = memory.tree_bytes(two) - memory.tree_bytes(one)
-  return axes, per_sequence, memory.tree_bytes(one) - per_sequence
-
-
-def replicated(cache, axes, batch):
-  """`cache` of one row repeated to `batch` rows along each leaf's batch axis."""
-  leaves, treedef = jax.tree_util.tree_flatten(cache)
-  grow = jax.jit(lambda x, axis: jnp.repeat(x, batch, axis=axis), static_argnums=1)
-  return jax.tree_util.tree_unflatten(treedef, [x if a is None else grow(x, a) for x, a in zip(leaves, axes)])
+def sequence_bytes(config, max_len):
+  """The cache bytes per sequence and the bytes that do not grow with the batch: `(per_sequence, fixed)`, from the
+  shapes of one and two rows (nothing allocated)."""
+  one, two = (
+    memory.tree_bytes(jax.eval_shape(lambda b=b: init_cache(config, b, max_len, dtype=jnp.bfloat16))) for b in (1, 2)
+  )
+  return two - one, 2 * one - two
 
 
 def largest_batch(model, variables, config, max_len, per_sequence, fixed, decode_tokens, max_batch):
@@ -97,13 +87,13 @@ def run_case(kind, length, preset, decode_tokens, max_batch, zha_max_nodes):
   token, row_cache = jax.block_until_ready(first_token())
   ttft_s = time.perf_counter() - start
 
-  axes, per_sequence, fixed = batch_axes(config, max_len)
+  per_sequence, fixed = sequence_bytes(config, max_len)
   clock = time.perf_counter()
   batch, loop, loop_bytes = largest_batch(
     model, variables, config, max_len, per_sequence, fixed, decode_tokens, max_batch
   )
   progress(f"{kind} at {length:,}: batch {batch}, decode loop compiled in {time.perf_counter() - clock:.0f} s")
-  cache = replicated(row_cache, axes, batch)
+  cache = cache_rows(row_cache, jnp.zeros((batch,), jnp.int32))  # the prefilled row, `batch` times
   del row_cache
   first = jnp.repeat(token, batch)
   limits = jnp.full((batch,), decode_tokens, jnp.int32)
@@ -125,7 +115,7 @@ def run_case(kind, length, preset, decode_tokens, max_batch, zha_max_nodes):
     mib_per_sequence=per_sequence / 2**20,
     loop_gib=loop_bytes / 2**30,
     peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
-    rows_agree=bool(jnp.all(out == out[:1])),  # copies of one cache decode alike: a check on `replicated`
+    rows_agree=bool(jnp.all(out == out[:1])),  # copies of one cache decode alike: a check on `cache_rows`
     device=jax.devices()[0].device_kind,
   )
 
