@@ -389,6 +389,8 @@ def generate(
     `[batch, max_new_tokens]` int32 tokens (EOS after a row's end or limit); with `return_cells` (FreeSolo models)
     also the selected cells `[batch, max_new_tokens, layers, heads, K]` (see `decode_loop`).
   """
+  if return_cells and compact:
+    raise ValueError("return_cells needs compact=False: a batch that halves does not record cells")
   if return_cells and kinds.get(model.config.attention.kind).family != "freesolo":
     raise ValueError(f"return_cells needs a FreeSolo model, got attention kind {model.config.attention.kind!r}")
   tokens = jnp.asarray(tokens, jnp.int32)
@@ -407,7 +409,7 @@ def generate(
   last, cache = prefill(model, variables, tokens, lengths, cache, chunk, all_logits=False)
   rng, key = jax.random.split(jax.random.PRNGKey(seed))
   first = sample(last, key, temperature, top_p)
-  if compact and not return_cells:
+  if compact:
     from fsjax.compaction import decode_compacting  # at call time: it runs this module's loop
 
     return decode_compacting(

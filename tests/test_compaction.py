@@ -64,3 +64,11 @@ def test_cache_rows_takes_each_array_along_its_batch_axis(kind, scan_layers):
   for x, axis in zip(jax.tree_util.tree_leaves(taken), jax.tree_util.tree_leaves(axes)):
     rows = np.moveaxis(np.asarray(x), axis, 0).reshape(3, -1)
     np.testing.assert_array_equal(rows, np.broadcast_to(np.asarray([3, 1, 3])[:, None], rows.shape))
+
+
+def test_a_halving_batch_refuses_to_record_cells_before_compiling():
+  _, model, variables = tiny_model("fs")
+  with pytest.raises(ValueError, match="return_cells needs compact=False"):
+    generate(
+      model, variables, np.ones((2, 8), np.int32), [8, 5], max_new_tokens=4, eos_id=-1, return_cells=True, compact=True
+    )
