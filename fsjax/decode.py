@@ -412,20 +412,10 @@ def generate(
   if compact:
     from fsjax.compaction import decode_compacting  # at call time: it runs this module's loop
 
-    return decode_compacting(
-      model,
-      variables,
-      cache,
-      first,
-      lengths,
-      rng,
-      max_new_tokens=max_new_tokens,
-      eos_id=eos_id,
-      temperature=temperature,
-      top_p=top_p,
-      limits=limits,
-    )
-  return decode_loop(
+    loop = decode_compacting
+  else:
+    loop = functools.partial(decode_loop, return_cells=return_cells)
+  return loop(
     model,
     variables,
     cache,
@@ -436,7 +426,6 @@ def generate(
     eos_id=eos_id,
     temperature=temperature,
     top_p=top_p,
-    return_cells=return_cells,
     limits=limits,
   )
 
