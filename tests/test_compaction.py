@@ -17,8 +17,8 @@ from helpers import jitted_init, tiny_model
 
 @pytest.mark.parametrize("kind,scan_layers,short_conv", [("fsl", True, 0), ("zha", False, 3)])
 def test_a_halving_batch_generates_what_the_fixed_batch_does(kind, scan_layers, short_conv, rng, monkeypatch):
-  """Five ragged rows, ended by their caps and by EOS: greedy tokens equal the fixed batch's, while the loop ran
-  on 5, then 4 (two rows padded with finished ones), 2 and 1 rows."""
+  """Five ragged rows, ended by their caps and by EOS: greedy tokens equal the fixed batch's, while the loop ran on
+  5 rows, then on fewer at least twice (5, 2, 1 with these prompts)."""
   config, model, variables = tiny_model(kind, scan_layers)
   if short_conv:
     config = dataclasses.replace(config, short_conv=short_conv)
