@@ -13,9 +13,9 @@ from fsjax.cache import BoundedCache, init_cache
 from fsjax.config import model_preset
 from fsjax.decode import extend, generate, prefill, sample
 from fsjax.loading import with_tau
-from fsjax.model import Transformer, init_variables
+from fsjax.model import Transformer
 
-from helpers import assert_close, stack_layers, tiny_model
+from helpers import assert_close, jitted_init, stack_layers, tiny_model
 
 KINDS = list(kinds.names())  # every registered kind has a decode cache
 SEQ, PROMPT = 150, 70  # crosses four 32-token query blocks in the prompt and more while decoding
@@ -453,9 +453,9 @@ def test_a_decode_step_reading_its_cache_before_writing_it_updates_the_stack_in_
   config = dataclasses.replace(config, num_layers=4, attention=dataclasses.replace(config.attention, **routing))
   if kind == "fsb":  # FS's variables and a τ, as `tiny_model` builds them: FS-B's `init` runs its forest search
     fs = dataclasses.replace(config, attention=dataclasses.replace(config.attention, kind="fs"))
-    variables = with_tau(config, init_variables(fs, jax.random.PRNGKey(0), 64), jnp.zeros((4, config.num_heads)))
+    variables = with_tau(config, jitted_init(fs), jnp.zeros((4, config.num_heads)))
   else:
-    variables = init_variables(config, jax.random.PRNGKey(0), 64)
+    variables = jitted_init(config)
   model, cache = Transformer(config), init_cache(config, 8, 4096)
   compiled = decode.extend.lower(
     model, variables, jnp.zeros((8, 1), jnp.int32), cache, jnp.full((8, 1), 3000), jnp.ones((8, 1), bool)

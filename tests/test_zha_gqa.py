@@ -16,7 +16,7 @@ from conftest import MICRO_CONFIG
 from fsjax import ops
 from fsjax.cache import init_cache
 from fsjax.config import load_config, model_preset
-from fsjax.model import Transformer, init_variables
+from fsjax.model import Transformer
 from fsjax.ops import zha as zha_ops
 from fsjax.reference import zha as zha_ref
 from fsjax.reference import zha_decode
@@ -28,7 +28,7 @@ from fsjax.train import loop
 from pallas_kernels import zha_routing
 
 import brute_force
-from helpers import DISTILL, ZHA_MICRO, assert_close, kernel_modes, ragged_teacher_forced, random_qkv
+from helpers import DISTILL, ZHA_MICRO, assert_close, jitted_init, kernel_modes, ragged_teacher_forced, random_qkv
 
 
 def _grouped_qkv(rng, batch, seq, heads, kv_heads, dim, dtype=np.float64):
@@ -186,7 +186,7 @@ def _grouped_model(scan_layers, impl, max_nodes):
   att = config.attention
   zha = dataclasses.replace(att.zha, refs=2, chunk=4, top_p=(0.9,), max_nodes=max_nodes)
   config = dataclasses.replace(config, attention=dataclasses.replace(att, impl=impl, zha=zha))
-  return config, Transformer(config), init_variables(config, jax.random.PRNGKey(0), 32)
+  return config, Transformer(config), jitted_init(config, 32)
 
 
 @pytest.mark.parametrize(

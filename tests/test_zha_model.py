@@ -18,14 +18,14 @@ from fsjax.cache import zha as zha_cache
 from fsjax.config import ConfigError, load_config, model_preset
 from fsjax.decode import extend, prefill
 from fsjax.eval import ruler
-from fsjax.model import Transformer, init_variables
+from fsjax.model import Transformer
 from fsjax.reference import zha as zha_ref
 from fsjax.reference.rope import apply_rope
 from fsjax.reference.zha import ZHATree
 from fsjax.train import checkpoint as ckpt_lib
 from fsjax.train import loop
 
-from helpers import DISTILL, ZHA_MICRO
+from helpers import DISTILL, ZHA_MICRO, jitted_init
 
 _extend = jax.jit(zha_cache.extend, static_argnames=("tree", "rope_theta"))
 _attend = jax.jit(zha_step.attend, static_argnames=("tree", "impl"))
@@ -42,7 +42,7 @@ def _zha(config, **changes):
 def test_decode_reports_the_fraction_of_keys_each_query_read(rng):
   config = _zha(model_preset("tiny", kind="zha"), refs=2, chunk=4, top_p=(0.6,))
   model = Transformer(config)
-  variables = init_variables(config, jax.random.PRNGKey(0), 32)
+  variables = jitted_init(config, 32)
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (1, 96)))
   _, cache = prefill(model, variables, tokens[:, :95], jnp.array([95]), init_cache(config, 1, 96), chunk=32)
   _, _, intermediates = extend(model, variables, tokens[:, 95:], cache, jnp.array([[95]]), jnp.ones((1, 1), bool))
@@ -175,7 +175,7 @@ def test_capped_model_decodes_like_its_full_forward(rng, impl, scan_layers):
   config = _zha(model_preset("tiny", kind="zha", scan_layers=scan_layers), refs=2, chunk=4, top_p=(0.95,), max_nodes=2)
   config = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl))
   model = Transformer(config)
-  variables = init_variables(config, jax.random.PRNGKey(0), 32)
+  variables = jitted_init(config, 32)
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 100)))
   full = np.asarray(jax.jit(model.apply)(variables, tokens))
   logits, cache = prefill(model, variables, tokens[:, :64], jnp.array([64, 64]), init_cache(config, 2, 100), 32)
