@@ -8,8 +8,10 @@ import numpy as np
 from fsjax.config import MeshConfig, model_preset
 from fsjax.data.pipeline import default_corpus_path, make_eval_batches
 from fsjax.eval import perplexity
-from fsjax.model import Transformer, init_variables
+from fsjax.model import Transformer
 from fsjax.train import checkpoint, loop, sharding
+
+from helpers import jitted_init
 
 
 def test_buckets_split_positions_evenly_and_average():
@@ -53,7 +55,7 @@ def test_zha_reports_the_fraction_of_keys_attended_by_position():
     config = dataclasses.replace(
       config, attention=dataclasses.replace(att, zha=dataclasses.replace(att.zha, chunk=4, levels=2, top_p=(top_p,)))
     )
-    variables = init_variables(config, jax.random.PRNGKey(0), 128)
+    variables = jitted_init(config, 128)
     _, fractions[top_p] = perplexity.position_losses(Transformer(config), variables, [tokens])
   np.testing.assert_allclose(fractions[1.0], 1.0)  # p = 1 reads every visible key (ZHA III-C)
   assert fractions[0.5].shape == (128,) and np.all(fractions[0.5] <= 1.0)

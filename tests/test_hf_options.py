@@ -17,7 +17,7 @@ from fsjax.config import AttentionConfig, RoPEScalingConfig, model_preset
 from fsjax.model import Transformer, init_variables
 
 from brute_force import hf_apply_rope
-from helpers import assert_close, ragged_teacher_forced, tiny_model
+from helpers import assert_close, jitted_init, ragged_teacher_forced, tiny_model
 
 # Rotating 8 of 16 features with θ = 10^4 gives wavelengths of 6, 63, 628 and 6283 tokens: against an original
 # context of 1,024 (bands at 256 and 1,024 tokens) one frequency keeps its value, one is blended, one divided.
@@ -53,7 +53,7 @@ def _perturbed(variables, seed=1):
 def _model(kind, scan_layers=False):
   config, _, _ = tiny_model(kind)
   config = _options(dataclasses.replace(config, scan_layers=scan_layers))
-  return config, Transformer(config), _perturbed(init_variables(config, jax.random.PRNGKey(0), 64))
+  return config, Transformer(config), _perturbed(jitted_init(config))
 
 
 def _attention_params(variables):
