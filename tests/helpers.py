@@ -187,7 +187,7 @@ def assert_blocked_model_equals_reference(monkeypatch, config, tokens, module, n
   def loss_and_grad(impl):
     configured = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl))
     model = Transformer(configured)
-    variables = init_variables(configured, jax.random.PRNGKey(0), 32)
+    variables = jitted_init(configured, 32)
     loss = lambda p: jnp.mean(jax.nn.logsumexp(model.apply({**variables, "params": p}, tokens), axis=-1))
     return jax.jit(jax.value_and_grad(loss))(variables["params"])
 

@@ -11,12 +11,12 @@ import pytest
 
 from fsjax import ops
 from fsjax.config import model_preset
-from fsjax.model import Transformer, init_variables
+from fsjax.model import Transformer
 from fsjax.ops import dispatch, query_blocks, zha_kl
 from fsjax.reference import zha
 from fsjax.train import objectives
 
-from helpers import gradient_temporaries, random_qkv, spy
+from helpers import gradient_temporaries, jitted_init, random_qkv, spy
 
 # (batch, seq, heads, kv_heads, dim, refs, chunk, levels, query_block, rope_theta)
 CASES = [
@@ -109,7 +109,7 @@ def test_a_distilling_model_under_auto_takes_the_blocked_loss(rng, monkeypatch):
   def loss_and_grad(impl):
     config = dataclasses.replace(base, attention=dataclasses.replace(base.attention, impl=impl, zha=zha_config))
     model = Transformer(config)
-    variables = init_variables(config, jax.random.PRNGKey(0), 32)
+    variables = jitted_init(config, 32)
     params, frozen = variables["params"], {k: v for k, v in variables.items() if k != "params"}
     loss = lambda p: objectives.zha_kl_loss(model, p, frozen, {"tokens": tokens})[0]
     return jax.jit(jax.value_and_grad(loss))(params)
