@@ -12,9 +12,9 @@ from fsjax import short_conv
 from fsjax.cache import init_cache
 from fsjax.config import ConfigError, ModelConfig
 from fsjax.decode import extend, prefill
-from fsjax.model import Transformer, init_variables
+from fsjax.model import Transformer
 
-from helpers import assert_close, tiny_model
+from helpers import assert_close, jitted_init, tiny_model
 
 
 def _loop_conv(h, w):
@@ -53,7 +53,7 @@ def _conv_model(kind, scan_layers, kernel=3):
   """The tiny model of `kind` with a short convolution whose taps are random (a fresh one is the identity)."""
   config = tiny_model(kind, scan_layers)[0]
   config = dataclasses.replace(config, short_conv=kernel)
-  fresh = init_variables(config, jax.random.PRNGKey(0), 64)
+  fresh = jitted_init(config)
   params = jax.tree_util.tree_map_with_path(
     lambda path, x: (
       jax.random.normal(jax.random.PRNGKey(len(path)), x.shape, x.dtype) * 0.5 if path[-1].key == "short_conv" else x
@@ -66,7 +66,7 @@ def _conv_model(kind, scan_layers, kernel=3):
 def test_a_fresh_convolution_is_the_identity(rng):
   config, model, variables = tiny_model("tfpp")
   conv_config = dataclasses.replace(config, short_conv=3)
-  fresh = init_variables(conv_config, jax.random.PRNGKey(0), 64)
+  fresh = jitted_init(conv_config)
   assert fresh["params"]["layer_0"]["short_conv"].shape == (3, config.d_model)
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 40)))
   with_conv = Transformer(conv_config).apply(fresh, tokens)
