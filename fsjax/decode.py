@@ -442,13 +442,14 @@ def generate_each(
   top_p=1.0,
   seed=0,
   chunk=None,
-  compact=True,
+  compact=False,
 ):
   """Generates for a list of prompts of any lengths, each with its own cap, `batch_size` rows at a time.
 
   Prompts are sorted longest first so a batch holds rows of similar length, right-padded to a power of two of
   at least 64 tokens (few programs compile), and each row stops at EOS or its cap (`generate`'s `limits`). With
-  `compact` a batch halves as its rows finish (`fsjax.compaction`), so finished rows stop costing steps.
+  `compact` a batch halves as its rows finish (`fsjax.compaction`), so finished rows stop costing steps, at one
+  compile of the loop per new batch size.
   Batch b samples with seed `seed + b * batch_size`, so sampled output depends on the batching; greedy does not.
 
   Args:

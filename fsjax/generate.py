@@ -10,7 +10,9 @@
 --prompts-file serves a batch: one JSON object per line, `{"prompt": "...", "max_new_tokens": 32}` (the cap is
 optional, default --max-new-tokens). Prompts are generated --batch-size at a time, longest first, each row
 stopping at EOS or its own cap; one JSON line per prompt, in the file's order, goes to --out (default stdout):
-`{"prompt", "completion", "new_tokens", "stop": "eos" | "limit"}`.
+`{"prompt", "completion", "new_tokens", "stop": "eos" | "limit"}`. --compact halves a batch whenever at most half of
+its rows are still running, so finished rows stop costing steps; each new batch size compiles the loop once
+(`fsjax/compaction.py`).
 """
 
 import json
@@ -39,6 +41,9 @@ def parse_args(argv):
   source.add_argument("--prompts-file", help="JSONL of prompts to generate as batches (see above)")
   parser.add_argument("--batch-size", type=int, default=8, help="rows per generation call with --prompts-file")
   parser.add_argument("--out", default=None, help="JSONL output of --prompts-file (default: stdout)")
+  parser.add_argument(
+    "--compact", action="store_true", help="with --prompts-file: halve a batch as its rows finish (see above)"
+  )
   parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate after the prompt")
   parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -69,7 +74,7 @@ def read_prompts(path, default_limit):
   return prompts
 
 
-def generate_batches(loaded, tokenizer, prompts, *, batch_size, temperature, top_p, seed, chunk):
+def generate_batches(loaded, tokenizer, prompts, *, batch_size, temperature, top_p, seed, chunk, compact=False):
   """One record per `(prompt, max_new_tokens)`, in order, generated `batch_size` rows at a time
   (`fsjax.decode.generate_each`)."""
   ids = [tokenizer.encode(prompt).ids for prompt, _ in prompts]
@@ -87,6 +92,7 @@ def generate_batches(loaded, tokenizer, prompts, *, batch_size, temperature, top
     top_p=top_p,
     seed=seed,
     chunk=chunk,
+    compact=compact,
   )
   return [
     {"prompt": prompt, "completion": tokenizer.decode(new), "new_tokens": len(new), "stop": "eos" if eos else "limit"}
@@ -120,6 +126,7 @@ def main(argv=None):
           top_p=args.top_p,
           seed=args.seed,
           chunk=args.chunk,
+          compact=args.compact,
         )
     else:
       ids = tokenizer.encode(args.prompt).ids

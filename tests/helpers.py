@@ -198,3 +198,14 @@ def assert_blocked_model_equals_reference(monkeypatch, config, tokens, module, n
   assert calls, f"{module.__name__}.{name} was not called"
   for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
     assert float(jnp.max(jnp.abs(a - e))) <= 2e-6 * max(float(jnp.max(jnp.abs(e))), 1e-30)
+
+
+def record_batch_sizes(monkeypatch):
+  """The batch sizes `fsjax.compaction` runs the decode loop on, in order (a list filled as it runs)."""
+  from fsjax import compaction
+
+  sizes, resume = [], compaction.resume
+  monkeypatch.setattr(
+    compaction, "resume", lambda m, v, state, *a, **k: sizes.append(len(state.token)) or resume(m, v, state, *a, **k)
+  )
+  return sizes

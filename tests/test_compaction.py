@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsjax import compaction, decode, kinds
+from fsjax import kinds
 from fsjax.cache import cache_rows, init_cache
 from fsjax.config import model_preset
 from fsjax.decode import generate
 
-from helpers import jitted_init, tiny_model
+from helpers import jitted_init, record_batch_sizes, tiny_model
 
 
 @pytest.mark.parametrize("kind,scan_layers,short_conv", [("fsl", True, 0), ("zha", False, 3)])
@@ -39,11 +39,7 @@ def test_a_halving_batch_generates_what_the_fixed_batch_does(kind, scan_layers, 
   eos_id = int(next(t for t in free[3, 3:8] if t not in free[:, :3]))
   limits = [2, 14, 2, 9, 14, 2]
 
-  sizes = []
-  resume = decode.resume
-  monkeypatch.setattr(
-    compaction, "resume", lambda m, v, state, *a, **k: sizes.append(len(state.token)) or resume(m, v, state, *a, **k)
-  )
+  sizes = record_batch_sizes(monkeypatch)
   fixed, halving = run(eos_id, limits, False), run(eos_id, limits, True)
   np.testing.assert_array_equal(halving, fixed)
   assert eos_id in fixed[3, :9]

@@ -7,6 +7,8 @@ import pytest
 
 from fsjax import generate
 
+from helpers import record_batch_sizes
+
 
 def test_generates_from_a_training_workdir_and_a_step_directory(micro_workdir, capsys, tmp_path):
   workdir = micro_workdir
@@ -58,9 +60,12 @@ def test_loading_a_checkpoint_logs_no_orbax_warnings(micro_workdir, caplog):
   assert read_only == []
 
 
-def test_a_prompts_file_is_served_in_batches_each_row_equal_to_its_prompt_alone(micro_workdir, capsys, tmp_path):
+def test_a_prompts_file_is_served_in_batches_each_row_equal_to_its_prompt_alone(
+  micro_workdir, capsys, tmp_path, monkeypatch
+):
   """Five prompts of different lengths, caps of their own, in batches of 2 (longest first): every record equals
-  the same prompt generated alone with its cap (greedy), in the file's order, stopping at EOS or the cap."""
+  the same prompt generated alone with its cap (greedy), in the file's order, stopping at EOS or the cap; with
+  --compact too."""
   prompts = [("The sea was", 3), ("In 1842 the old house on the hill", 6), ("A", 1), ("She said that", None)]
   prompts.append(("Once upon a time there was a king who had three daughters", 2))
   lines = [json.dumps({"prompt": p} if n is None else {"prompt": p, "max_new_tokens": n}) for p, n in prompts]
@@ -68,6 +73,9 @@ def test_a_prompts_file_is_served_in_batches_each_row_equal_to_its_prompt_alone(
   path.write_text("\n".join(lines) + "\n\n")  # a blank line is skipped
   argv = ["--checkpoint", str(micro_workdir), "--prompts-file", str(path), "--batch-size", "2"]
   assert generate.main([*argv, "--max-new-tokens", "4", "--out", str(out)]) == 0
+  halving, sizes = tmp_path / "halving.jsonl", record_batch_sizes(monkeypatch)  # batches halving: the same records
+  assert generate.main([*argv, "--max-new-tokens", "4", "--out", str(halving), "--compact"]) == 0
+  assert halving.read_text() == out.read_text() and 1 in sizes
   records = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r["prompt"] for r in records] == [p for p, _ in prompts]
   for (prompt, cap), record in zip(prompts, records):
