@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsjax import calibrate, loading
+from fsjax import calibrate, compaction, loading
 from fsjax.cache import init_cache
 from fsjax.config import MoBAConfig, ZHAConfig, model_preset
 from fsjax.decode import extend, prefill
@@ -202,8 +202,6 @@ def assert_blocked_model_equals_reference(monkeypatch, config, tokens, module, n
 
 def record_batch_sizes(monkeypatch):
   """The batch sizes `fsjax.compaction` runs the decode loop on, in order (a list filled as it runs)."""
-  from fsjax import compaction
-
   sizes, resume = [], compaction.resume
   monkeypatch.setattr(
     compaction, "resume", lambda m, v, state, *a, **k: sizes.append(len(state.token)) or resume(m, v, state, *a, **k)
