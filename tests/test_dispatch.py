@@ -60,7 +60,9 @@ def test_auto_takes_the_kernels_only_on_a_gpu_and_for_geometries_they_tile():
   assert dispatch.resolve("cache_attention", "auto", **FACTS) == ("cudnn" if ON_GPU else "reference")
   assert dispatch.resolve("cache_attention", "auto", **{**FACTS, "cache_dtype": jnp.float32}) == "reference"
   assert dispatch.resolve("cache_attention", "auto", **{**FACTS, "tokens": 1}) == "one_token"
-  assert dispatch.resolve("matvec", "auto", **FACTS) == "reference"  # opt-in until run compiled in a model
+  assert dispatch.resolve("matvec", "auto", **FACTS) == ("pallas" if ON_GPU else "reference")
+  assert dispatch.resolve("matvec", "auto", **{**FACTS, "rows": 17}) == "reference"
+  assert dispatch.resolve("matvec", "auto", **{**FACTS, "ns": (1024, 24)}) == "reference"
   assert dispatch.resolve("matvec", "pallas", **FACTS) == "pallas"
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.ops import query_blocks
-from pallas_kernels import bounded_decode, zha_routing
+from pallas_kernels import bounded_decode, matvec, zha_routing
 from pallas_kernels import common as kernel_common
 
 IMPLS = ("reference", "auto", "pallas")
@@ -68,10 +68,10 @@ def _bounded_decode_kernel(*, tokens, cell, head_dim, **_):
   return on_gpu() and tokens == 1 and bounded_decode.compilable(cell=cell, head_dim=head_dim)
 
 
-def _matvec_kernel(**_):
-  """Not picked by "auto" yet: the kernel passes its compiled tests, but a model's decode step through it has not
-  run compiled (docs/notes.md, "The dense part as one kernel per input"); `impl="pallas"` takes it on a GPU."""
-  return False
+def _matvec_kernel(*, rows, k, ns, **_):
+  """A step of at most `matvec.MAX_ROWS` rows whose sizes Triton tiles (XLA strength-reduces such a dot into a
+  multiply and a reduction that run far below the memory bandwidth; docs/notes.md)."""
+  return on_gpu() and matvec.compilable(rows=rows, k=k, ns=ns)
 
 
 def _zha_kernels(*, chunk, refs, **_):
