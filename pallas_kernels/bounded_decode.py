@@ -1,8 +1,9 @@
 """FS-L's attention for one decode token over its bounded cache (FS Sec. 3.3 "Inference", Eq. 3-4 and 7-9) in one
-launch per layer. The grid is (batch row, query head, part), T + K parts per head, so that a batch of one row
-still fills the GPU (each part is a short chain of loads; one program walking them all is latency-bound):
+launch per layer, which also writes the token into the cache. The grid is (batch row, query head, part), T + K
+parts per head, so that a batch of one row still fills the GPU (each part is a short chain of loads; one program
+walking them all is latency-bound):
 
-  - parts 0 .. T-1: the local branch (Eq. 3-4; the token already written to the ring) over one ring tile each;
+  - parts 0 .. T-1: the local branch (Eq. 3-4) over one ring tile each, the token in its slot;
   - parts T .. T+K-1: each scores `pool ∪ recent` (Eq. 7-8, empties skipped), finds the top K by (score desc,
     cell index asc) as `lax.top_k` over the candidates sorted by cell index gives it, and reads out (Eq. 9) the
     one selected cell of its rank from the pool or recent slot where it lies. A recent cell that is also in the
@@ -12,7 +13,15 @@ still fills the GPU (each part is a short chain of loads; one program walking th
 
 Each part writes its softmax normalized over its own keys and their log-sum-exp; `_merge_parts` combines them
 exactly into the local output and the unnormed long-range sum. The jnp specification is
-`fsjax.attention.freesolo_step.bounded_segment`: `attend` over the ring and the token, and `bounded_long_range`.
+`fsjax.attention.freesolo_step.bounded_segment`: `attend` over the ring and the token, `bounded_long_range`, and
+the ring and block-buffer writes of `bounded.write_segment`.
+
+The token's writes (its rotated key, value and position into ring slot `pos mod R`, its raw key and value into
+block-buffer slot `pos mod B`) happen here, in place (the cache arrays are aliased to outputs): part 0 of the
+first query head of each key/value head writes them. In XLA each write was a launch or two per array (a
+dropped-index scatter reads the old slot, then writes). The ring parts do not read the token back from the ring,
+which other programs write concurrently: the ring slot `pos mod R` held position `pos - R`, outside the window,
+and they take the token from their inputs in its place.
 
 The cache arrays are read where they lie: a scanned model's stacks `[layers, batch, ...]` with the layer index,
 so no layer is copied out per token (`fsjax.cache.layered`). Grouped-query attention: query head h reads the
@@ -48,17 +57,35 @@ def _softmax_part(logits, seen, values, o_ref, lse_ref):
 
 
 def _ring_part(
-  tile, q_rot, pos, layer, scale, ring_k_ref, ring_v_ref, ring_pos_ref, o_ref, lse_ref, *, window, ring_slots
+  tile,
+  q_rot,
+  token,
+  pos,
+  valid,
+  layer,
+  scale,
+  ring_k_ref,
+  ring_v_ref,
+  ring_pos_ref,
+  o_ref,
+  lse_ref,
+  *,
+  window,
+  ring_slots,
 ):
   """The local branch (Eq. 3-4) over ring tile `tile`: keys at j <= pos with pos - j <= window (the ring holds
-  position j at slot j mod R)."""
+  position j at slot j mod R). `token`: the token's rotated key and value `[d]` (float32 of the cache's dtype),
+  taken in place of slot `pos mod R` for a valid row."""
   slots = tile * RING_TILE + jnp.arange(RING_TILE)
   at = jnp.minimum(slots, ring_slots - 1)
-  k_pos = ring_pos_ref[layer, at]
+  mine = valid & (slots == pos % ring_slots)
+  k_pos = jnp.where(mine, pos, ring_pos_ref[layer, at])
   seen = (slots < ring_slots) & (k_pos >= 0) & (k_pos <= pos) & (pos - k_pos <= window)
-  k = ring_k_ref[layer, at, :].astype(jnp.float32)  # [T, d]
+  k_new, v_new = token
+  k = jnp.where(mine[:, None], k_new[None, :], ring_k_ref[layer, at, :].astype(jnp.float32))  # [T, d]
+  v = jnp.where(mine[:, None], v_new[None, :], ring_v_ref[layer, at, :].astype(jnp.float32))
   logits = jnp.sum(k * q_rot[None, :], axis=1) * scale
-  _softmax_part(logits, seen, ring_v_ref[layer, at, :].astype(jnp.float32), o_ref, lse_ref)
+  _softmax_part(logits, seen, v, o_ref, lse_ref)
 
 
 def _cell_part(
@@ -119,7 +146,11 @@ def _cell_part(
 def _bounded_decode_kernel(
   q_ref,
   q_rot_ref,
+  k_rot_ref,
+  k_ref,
+  v_ref,
   pos_ref,
+  valid_ref,
   lam_ref,
   sigma_ref,
   layer_ref,
@@ -131,20 +162,41 @@ def _bounded_decode_kernel(
   cell,
   top_k,
   ring_slots,
+  block,
+  group,
   pool_size,
   recent_size,
   tiles,
 ):
   """One (row, query head, part): parts 0 .. T-1 are the ring's tiles (local branch), parts T .. T+K-1 the K
-  selected cells (long-range branch). q_ref / q_rot_ref `[d]`; pos_ref, lam_ref, sigma_ref, layer_ref `[1]`; cache
-  refs `[layers, ...]` of which layer `layer_ref[0]` is read: ring k/v `[R, d]`, ring pos `[R]`, pool ids / norm
-  `[P]`, mean `[P, d]`, k/v `[P, s, d]`, recent the same with W (recent ids shared by the heads). Writes the
-  part's o_ref `[d]` and lse_ref `[1]` (float32); cell parts write cells_ref `[K']` (K' ≥ K a power of two; -1
-  past K and where none)."""
-  cell_refs, (o_ref, lse_ref, cells_ref) = refs[:10], refs[10:]
-  part = pl.program_id(2)
-  pos, layer = pos_ref[0], layer_ref[0]
+  selected cells (long-range branch). q_ref / q_rot_ref `[d]`; k_rot_ref, k_ref, v_ref `[d]` the token's key
+  (rotated and raw) and value for this head's key/value head, in the cache's dtype; pos_ref, valid_ref, lam_ref,
+  sigma_ref, layer_ref `[1]`; cache refs `[layers, ...]` of which layer `layer_ref[0]` is read: ring k/v `[R, d]`,
+  ring pos `[R]`, block k/v `[B, d]` (written only), pool ids / norm `[P]`, mean `[P, d]`, k/v `[P, s, d]`, recent
+  the same with W (recent ids shared by the heads). Writes the part's o_ref `[d]` and lse_ref `[1]` (float32);
+  cell parts write cells_ref `[K']` (K' ≥ K a power of two; -1 past K and where none); part 0 of a key/value
+  head's first query head writes the token into the aliased ring and block buffer."""
+  block_k_ref, block_v_ref = refs[:2]
+  cell_refs, (o_ref, lse_ref, cells_ref, ring_k_out, ring_v_out, ring_pos_out, block_k_out, block_v_out) = (
+    refs[2:12],
+    refs[12:],
+  )
+  del block_k_ref, block_v_ref  # aliased to block_k_out / block_v_out, which are only written
+  head, part = pl.program_id(1), pl.program_id(2)
+  pos, valid, layer = pos_ref[0], valid_ref[0] != 0, layer_ref[0]
   scale = 1.0 / math.sqrt(q_ref.shape[0])
+
+  @pl.when(valid & (part == 0) & (head % group == 0))
+  def _():
+    slot, block_slot = pos % ring_slots, pos % block
+    ring_k_out[layer, slot, :] = k_rot_ref[...]
+    ring_v_out[layer, slot, :] = v_ref[...]
+    block_k_out[layer, block_slot, :] = k_ref[...]
+    block_v_out[layer, block_slot, :] = v_ref[...]
+
+    @pl.when(head == 0)
+    def _():
+      ring_pos_out[layer, pl.ds(slot, 1)] = jnp.full((1,), pos, ring_pos_out.dtype)
 
   @pl.when(part < tiles)
   def _():
@@ -152,7 +204,9 @@ def _bounded_decode_kernel(
     _ring_part(
       part,
       q_rot,
+      (k_rot_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32)),
       pos,
+      valid,
       layer,
       scale,
       ring_k_ref,
@@ -200,23 +254,33 @@ def compilable(*, cell, head_dim):
   return cell >= 1 and cell & (cell - 1) == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
+WRITTEN = ("ring_k", "ring_v", "ring_pos", "block_k", "block_v")  # the cache arrays the kernel writes in place
+
+
 @functools.partial(jax.jit, static_argnames=("window", "cell", "top_k", "interpret"))
-def bounded_decode(q, q_rot, pos, lam, sigma, cache, *, window, cell, top_k, layer=None, interpret=None):
-  """FS-L's local branch and long-range selection and readout for one token per row.
+def bounded_decode(
+  q, q_rot, k_rot, k, v, pos, valid, lam, sigma, cache, *, window, cell, top_k, layer=None, interpret=None
+):
+  """FS-L's one-token step: the token into the ring and block buffer, the local branch, and the long-range
+  selection and readout.
 
   Args:
     q, q_rot: `[batch, heads, d]` the token's query, unrotated (long-range branch) and RoPE-rotated (local).
-    pos: `[batch]` int32 its position; lam, sigma: `[heads]`.
-    cache: the layer's `fsjax.cache.bounded.BoundedCache` fields as a dict of arrays, the ring holding the token
-      already: ring_k, ring_v `[batch, R, kv_heads, d]`, ring_pos `[batch, R]`, pool_ids `[batch, kv_heads, P]`,
-      pool_mean `[.., P, d]`, pool_norm `[.., P]`, pool_k / pool_v `[.., P, s, d]`, recent_ids `[batch, W]`,
-      recent_mean / norm / k / v as the pool's with W. With `layer` (int32 scalar), each is a scanned model's
-      stack `[layers, ...]` of that shape, read at `layer` where it lies.
+    k_rot, k, v: `[batch, kv_heads, d]` its key, rotated (for the ring) and raw (for the block buffer), and value.
+    pos: `[batch]` int32 its position; valid: `[batch]` bool (an invalid row writes nothing and its token is not
+      a key); lam, sigma: `[heads]`.
+    cache: the layer's `fsjax.cache.bounded.BoundedCache` fields as a dict of arrays, before the token: ring_k,
+      ring_v `[batch, R, kv_heads, d]`, ring_pos `[batch, R]`, block_k, block_v `[batch, B, kv_heads, d]`,
+      pool_ids `[batch, kv_heads, P]`, pool_mean `[.., P, d]`, pool_norm `[.., P]`, pool_k / pool_v `[.., P, s,
+      d]`, recent_ids `[batch, W]`, recent_mean / norm / k / v as the pool's with W. With `layer` (int32 scalar),
+      each is a scanned model's stack `[layers, ...]` of that shape, read at `layer` where it lies.
     window, cell, top_k: the routing's w, s and K.
 
   Returns:
     local `[batch, heads, d]` float32 (Eq. 3-4), the long-range sum `[batch, heads, d]` float32 before its
-    RMSNorm (Eq. 9), cells `[batch, heads, K]` int32 in decreasing score order, -1 where fewer are available.
+    RMSNorm (Eq. 9), cells `[batch, heads, K]` int32 in decreasing score order (-1 where fewer are available),
+    and the `WRITTEN` arrays after the token's writes, as given (stacks with `layer`). Under `jit` with the cache
+    donated or dead after the call, XLA writes them in place.
   """
   interpret = default_interpret() if interpret is None else interpret
   batch, heads, dim = q.shape
@@ -224,6 +288,8 @@ def bounded_decode(q, q_rot, pos, lam, sigma, cache, *, window, cell, top_k, lay
     ring_k=4,
     ring_v=4,
     ring_pos=2,
+    block_k=4,
+    block_v=4,
     pool_ids=3,
     pool_mean=4,
     pool_norm=3,
@@ -239,6 +305,7 @@ def bounded_decode(q, q_rot, pos, lam, sigma, cache, *, window, cell, top_k, lay
   for name, ndim in axes.items():
     stacks[name], layer_index = layer_stack(cache[name], layer, ndim)
   layers, _, ring_slots, kv_heads, _ = stacks["ring_k"].shape
+  block = stacks["block_k"].shape[2]
   pool_size, recent_size = stacks["pool_ids"].shape[3], stacks["recent_ids"].shape[2]
   group = group_size(heads, kv_heads)
   width = pl.next_power_of_2(top_k)
@@ -248,8 +315,8 @@ def bounded_decode(q, q_rot, pos, lam, sigma, cache, *, window, cell, top_k, lay
 
   def spec(name):
     shape = stacks[name].shape
-    if name in ("ring_k", "ring_v"):
-      return pl.BlockSpec((layers, None, ring_slots, None, dim), lambda b, h, z: (0, b, 0, h // group, 0))
+    if name in ("ring_k", "ring_v", "block_k", "block_v"):
+      return pl.BlockSpec((layers, None, shape[2], None, dim), lambda b, h, z: (0, b, 0, h // group, 0))
     if name in ("ring_pos", "recent_ids"):
       return pl.BlockSpec((layers, None, shape[2]), lambda b, h, z: (0, b, 0))
     rest = shape[3:]
@@ -265,13 +332,30 @@ def bounded_decode(q, q_rot, pos, lam, sigma, cache, *, window, cell, top_k, lay
         x.dtype,
       )
   row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h, 0))
-  o, lse, cells = pl.pallas_call(
+  kv_row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h // group, 0))
+  scalar = lambda index: pl.BlockSpec((1,), index)
+  token = [k_rot.astype(stacks["ring_k"].dtype), k.astype(stacks["block_k"].dtype), v.astype(stacks["ring_v"].dtype)]
+  inputs = [
+    q.astype(jnp.float32),
+    q_rot.astype(jnp.float32),
+    *token,
+    pos.astype(jnp.int32),
+    valid.astype(jnp.int32),
+    lam.astype(jnp.float32),
+    sigma.astype(jnp.float32),
+    layer_index,
+    *(stacks[name] for name in names),
+  ]
+  first_cache_input = len(inputs) - len(names)
+  o, lse, cells, *written = pl.pallas_call(
     functools.partial(
       _bounded_decode_kernel,
       window=window,
       cell=cell,
       top_k=top_k,
       ring_slots=ring_slots,
+      block=block,
+      group=group,
       pool_size=pool_size,
       recent_size=recent_size,
       tiles=tiles,
@@ -280,34 +364,34 @@ def bounded_decode(q, q_rot, pos, lam, sigma, cache, *, window, cell, top_k, lay
     in_specs=[
       row,
       row,
-      pl.BlockSpec((1,), lambda b, h, z: (b,)),
-      pl.BlockSpec((1,), lambda b, h, z: (h,)),
-      pl.BlockSpec((1,), lambda b, h, z: (h,)),
-      pl.BlockSpec((1,), lambda b, h, z: (0,)),
+      kv_row,
+      kv_row,
+      kv_row,
+      scalar(lambda b, h, z: (b,)),
+      scalar(lambda b, h, z: (b,)),
+      scalar(lambda b, h, z: (h,)),
+      scalar(lambda b, h, z: (h,)),
+      scalar(lambda b, h, z: (0,)),
       *(spec(name) for name in names),
     ],
     out_specs=[
       pl.BlockSpec((None, None, None, dim), lambda b, h, z: (b, h, z, 0)),
       pl.BlockSpec((None, None, 1), lambda b, h, z: (b, h, z)),
       pl.BlockSpec((None, None, width), lambda b, h, z: (b, h, 0)),
+      *(spec(name) for name in WRITTEN),
     ],
     out_shape=[
       jax.ShapeDtypeStruct((batch, heads, parts, dim), jnp.float32),
       jax.ShapeDtypeStruct((batch, heads, parts), jnp.float32),
       jax.ShapeDtypeStruct((batch, heads, width), jnp.int32),
+      *(jax.ShapeDtypeStruct(stacks[name].shape, stacks[name].dtype) for name in WRITTEN),
     ],
+    input_output_aliases={first_cache_input + names.index(name): 3 + i for i, name in enumerate(WRITTEN)},
     compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
     interpret=interpret,
     name="fsl_bounded_decode",
-  )(
-    q.astype(jnp.float32),
-    q_rot.astype(jnp.float32),
-    pos.astype(jnp.int32),
-    lam.astype(jnp.float32),
-    sigma.astype(jnp.float32),
-    layer_index,
-    *(stacks[name] for name in names),
-  )
+  )(*inputs)
   local = _merge_parts(o[:, :, :tiles], lse[:, :, :tiles])
   long_range = _merge_parts(o[:, :, tiles:], lse[:, :, tiles:])
-  return local, long_range, cells[..., :top_k]
+  unstack = (lambda x: x) if layer is not None else (lambda x: x[0])
+  return local, long_range, cells[..., :top_k], {name: unstack(x) for name, x in zip(WRITTEN, written)}

@@ -39,9 +39,9 @@ def _filled_cache(rng, routing, *, batch, kv_heads, dim, prompt, steps, dtype):
   return cache
 
 
-def _step(cache, routing, *, heads, positions, impl, seed=7, lam=None, sigma=None):
-  """One token per row at `positions` `[batch]` through `bounded_segment`; the token, λ, σ and the readout gain
-  drawn from `seed`, so two implementations see the same step."""
+def _step(cache, routing, *, heads, positions, impl, seed=7, lam=None, sigma=None, valid=None):
+  """One token per row at `positions` `[batch]` (`valid` `[batch]`, default all) through `bounded_segment`; the
+  token, λ, σ and the readout gain drawn from `seed`, so two implementations see the same step."""
   shape = read(cache.pool_k).shape
   batch, kv_heads, dim = shape[0], shape[1], shape[-1]
   draw = np.random.default_rng(seed)
@@ -50,7 +50,7 @@ def _step(cache, routing, *, heads, positions, impl, seed=7, lam=None, sigma=Non
   lam = jnp.asarray(draw.uniform(0.5, 2.0, heads), jnp.float32) if lam is None else lam
   sigma = jnp.asarray(draw.uniform(2.0, 8.0, heads), jnp.float32) if sigma is None else sigma
   gain = jnp.asarray(draw.uniform(0.5, 1.5, dim), jnp.float32)
-  valid = jnp.ones((batch, 1), bool)
+  valid = jnp.ones((batch, 1), bool) if valid is None else jnp.asarray(valid)[:, None]
   segment = jax.jit(functools.partial(freesolo_step.bounded_segment, routing=routing, impl=impl, rope_theta=10000.0))
   return segment(cache, q, k, v, positions[:, None], valid, lam=lam, sigma=sigma, lr_gain=gain)
 
@@ -130,6 +130,27 @@ def test_the_kernel_step_equals_the_reference_step(rng, interpret, case, monkeyp
   kernel, reference = run("pallas"), run("reference")
   _assert_steps_agree(kernel, reference, np.float32)
   assert np.all(np.asarray(kernel[2]) >= -1) and np.any(np.asarray(kernel[2]) >= 0)
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+def test_a_row_whose_token_is_not_valid_writes_nothing(rng, interpret, monkeypatch):
+  """A padded row of a batch step: its token enters neither the ring nor the block buffer, and is no key of its
+  local branch, as in the reference; the valid row beside it (same position, slot and block slot) is written."""
+  spec, batch, heads, kv_heads, dim, prompt, steps, positions = CASES["mha-ring-wrapped"]
+  routing = Routing(variant="fsl", **spec)
+  cache = _filled_cache(
+    rng, routing, batch=batch, kv_heads=kv_heads, dim=dim, prompt=prompt, steps=steps, dtype=jnp.float32
+  )
+  run = lambda impl: _step(
+    cache, routing, heads=heads, positions=jnp.asarray(positions), impl=impl, valid=jnp.array([True, False])
+  )
+  _force_interpret(monkeypatch, interpret)
+  kernel, reference = run("pallas"), run("reference")
+  _assert_steps_agree(kernel, reference, np.float32)
+  written, slot = kernel[3], positions[0] % (routing.window + 1)
+  np.testing.assert_array_equal(
+    np.asarray(written.ring.pos)[:, slot], [positions[0], np.asarray(cache.ring.pos)[1, slot]]
+  )
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())

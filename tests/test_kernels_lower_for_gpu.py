@@ -190,6 +190,8 @@ def test_fsl_bounded_decode_lowers(stacked):
     ring_k=shape((*lead, 2, 513, 2, 64), bf16),
     ring_v=shape((*lead, 2, 513, 2, 64), bf16),
     ring_pos=shape((*lead, 2, 513), i32),
+    block_k=shape((*lead, 2, 64, 2, 64), bf16),
+    block_v=shape((*lead, 2, 64, 2, 64), bf16),
     pool_ids=shape((*lead, 2, 2, 64), i32),
     pool_mean=shape((*lead, 2, 2, 64, 64), bf16),
     pool_norm=shape((*lead, 2, 2, 64), bf16),
@@ -201,15 +203,19 @@ def test_fsl_bounded_decode_lowers(stacked):
     recent_k=shape((*lead, 2, 2, 8, 32, 64), bf16),
     recent_v=shape((*lead, 2, 2, 8, 32, 64), bf16),
   )
-  q = shape((2, 4, 64), f32)
-  run = lambda q, q_rot, pos, lam, sigma, cache, layer: bounded_decode.bounded_decode(
-    q, q_rot, pos, lam, sigma, cache, window=512, cell=32, top_k=4, layer=layer, interpret=False
+  q, kv = shape((2, 4, 64), f32), shape((2, 2, 64), f32)
+  run = lambda q, q_rot, k_rot, k, v, pos, valid, lam, sigma, cache, layer: bounded_decode.bounded_decode(
+    q, q_rot, k_rot, k, v, pos, valid, lam, sigma, cache, window=512, cell=32, top_k=4, layer=layer, interpret=False
   )
   _lowers_for_cuda(
     run,
     q,
     q,
+    kv,
+    kv,
+    kv,
     shape((2,), i32),
+    shape((2,), jnp.bool_),
     shape((4,), f32),
     shape((4,), f32),
     cache,

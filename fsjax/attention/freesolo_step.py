@@ -300,6 +300,7 @@ def _kernel_fields(cache: bounded.BoundedCache):
   """The bounded cache's arrays as `pallas_kernels.bounded_decode` takes them, and the layer (None unless they
   are views into a scanned model's stacks, which the kernel then reads where they lie)."""
   fields = dict(ring_k=cache.ring.k, ring_v=cache.ring.v, ring_pos=cache.ring.pos)
+  fields.update(block_k=cache.block_k, block_v=cache.block_v)
   for name in ("ids", "mean", "norm", "k", "v"):
     fields[f"pool_{name}"], fields[f"recent_{name}"] = getattr(cache, f"pool_{name}"), getattr(cache, f"recent_{name}")
   if isinstance(cache.pool_ids, LayerSlice):
@@ -307,18 +308,34 @@ def _kernel_fields(cache: bounded.BoundedCache):
   return fields, None
 
 
+def _with_written(cache: bounded.BoundedCache, written):
+  """`cache` holding the arrays the kernel wrote (`bounded_decode.WRITTEN`; stacks where the cache holds views)."""
+  put = lambda old, new: old.replace(stack=new) if isinstance(old, LayerSlice) else new
+  ring = cache.ring
+  ring = ring.replace(
+    k=put(ring.k, written["ring_k"]), v=put(ring.v, written["ring_v"]), pos=put(ring.pos, written["ring_pos"])
+  )
+  return cache.replace(
+    ring=ring, block_k=put(cache.block_k, written["block_k"]), block_v=put(cache.block_v, written["block_v"])
+  )
+
+
 def bounded_token_kernel(
   cache: bounded.BoundedCache, q, k, v, pos, valid, routing: Routing, *, rope_theta, lam, sigma, lr_gain
 ):
-  """`bounded_segment` for one token per row through `pallas_kernels.bounded_decode`: the token enters the ring
-  first, then one kernel computes both branches and the selection; the block buffer is written after."""
+  """`bounded_segment` for one token per row through `pallas_kernels.bounded_decode`: one kernel writes the token
+  into the ring and the block buffer and computes both branches and the selection; a completed block is merged
+  after it (or after the last layer, where the cache defers merges)."""
   q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
-  cache = bounded.write_ring(cache, k_rot, v, pos, valid)
   fields, layer = _kernel_fields(cache)
-  local, summed, selected = bounded_decode.bounded_decode(
+  local, summed, selected, written = bounded_decode.bounded_decode(
     q[:, 0],
     q_rot[:, 0],
+    k_rot[:, 0],
+    k[:, 0],
+    v[:, 0],
     pos[:, 0],
+    valid[:, 0],
     lam,
     sigma,
     fields,
@@ -327,10 +344,12 @@ def bounded_token_kernel(
     top_k=routing.top_k,
     layer=layer,
   )
+  cache = _with_written(cache, written)
   local, long_range = local[:, None].astype(q.dtype), rms_norm(summed[:, None].astype(q.dtype), lr_gain)
-  if not cache.defer_merge:  # a merge below updates the pool the kernel read, in place: order it after the read
-    pos = after(pos, local, long_range)
-  return local, long_range, selected[:, None], bounded.write_block(cache, k, v, pos, valid)
+  if cache.defer_merge:
+    return local, long_range, selected[:, None], cache
+  pos = after(pos, local, long_range)  # the merge updates the pool the kernel read, in place: order it after the read
+  return local, long_range, selected[:, None], bounded.merge_completed(cache, pos, valid)
 
 
 def bounded_segment(
