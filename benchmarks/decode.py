@@ -18,8 +18,8 @@ FS-B prefills with the prefill formulation and decodes through the streaming for
 first 4096 tokens; its per-block forest update is timed alone by `forest_update.py`. `--profile [N]` traces one
 more decode loop per case and prints the N (default 12) device kernels that take the most time per token. A case
 prints its phases on stderr (prefill compile, prefill, decode-loop compile), so one cut by `--case-timeout` says
-how far it got. `--impl` sets the attention's `impl` (`fsjax.ops.dispatch`); `pallas` also runs a step's
-projections through `pallas_kernels.matvec`, which `auto` does not pick yet.
+how far it got. `--impl` sets the attention's `impl` (`fsjax.ops.dispatch`), which also picks how a step's
+projections run (`pallas_kernels.matvec` on a GPU under `auto` and `pallas`).
 """
 
 import json
