@@ -16,6 +16,7 @@ from typing import Any
 import flax.struct
 import jax.numpy as jnp
 
+from fsjax.cache.layered import LayerSlice
 from fsjax.ops import dispatch
 from pallas_kernels import matvec
 
@@ -24,16 +25,29 @@ from pallas_kernels import matvec
 class LayerWeights:
   """`params`: a layer's parameter subtree: a scanned model's stacks (every leaf `[layers, ...]`) with `layer`
   (int32 scalar), or an unscanned layer's own parameters with `layer` None. `impl`: the model's
-  `attention.impl`, which picks the kernel (`fsjax.ops.dispatch`, op "matvec")."""
+  `attention.impl`, which picks the kernel (`fsjax.ops.dispatch`, op "matvec"). `routing`: the layer's subtree
+  of the "routing" collection (FreeSolo's λ, σ, τ) in the same form, or None."""
 
   params: Any
   layer: Any = None
   impl: str = flax.struct.field(pytree_node=False, default="auto")
+  routing: Any = None
 
 
 def child(weights, name):
   """The `LayerWeights` of submodule `name` (None stays None)."""
-  return None if weights is None else weights.replace(params=weights.params[name])
+  if weights is None:
+    return None
+  routing = None if weights.routing is None else weights.routing.get(name)
+  return weights.replace(params=weights.params[name], routing=routing)
+
+
+def routing_variable(weights, name, value):
+  """The "routing" variable `name` whose value in this layer is `value`, as a kernel may read it: a
+  `LayerSlice` of the scanned model's stack at the layer (read where it lies), else `value` itself."""
+  if weights is None or weights.layer is None or weights.routing is None or name not in weights.routing:
+    return value
+  return LayerSlice(weights.routing[name], weights.layer)
 
 
 def dense_products(weights, x, names, contracted, dtype):

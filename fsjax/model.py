@@ -104,8 +104,9 @@ class ScannedLayer(nn.Module):
 
   The whole stacked cache is carried, and the layer reads and writes its own layer in place
   (`fsjax.cache.layer_of`): scanning the cache as per-layer slices would copy every layer's cache out and
-  back at each step. `stacks` (broadcast; with a cache) are the layers' parameter stacks, which the layer's
-  products of a few rows read at its index where they lie (`fsjax.layer_weights`).
+  back at each step. `stacks` (broadcast; with a cache) are the layers' stacks of parameters and of the "routing"
+  collection (`{"params": .., ROUTING: ..}`), which the layer's products of a few rows and FS-L's decode kernel
+  read at its index where they lie (`fsjax.layer_weights`).
   """
 
   config: ModelConfig
@@ -119,7 +120,9 @@ class ScannedLayer(nn.Module):
     )
     if cache is None:
       return (layer(x), None), None
-    weights = None if stacks is None else LayerWeights(stacks, index, self.config.attention.impl)
+    weights = None
+    if stacks is not None:
+      weights = LayerWeights(stacks["params"], index, self.config.attention.impl, stacks.get(ROUTING))
     x, view, history = layer(x, layer_of(cache, index), positions, valid, history, weights)
     return (x, write_back(cache, view, index)), history
 
@@ -171,8 +174,11 @@ class Transformer(nn.Module):
       cache = defer_block_merges(cache)
     # A step reads each layer's projection weights where they lie (`fsjax.layer_weights`); at init there are none.
     params = self.variables.get("params", {}) if cache is not None else {}
+    routing = self.variables.get(ROUTING, {}) if cache is not None else {}
     if c.scan_layers:
-      stacks = params["layers"]["layer"] if "layers" in params else None
+      stacks = None
+      if "layers" in params:
+        stacks = {"params": params["layers"]["layer"], ROUTING: routing.get("layers", {}).get("layer")}
       (x, new_cache["layers"]), history = _scanned_layers(c, first_chunk)(
         (x, None if cache is None else cache["layers"]), jnp.arange(c.num_layers), history, positions, valid, stacks
       )
@@ -185,7 +191,9 @@ class Transformer(nn.Module):
           x = layer(c, name=name)(x)
         else:
           layer_history = None if history is None else history[i]
-          weights = LayerWeights(params[name], None, c.attention.impl) if name in params else None
+          weights = None
+          if name in params:
+            weights = LayerWeights(params[name], None, c.attention.impl, routing.get(name))
           x, new_cache[name], layer_history = layer(c, first_chunk=first_chunk, name=name)(
             x, cache[name], positions, valid, layer_history, weights
           )

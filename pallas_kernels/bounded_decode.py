@@ -170,8 +170,9 @@ def _bounded_decode_kernel(
 ):
   """One (row, query head, part): parts 0 .. T-1 are the ring's tiles (local branch), parts T .. T+K-1 the K
   selected cells (long-range branch). q_ref / q_rot_ref `[d]`; k_rot_ref, k_ref, v_ref `[d]` the token's key
-  (rotated and raw) and value for this head's key/value head, in the cache's dtype; pos_ref, valid_ref, lam_ref,
-  sigma_ref, layer_ref `[1]`; cache refs `[layers, ...]` of which layer `layer_ref[0]` is read: ring k/v `[R, d]`,
+  (rotated and raw) and value for this head's key/value head, in the cache's dtype; pos_ref, valid_ref, layer_ref
+  `[1]`; lam_ref, sigma_ref `[layers]` (this head's λ and σ of every layer); cache refs `[layers, ...]`; of each,
+  layer `layer_ref[0]` is read: ring k/v `[R, d]`,
   ring pos `[R]`, block k/v `[B, d]` (written only), pool ids / norm `[P]`, mean `[P, d]`, k/v `[P, s, d]`, recent
   the same with W (recent ids shared by the heads). Writes the part's o_ref `[d]` and lse_ref `[1]` (float32);
   cell parts write cells_ref `[K']` (K' ≥ K a power of two; -1 past K and where none); part 0 of a key/value
@@ -225,8 +226,8 @@ def _bounded_decode_kernel(
       part - tiles,
       q,
       pos,
-      lam_ref[0],
-      sigma_ref[0],
+      lam_ref[layer],
+      sigma_ref[layer],
       layer,
       scale,
       cell_refs,
@@ -268,7 +269,8 @@ def bounded_decode(
     q, q_rot: `[batch, heads, d]` the token's query, unrotated (long-range branch) and RoPE-rotated (local).
     k_rot, k, v: `[batch, kv_heads, d]` its key, rotated (for the ring) and raw (for the block buffer), and value.
     pos: `[batch]` int32 its position; valid: `[batch]` bool (an invalid row writes nothing and its token is not
-      a key); lam, sigma: `[heads]`.
+      a key); lam, sigma: `[heads]`, or with `layer` the scanned model's stacks `[layers, heads]` (the "routing"
+      collection's), read at `layer` where they lie like the cache (a `[heads]` pair is broadcast to the layers).
     cache: the layer's `fsjax.cache.bounded.BoundedCache` fields as a dict of arrays, before the token: ring_k,
       ring_v `[batch, R, kv_heads, d]`, ring_pos `[batch, R]`, block_k, block_v `[batch, B, kv_heads, d]`,
       pool_ids `[batch, kv_heads, P]`, pool_mean `[.., P, d]`, pool_norm `[.., P]`, pool_k / pool_v `[.., P, s,
@@ -334,6 +336,7 @@ def bounded_decode(
   row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h, 0))
   kv_row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h // group, 0))
   scalar = lambda index: pl.BlockSpec((1,), index)
+  per_layer = lambda x: x if x.ndim == 2 else jnp.broadcast_to(x, (layers, heads))
   token = [k_rot.astype(stacks["ring_k"].dtype), k.astype(stacks["block_k"].dtype), v.astype(stacks["ring_v"].dtype)]
   inputs = [
     q.astype(jnp.float32),
@@ -341,8 +344,7 @@ def bounded_decode(
     *token,
     pos.astype(jnp.int32),
     valid.astype(jnp.int32),
-    lam.astype(jnp.float32),
-    sigma.astype(jnp.float32),
+    *(per_layer(x).astype(jnp.float32) for x in (lam, sigma)),
     layer_index,
     *(stacks[name] for name in names),
   ]
@@ -369,8 +371,8 @@ def bounded_decode(
       kv_row,
       scalar(lambda b, h, z: (b,)),
       scalar(lambda b, h, z: (b,)),
-      scalar(lambda b, h, z: (h,)),
-      scalar(lambda b, h, z: (h,)),
+      pl.BlockSpec((layers, None), lambda b, h, z: (0, h)),
+      pl.BlockSpec((layers, None), lambda b, h, z: (0, h)),
       scalar(lambda b, h, z: (0,)),
       *(spec(name) for name in names),
     ],

@@ -174,19 +174,25 @@ def test_the_kernel_breaks_exact_score_ties_toward_the_lower_cell(rng, interpret
 
 @pytest.mark.parametrize("interpret", kernel_modes())
 def test_the_kernel_reads_a_scanned_models_layer_where_it_lies(rng, interpret, monkeypatch):
-  """Caches as views into `[layers, ...]` stacks (a scanned model's decode step): the kernel reads layer 1 and
-  the step writes only layer 1, equal to the step over that layer alone."""
+  """Caches, λ and σ as views into `[layers, ...]` stacks (a scanned model's decode step): the kernel reads layer
+  1 and the step writes only layer 1, equal to the step over that layer alone."""
   routing = Routing(variant="fsl", window=40, cell=8, block=32, top_k=3, retain_top=5, retain_recent=3)
   layers = [
     _filled_cache(rng, routing, batch=2, kv_heads=2, dim=16, prompt=90, steps=2, dtype=jnp.bfloat16) for _ in range(3)
   ]
   stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
   view = jax.tree_util.tree_map(lambda x: LayerSlice(x, jnp.int32(1)), stacked)
+  # [layers, heads]: layer 1's λ lets the distance prior rank the cells, the others' leave it to the content
+  lam = jnp.asarray(rng.uniform(0.5, 2.0, (3, 2)) * np.array([[0.01], [30.0], [0.01]]), jnp.float32)
+  sigma = jnp.asarray(rng.uniform(2.0, 8.0, (3, 2)), jnp.float32)
   _force_interpret(monkeypatch, interpret)
   positions = jnp.array([92, 92])
-  local, long_range, cells, written = _step(view, routing, heads=2, positions=positions, impl="pallas")
+  views = dict(lam=LayerSlice(lam, jnp.int32(1)), sigma=LayerSlice(sigma, jnp.int32(1)))
+  local, long_range, cells, written = _step(view, routing, heads=2, positions=positions, impl="pallas", **views)
   written = jax.tree_util.tree_map(lambda x: x.stack, written, is_leaf=lambda x: isinstance(x, LayerSlice))
-  alone = _step(layers[1], routing, heads=2, positions=positions, impl="reference")
+  alone = _step(layers[1], routing, heads=2, positions=positions, impl="reference", lam=lam[1], sigma=sigma[1])
+  other = _step(layers[1], routing, heads=2, positions=positions, impl="reference", lam=lam[0], sigma=sigma[0])
+  assert not np.array_equal(np.asarray(alone[2]), np.asarray(other[2]))  # another layer's λ, σ would show
   _assert_steps_agree((local, long_range, cells, jax.tree_util.tree_map(lambda x: x[1], written)), alone, np.float32)
   for a, b in zip(jax.tree_util.tree_leaves(written), jax.tree_util.tree_leaves(stacked)):
     np.testing.assert_array_equal(np.asarray(a)[::2], np.asarray(b)[::2])  # layers 0 and 2 untouched
@@ -207,6 +213,10 @@ def test_a_scanned_model_decodes_through_the_kernel_as_through_the_reference(rng
   reference's logits and cells at every step. (Only the decode steps differ: the tiny model's 8-token cells are
   below what the compiled training kernels of a Pallas prefill tile.)"""
   config, model, variables = tiny_model("fsl", scan_layers=True)
+  scales = jax.tree_util.tree_map(  # λ and σ of every layer and head their own, as a trained model's are
+    lambda x: x * jnp.asarray(rng.uniform(0.5, 2.0, x.shape), x.dtype), variables["routing"]
+  )
+  variables = {**variables, "routing": scales}
   reference = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl="reference"))
   kernel = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl="pallas"))
   _force_interpret(monkeypatch, interpret)

@@ -308,6 +308,14 @@ def _kernel_fields(cache: bounded.BoundedCache):
   return fields, None
 
 
+def _at_layer(x, layer):
+  """λ or σ for the kernel beside a cache read at `layer`: a scanned model's stack `[layers, heads]` (the kernel
+  reads it at `layer` where it lies) or `[heads]`; read out of its stack where the cache is not stacked."""
+  if not isinstance(x, LayerSlice):
+    return x
+  return x.stack if layer is not None else read(x)
+
+
 def _with_written(cache: bounded.BoundedCache, written):
   """`cache` holding the arrays the kernel wrote (`bounded_decode.WRITTEN`; stacks where the cache holds views)."""
   put = lambda old, new: old.replace(stack=new) if isinstance(old, LayerSlice) else new
@@ -328,6 +336,7 @@ def bounded_token_kernel(
   after it (or after the last layer, where the cache defers merges)."""
   q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
   fields, layer = _kernel_fields(cache)
+  lam, sigma = (_at_layer(x, layer) for x in (lam, sigma))
   local, summed, selected, written = bounded_decode.bounded_decode(
     q[:, 0],
     q_rot[:, 0],
@@ -369,12 +378,15 @@ def bounded_segment(
 ):
   """Queries/keys at `pos` `[batch, L]`, every row's valid tokens inside one query block, in order:
   `(o_sr, o_lr, cells, new cache)` (the cache merged at the end of a completed block). One token per row runs
-  the fused kernel where `impl` picks it (`fsjax.ops.dispatch`, "bounded_decode")."""
+  the fused kernel where `impl` picks it (`fsjax.ops.dispatch`, "bounded_decode"). `lam`, `sigma`: `[heads]`, or
+  (a scanned model's step) `LayerSlice`s of the `[layers, heads]` stacks at the cache's layer, which the kernel
+  reads where they lie."""
   facts = dict(tokens=q.shape[1], cell=routing.cell, head_dim=q.shape[-1])
   if q.shape[1] == 1 and dispatch.resolve("bounded_decode", impl, **facts) == "pallas":
     return bounded_token_kernel(
       cache, q, k, v, pos, valid, routing, rope_theta=rope_theta, lam=lam, sigma=sigma, lr_gain=lr_gain
     )
+  lam, sigma = read(lam), read(sigma)
   q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
   local = attend(q_rot, pos, *bounded.concat_ring(cache, k_rot, v, pos, valid), window=routing.window)
   long_range, selected = bounded_long_range(cache, q, pos, routing, lam=lam, sigma=sigma, lr_gain=lr_gain)
