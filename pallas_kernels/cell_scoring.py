@@ -120,7 +120,7 @@ def _cell_topk_kernel(
       jax.lax.dot_general(q, mean, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
       * scale
     )
-    amplitude = (lam * norm_ref[pl.ds(first, chunk)])[None, :]  # λ_h a_c of Eq. 7
+    amplitude = (lam * norm_ref[pl.ds(first, chunk)].astype(jnp.float32))[None, :]  # λ_h a_c of Eq. 7
 
     def prior_with_erf():
       distance = pos.astype(jnp.float32)[:, None] - (c.astype(jnp.float32)[None, :] + 0.5) * cell
@@ -160,6 +160,11 @@ def _cell_topk_kernel(
   value_ref[...] = out_values
 
 
+def _loadable(x):
+  """`x` as the kernel loads it: float32, or the half-precision dtype it has (widened to float32 in the kernel)."""
+  return x if x.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else x.astype(jnp.float32)
+
+
 def _num_splits(sizes, *, programs, num_chunks):
   """Cell ranges per program of the query grid: `sizes.splits`, or enough for `FILL_PROGRAMS` programs in all;
   never more ranges than chunks."""
@@ -195,8 +200,9 @@ def select_from_summaries(
     q: `[batch, T, heads, d]` unrotated queries.
     positions: `[batch, T]` int32 query positions, or None for `0..T-1`.
     mean_keys: `[batch, M, kv_heads, d]`; max_norms: `[batch, M, kv_heads]` of cells `0..M-1` (only cells that
-      end before a query's block are ever read, so later cells may hold anything); kv_heads divides heads and
-      query head h reads key/value head `h // (heads // kv_heads)`.
+      end before a query's block are ever read, so later cells may hold anything), float32 or a half precision
+      (read as it is and widened to float32 in the kernel; wider dtypes are cast to float32 first); kv_heads
+      divides heads and query head h reads key/value head `h // (heads // kv_heads)`.
     death: for "fsl", `[batch, M, kv_heads]` int32: the first block at which each cell has left the top-P pool
       (the reference's `retention_death_block`, computed once per sequence by the caller); unused by "fs".
     variant: "fs" or "fsl"; lam, sigma: scalars or `[heads]`; cell, block, top_k, retain_top, retain_recent:
@@ -216,7 +222,10 @@ def select_from_summaries(
   group = group_size(heads, kv_heads)
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-  q, mean_keys, max_norms = (jax.lax.stop_gradient(x.astype(jnp.float32)) for x in (q, mean_keys, max_norms))
+  # Summaries in a decode cache's half precision stay so: the kernel widens each chunk as it loads it (exactly),
+  # where a float32 copy of the whole archive would be written and read again at every step.
+  q = jax.lax.stop_gradient(q.astype(jnp.float32))
+  mean_keys, max_norms = (jax.lax.stop_gradient(_loadable(x)) for x in (mean_keys, max_norms))
   lam = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (heads,))
   sigma = jnp.broadcast_to(jnp.asarray(sigma, jnp.float32), (heads,))
   if variant == "fs":

@@ -95,16 +95,21 @@ def test_select_cells_matches_reference(
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
-@pytest.mark.parametrize("variant,splits", [("fs", 1), ("fsl", 1), ("fs", 3), ("fsl", 3)])
-def test_select_from_summaries_at_decode_positions(rng, interpret, variant, splits):
+@pytest.mark.parametrize(
+  "variant,splits,summaries",
+  [("fs", 1, jnp.float32), ("fsl", 1, jnp.float32), ("fs", 3, jnp.float32), ("fsl", 3, jnp.float32)]
+  + [("fs", 3, jnp.bfloat16), ("fsl", 1, jnp.bfloat16)],
+)
+def test_select_from_summaries_at_decode_positions(rng, interpret, variant, splits, summaries):
   """Rows at different positions (a decode batch): eligibility, the prior and FS-L pools follow each query's
   own position; summaries of cells no query may see yet hold garbage that must never be read. With cell ranges
   split over programs (3 ranges of 2 chunks over 5 chunks: the last range is short, some are past a row's
-  eligible cells), the merged top-K is the same."""
+  eligible cells), the merged top-K is the same. bf16 summaries (a decode cache's) are scored as their float32
+  values."""
   batch, heads, dim, cell, block, top_k, num_cells = 2, 2, 32, 16, 32, 4, 80
   q = jnp.asarray(rng.standard_normal((batch, 5, heads, dim)), jnp.float32)
-  mean_keys = jnp.asarray(rng.standard_normal((batch, num_cells, heads, dim)), jnp.float32)
-  max_norms = jnp.asarray(rng.uniform(0.5, 3.0, (batch, num_cells, heads)), jnp.float32)
+  mean_keys = jnp.asarray(rng.standard_normal((batch, num_cells, heads, dim)), summaries)
+  max_norms = jnp.asarray(rng.uniform(0.5, 3.0, (batch, num_cells, heads)), summaries)
   positions = jnp.array([[31, 32, 100, 700, 1279], [64, 65, 66, 900, 1201]], jnp.int32)
   lam, sigma = rng.uniform(0.3, 2.0, heads).astype(np.float32), rng.uniform(1.0, 8.0, heads).astype(np.float32)
   routing = dict(variant=variant, cell=cell, block=block, retain_top=3, retain_recent=1)

@@ -136,8 +136,9 @@ def test_fsb_beam_search_lowers():
   )
 
 
-@pytest.mark.parametrize("variant", ["fs", "fsl"])
-def test_cell_scoring_lowers(variant):
+@pytest.mark.parametrize("variant,summaries", [("fs", f32), ("fsl", f32), ("fs", bf16)])
+def test_cell_scoring_lowers(variant, summaries):
+  """Summaries in float32 (training) or a decode cache's bf16."""
   sizes = cell_scoring.BlockSizes(queries=32, cells=16)
   cells = 128 // 16
   death = shape((1, cells, 2), i32) if variant == "fsl" else None
@@ -156,8 +157,8 @@ def test_cell_scoring_lowers(variant):
       interpret=False,
     ),
     shape((1, 128, 2, 64), bf16),
-    shape((1, cells, 2, 64), f32),
-    shape((1, cells, 2), f32),
+    shape((1, cells, 2, 64), summaries),
+    shape((1, cells, 2), summaries),
     death,
     kernels=["freesolo_cell_topk"],
   )
