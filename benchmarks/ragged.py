@@ -8,7 +8,9 @@ random prompt tokens; row i's cap is `(i + 1) * decode_tokens / batch`, so the r
 the batch's work is half of `batch × decode_tokens` steps. `fsjax.decode.generate` runs it with `compact=False`
 (every row rides along to the last cap) and `compact=True` (`fsjax.compaction`); each is timed on its second call,
 so compiles are excluded (the halving batch compiles one loop per size it reaches). Prints generated tokens/s
-(the caps' sum over the time) and the ratio; greedy, so both must generate the same tokens (`same` in the JSON).
+(the caps' sum over the time) and the ratio; greedy, so both must generate the same tokens (`same` in the JSON;
+where they do not, `first_difference` gives each row's first differing token and `repeatable` whether each form
+gives its own tokens again).
 """
 
 import json
@@ -41,20 +43,25 @@ def run_case(kind, length, batch, decode_tokens, preset):
       compact=compact,
     )
   )
-  seconds, outputs = {}, {}
+  seconds, outputs, repeats = {}, {}, {}
   for compact in (False, True):
-    run(compact)  # compiles
+    repeats[compact] = run(compact)  # compiles
     start = time.perf_counter()
     outputs[compact] = run(compact)
     seconds[compact] = time.perf_counter() - start
   tok_s = {compact: sum(limits) / s for compact, s in seconds.items()}
+  differ = outputs[False] != outputs[True]
   return dict(
     kind=kind,
     length=length,
     batch=batch,
     fixed_tok_s=tok_s[False],
     halving_tok_s=tok_s[True],
-    same=bool((outputs[False] == outputs[True]).all()),
+    same=bool(not differ.any()),
+    # where they differ: each row's first generated token that does (None: none), and whether each form gives
+    # its own tokens again on a second run
+    first_difference=[int(np.argmax(row)) if row.any() else None for row in differ],
+    repeatable={name: bool((outputs[c] == repeats[c]).all()) for name, c in (("fixed", False), ("halving", True))},
     device=jax.devices()[0].device_kind,
   )
 
