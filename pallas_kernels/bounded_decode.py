@@ -171,12 +171,12 @@ def _bounded_decode_kernel(
   """One (row, query head, part): parts 0 .. T-1 are the ring's tiles (local branch), parts T .. T+K-1 the K
   selected cells (long-range branch). q_ref / q_rot_ref `[d]`; k_rot_ref, k_ref, v_ref `[d]` the token's key
   (rotated and raw) and value for this head's key/value head, in the cache's dtype; pos_ref, valid_ref, layer_ref
-  `[1]`; lam_ref, sigma_ref `[layers]` (this head's λ and σ of every layer); cache refs `[layers, ...]`; of each,
-  layer `layer_ref[0]` is read: ring k/v `[R, d]`,
-  ring pos `[R]`, block k/v `[B, d]` (written only), pool ids / norm `[P]`, mean `[P, d]`, k/v `[P, s, d]`, recent
-  the same with W (recent ids shared by the heads). Writes the part's o_ref `[d]` and lse_ref `[1]` (float32);
-  cell parts write cells_ref `[K']` (K' ≥ K a power of two; -1 past K and where none); part 0 of a key/value
-  head's first query head writes the token into the aliased ring and block buffer."""
+  `[1]`; lam_ref, sigma_ref `[layers]` (this head's λ and σ) and the cache refs `[layers, ...]`, all read at layer
+  `layer_ref[0]`: ring k/v `[R, d]`, ring pos `[R]`, block k/v `[B, d]` (written only), pool ids / norm `[P]`,
+  mean `[P, d]`, k/v `[P, s, d]`, recent the same with W (recent ids shared by the heads). Writes the part's
+  o_ref `[d]` and lse_ref `[1]` (float32); cell parts write cells_ref `[K']` (K' ≥ K a power of two; -1 past K
+  and where none); part 0 of a key/value head's first query head writes the token into the aliased ring and
+  block buffer."""
   block_k_ref, block_v_ref = refs[:2]
   cell_refs, (o_ref, lse_ref, cells_ref, ring_k_out, ring_v_out, ring_pos_out, block_k_out, block_v_out) = (
     refs[2:12],
