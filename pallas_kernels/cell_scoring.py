@@ -30,7 +30,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import NO_CELL, check_compilable, default_interpret, erf, group_size, pad_axis, pad_head_dim
+from pallas_kernels.common import (
+  NO_CELL,
+  check_compilable,
+  default_interpret,
+  erf,
+  group_size,
+  layer_stack,
+  pad_axis,
+  pad_head_dim,
+)
 
 # About two programs per SM of an H200 (132 SMs). One decode query per head at 4,096 cells: 110 µs per layer
 # unsplit, 32 µs at 16 ranges, no better at 32-64 (the sweep in docs/results/h200_decode_splits.json).
@@ -81,6 +90,7 @@ def _extract_into(carry, *, first, lane):
 def _cell_topk_kernel(
   q_ref,
   pos_ref,
+  layer_ref,
   mean_ref,
   norm_ref,
   death_ref,
@@ -99,12 +109,12 @@ def _cell_topk_kernel(
   scale,
   precision,
 ):
-  """q_ref `[Bq, d]`, pos_ref `[Bq]`, mean_ref `[M', d]`, norm_ref / death_ref `[M']` (a_c and Eq. 8 death
-  blocks of the key/value head this query head reads), lam_ref / inv_sigma_ref `[H']` (λ_h, 1/(2σ_h) of every
-  query head) → idx_ref, value_ref `[Bq, K']`: the top-K of this program's cell range (chunks
-  `split · steps_per_split` onwards) and their scores."""
+  """q_ref `[Bq, d]`, pos_ref `[Bq]`, layer_ref `[1]`, mean_ref `[layers, M', d]` and norm_ref `[layers, M']`
+  (read at layer `layer_ref[0]`), death_ref `[M']` (a_c and Eq. 8 death blocks of the key/value head this query
+  head reads), lam_ref / inv_sigma_ref `[H']` (λ_h, 1/(2σ_h) of every query head) → idx_ref, value_ref `[Bq,
+  K']`: the top-K of this program's cell range (chunks `split · steps_per_split` onwards) and their scores."""
   q = q_ref[...].astype(jnp.float32)
-  pos = pos_ref[...]
+  pos, layer = pos_ref[...], layer_ref[0]
   query_block = pos // block
   num_eligible = query_block * (block // cell)  # Eq. 6: m_n cells precede the query's block
   lam, inv_two_sigma = lam_ref[pl.program_id(2)], inv_sigma_ref[pl.program_id(2)]
@@ -115,12 +125,12 @@ def _cell_topk_kernel(
     top_values, top_indices = carry
     first = step * chunk
     c = first + lane
-    mean = mean_ref[pl.ds(first, chunk), :].astype(jnp.float32)
+    mean = mean_ref[layer, pl.ds(first, chunk), :].astype(jnp.float32)
     content = (
       jax.lax.dot_general(q, mean, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
       * scale
     )
-    amplitude = (lam * norm_ref[pl.ds(first, chunk)].astype(jnp.float32))[None, :]  # λ_h a_c of Eq. 7
+    amplitude = (lam * norm_ref[layer, pl.ds(first, chunk)].astype(jnp.float32))[None, :]  # λ_h a_c of Eq. 7
 
     def prior_with_erf():
       distance = pos.astype(jnp.float32)[:, None] - (c.astype(jnp.float32)[None, :] + 0.5) * cell
@@ -192,6 +202,7 @@ def select_from_summaries(
   retain_top=64,
   retain_recent=8,
   block_sizes=None,
+  layer=None,
   interpret=None,
 ):
   """Top-K cells (Eq. 6-8) for queries at `positions`, given the cell summaries (Eq. 5).
@@ -208,6 +219,9 @@ def select_from_summaries(
     variant: "fs" or "fsl"; lam, sigma: scalars or `[heads]`; cell, block, top_k, retain_top, retain_recent:
       `s`, `B`, `K`, `P`, `W`.
     block_sizes: `BlockSizes`; interpret: None = compiled on GPU, interpreted elsewhere.
+    layer: int32 scalar, or None. With it, mean_keys and max_norms are a scanned model's stacks `[layers, batch,
+      M, ...]` (a decode cache's), read at `layer` where they lie when the cells fill whole chunks and the head
+      dim is a power of two (else the layer is sliced out first, a copy); death stays `[batch, M, kv_heads]`.
 
   Returns:
     `[batch, T, heads, K]` int32, best first (ties: lower index), -1 where fewer than K cells are available.
@@ -218,7 +232,12 @@ def select_from_summaries(
   check_compilable(cell=cell, head_dim=head_dim, interpret=interpret)
   if variant not in ("fs", "fsl"):
     raise ValueError(f"variant must be 'fs' or 'fsl' for the cell-scoring kernel, got {variant!r}")
-  num_cells, kv_heads = max_norms.shape[1:]
+  tile, chunk = min(sizes.queries, pl.next_power_of_2(seq)), sizes.cells
+  num_cells = max_norms.shape[-2]
+  if layer is not None and (num_cells % chunk or head_dim != pl.next_power_of_2(head_dim)):
+    mean_keys, max_norms, layer = mean_keys[layer], max_norms[layer], None  # padding would copy every layer
+  (mean_keys, layer_index), (max_norms, _) = layer_stack(mean_keys, layer, 4), layer_stack(max_norms, layer, 3)
+  kv_heads = max_norms.shape[-1]
   group = group_size(heads, kv_heads)
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
@@ -229,26 +248,25 @@ def select_from_summaries(
   lam = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (heads,))
   sigma = jnp.broadcast_to(jnp.asarray(sigma, jnp.float32), (heads,))
   if variant == "fs":
-    death = jnp.zeros_like(max_norms, jnp.int32)
-  elif death is None or death.shape != max_norms.shape:
+    death = jnp.zeros(max_norms.shape[1:], jnp.int32)
+  elif death is None or death.shape != max_norms.shape[1:]:
     raise ValueError(
-      f"variant 'fsl' needs death blocks shaped like max_norms {max_norms.shape}, got "
+      f"variant 'fsl' needs death blocks shaped like max_norms {max_norms.shape[1:]}, got "
       f"{None if death is None else death.shape}"
     )
 
-  tile, chunk = min(sizes.queries, pl.next_power_of_2(seq)), sizes.cells
   padded_seq = pl.cdiv(seq, tile) * tile
   padded_cells = pl.cdiv(num_cells, chunk) * chunk
   padded_k = pl.next_power_of_2(top_k)
   splits = _num_splits(sizes, programs=padded_seq // tile * batch * heads, num_chunks=padded_cells // chunk)
   q = pad_axis(pad_head_dim(q), 1, padded_seq)
   positions = pad_axis(positions.astype(jnp.int32), 1, padded_seq)
-  mean_keys = pad_axis(pad_head_dim(mean_keys), 1, padded_cells)
-  max_norms = pad_axis(max_norms, 1, padded_cells)
+  mean_keys = pad_axis(pad_head_dim(mean_keys), 2, padded_cells)
+  max_norms = pad_axis(max_norms, 2, padded_cells)
   death = pad_axis(death, 1, padded_cells)
   lam = pad_axis(lam, 0, pl.next_power_of_2(heads))
   inv_two_sigma = pad_axis(1.0 / (2.0 * sigma), 0, pl.next_power_of_2(heads), 1.0)
-  dim = q.shape[-1]
+  dim, layers = q.shape[-1], mean_keys.shape[0]
 
   kernel = functools.partial(
     _cell_topk_kernel,
@@ -272,8 +290,9 @@ def select_from_summaries(
     in_specs=[
       pl.BlockSpec((None, tile, None, dim), lambda i, b, h, s: (b, i, h, 0)),
       pl.BlockSpec((None, tile), lambda i, b, h, s: (b, i)),
-      pl.BlockSpec((None, padded_cells, None, dim), lambda i, b, h, s: (b, 0, h // group, 0)),
-      pl.BlockSpec((None, padded_cells, None), lambda i, b, h, s: (b, 0, h // group)),
+      pl.BlockSpec((1,), lambda i, b, h, s: (0,)),
+      pl.BlockSpec((layers, None, padded_cells, None, dim), lambda i, b, h, s: (0, b, 0, h // group, 0)),
+      pl.BlockSpec((layers, None, padded_cells, None), lambda i, b, h, s: (0, b, 0, h // group)),
       pl.BlockSpec((None, padded_cells, None), lambda i, b, h, s: (b, 0, h // group)),
       pl.BlockSpec(lam.shape, lambda i, b, h, s: (0,)),
       pl.BlockSpec(inv_two_sigma.shape, lambda i, b, h, s: (0,)),
@@ -283,7 +302,7 @@ def select_from_summaries(
     compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
     interpret=interpret,
     name="freesolo_cell_topk",
-  )(q, positions, mean_keys, max_norms, death, lam, inv_two_sigma)
+  )(q, positions, layer_index, mean_keys, max_norms, death, lam, inv_two_sigma)
   idx, values = idx[:, :seq, :, :, :top_k], values[:, :seq, :, :, :top_k]
   if splits == 1:
     return idx[..., 0, :]

@@ -95,6 +95,33 @@ def test_select_cells_matches_reference(
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
+@pytest.mark.parametrize("variant", ["fs", "fsl"])
+@pytest.mark.parametrize("num_cells", [80, 72], ids=["whole-chunks", "a-partial-chunk"])
+def test_a_layer_of_stacked_summaries_is_scored_as_that_layer_alone(rng, interpret, variant, num_cells):
+  """A scanned model's decode cache holds every layer's summaries `[layers, batch, M, ...]`: scoring layer 1 of
+  the stack (read in place where the cells fill whole chunks, sliced out where they do not) selects what scoring
+  layer 1's own summaries does, and not what another layer's would."""
+  batch, heads, dim, cell, block, top_k = 2, 2, 32, 16, 32, 4
+  q = jnp.asarray(rng.standard_normal((batch, 1, heads, dim)), jnp.float32)
+  mean_keys = jnp.asarray(rng.standard_normal((3, batch, num_cells, 1, dim)), jnp.bfloat16)
+  max_norms = jnp.asarray(rng.uniform(0.5, 3.0, (3, batch, num_cells, 1)), jnp.bfloat16)
+  positions = jnp.array([[num_cells * cell - 5], [700]], jnp.int32)
+  routing = dict(variant=variant, cell=cell, block=block, retain_top=3, retain_recent=1, top_k=top_k)
+  routing.update(lam=jnp.full((heads,), 0.5), sigma=jnp.full((heads,), 4.0), block_sizes=SIZES, interpret=interpret)
+
+  def select(mean_keys, max_norms, layer=None):
+    norms = max_norms if layer is None else max_norms[layer]
+    death = None
+    if variant == "fsl":
+      death = cells.retention_death_block(norms.astype(jnp.float32), cell=cell, block=block, retain_top=3)
+    return cell_scoring.select_from_summaries(q, positions, mean_keys, max_norms, death, layer=layer, **routing)
+
+  stacked = select(mean_keys, max_norms, layer=jnp.int32(1))
+  np.testing.assert_array_equal(np.asarray(stacked), np.asarray(select(mean_keys[1], max_norms[1])))
+  assert not np.array_equal(np.asarray(stacked), np.asarray(select(mean_keys[0], max_norms[0])))
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
 @pytest.mark.parametrize(
   "variant,splits,summaries",
   [("fs", 1, jnp.float32), ("fsl", 1, jnp.float32), ("fs", 3, jnp.float32), ("fsl", 3, jnp.float32)]

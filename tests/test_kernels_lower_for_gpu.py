@@ -136,14 +136,18 @@ def test_fsb_beam_search_lowers():
   )
 
 
-@pytest.mark.parametrize("variant,summaries", [("fs", f32), ("fsl", f32), ("fs", bf16)])
-def test_cell_scoring_lowers(variant, summaries):
-  """Summaries in float32 (training) or a decode cache's bf16."""
+@pytest.mark.parametrize(
+  "variant,summaries,stacked", [("fs", f32, False), ("fsl", f32, False), ("fs", bf16, False), ("fs", bf16, True)]
+)
+def test_cell_scoring_lowers(variant, summaries, stacked):
+  """Summaries in float32 (training) or a decode cache's bf16, and a scanned model's stack of them (a layer read
+  where it lies; 64 cells fill whole chunks of 16)."""
   sizes = cell_scoring.BlockSizes(queries=32, cells=16)
-  cells = 128 // 16
+  cells = 64 if stacked else 128 // 16
+  lead = (3,) if stacked else ()
   death = shape((1, cells, 2), i32) if variant == "fsl" else None
   _lowers_for_cuda(
-    lambda q, mean_keys, max_norms, death: cell_scoring.select_from_summaries(
+    lambda q, mean_keys, max_norms, death, layer: cell_scoring.select_from_summaries(
       q,
       None,
       mean_keys,
@@ -154,12 +158,14 @@ def test_cell_scoring_lowers(variant, summaries):
       block=32,
       top_k=4,
       block_sizes=sizes,
+      layer=layer,
       interpret=False,
     ),
     shape((1, 128, 2, 64), bf16),
-    shape((1, cells, 2, 64), summaries),
-    shape((1, cells, 2), summaries),
+    shape((*lead, 1, cells, 2, 64), summaries),
+    shape((*lead, 1, cells, 2), summaries),
     death,
+    shape((), i32) if stacked else None,
     kernels=["freesolo_cell_topk"],
   )
 

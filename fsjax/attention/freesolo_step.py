@@ -61,7 +61,8 @@ def archive_select(archive: Archive, q, pos, routing: Routing, *, lam, sigma, ta
   `[batch, C, heads, K]`, -1 for none. No gradient."""
   if routing.variant == "fsb":
     return fsb_archive_select(archive, q, pos, routing, lam=lam, sigma=sigma, tau=tau)
-  mean_keys, max_norms = read(archive.mean_keys), read(archive.max_norms)
+  # The summaries as they lie (views into a scanned model's stacks): the scoring kernel reads the layer in place.
+  mean_keys, max_norms = archive.mean_keys, archive.max_norms
   return ops.select_from_summaries(q, pos, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma, impl=impl)
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from fsjax.cache.layered import LayerSlice, read
 from fsjax.ops import dispatch
 from fsjax.ops.dense import local_attention
 from fsjax.reference import cells as cells_ref
@@ -34,27 +35,35 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing: Routin
 
   Args:
     q: `[batch, T, heads, d]`; positions: `[batch, T]` or None for `0..T-1`; mean_keys `[batch, M, kv_heads, d]`,
-      max_norms `[batch, M, kv_heads]`; lam, sigma: `[heads]`.
+      max_norms `[batch, M, kv_heads]`, or both `fsjax.cache.layered.LayerSlice`s of a scanned model's decode
+      cache (the kernel reads the layer where it lies); lam, sigma: `[heads]`.
 
   Returns:
     `[batch, T, heads, K]` int32, -1 where fewer than K cells are available.
   """
   if dispatch.resolve("select_from_summaries", impl, **_facts(routing, q.shape[-1])) == "reference":
+    mean_keys, max_norms = read(mean_keys), read(max_norms)
     return cells_ref.select_from_summaries(q, positions, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma)
+  layer = None
+  if isinstance(max_norms, LayerSlice):
+    layer, stacks = max_norms.layer, (mean_keys.stack, max_norms.stack)
   death = None
   if routing.variant == "fsl":  # FS-L's pool (Eq. 8) per key/value head, ranked once per sequence in float32
     death = cells_ref.retention_death_block(
-      jax.lax.stop_gradient(max_norms).astype(jnp.float32),
+      jax.lax.stop_gradient(read(max_norms)).astype(jnp.float32),
       cell=routing.cell,
       block=routing.block,
       retain_top=routing.retain_top,
     )
+  if layer is not None:
+    mean_keys, max_norms = stacks
   return cell_scoring.select_from_summaries(
     q,
     positions,
     mean_keys,
     max_norms,
     death,
+    layer=layer,
     variant=routing.variant,
     lam=lam,
     sigma=sigma,
