@@ -26,7 +26,7 @@ def _qkv(params, x):
 def test_freesolo_module_variables_and_wiring(rng, variant):
   module = FreeSoloAttention(num_heads=3, head_dim=8, routing=Routing(variant=variant, **GEOMETRY), lam=0.5, sigma=3.0)
   x = _x(rng)
-  variables = module.init(jax.random.PRNGKey(0), x)
+  variables = jax.jit(module.init)(jax.random.PRNGKey(0), x)  # jitted here and below: op by op was slower
   params, routing = variables["params"], variables[ROUTING]
   assert params["q_proj"]["kernel"].shape == (24, 3, 8)
   assert params["o_proj"]["kernel"].shape == (3, 8, 24)
@@ -36,19 +36,21 @@ def test_freesolo_module_variables_and_wiring(rng, variant):
   np.testing.assert_array_equal(routing["sigma"], np.full(3, 3.0))
 
   params = jax.tree_util.tree_map(lambda p: p + 0.1 * jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
-  out = module.apply({"params": params, ROUTING: routing}, x)
+  out = jax.jit(module.apply)({"params": params, ROUTING: routing}, x)
   q, k, v = _qkv(params, x)
-  o = ops.freesolo_attention(
-    q, k, v, variant=variant, alpha=params["alpha"], lam=0.5, sigma=3.0, lr_gain=params["lr_gain"], **GEOMETRY
-  )
+  o = jax.jit(
+    lambda q, k, v, alpha, lr_gain: ops.freesolo_attention(
+      q, k, v, variant=variant, alpha=alpha, lam=0.5, sigma=3.0, lr_gain=lr_gain, **GEOMETRY
+    )
+  )(q, k, v, params["alpha"], params["lr_gain"])
   assert_close(out, jnp.einsum("bthd,hdm->btm", o, params["o_proj"]["kernel"]), np.float32)
 
 
 def test_no_gradient_reaches_lambda_or_sigma(rng):
   module = FreeSoloAttention(num_heads=2, head_dim=8, routing=Routing(variant="fsl", **GEOMETRY))
   x = _x(rng)
-  variables = module.init(jax.random.PRNGKey(1), x)
-  grads = jax.grad(lambda var: jnp.sum(module.apply(var, x) ** 2))(variables)
+  variables = jax.jit(module.init)(jax.random.PRNGKey(1), x)  # jitted: op by op was slower
+  grads = jax.jit(jax.grad(lambda var: jnp.sum(module.apply(var, x) ** 2)))(variables)
   np.testing.assert_array_equal(grads[ROUTING]["lam"], 0.0)
   np.testing.assert_array_equal(grads[ROUTING]["sigma"], 0.0)
   assert np.all(np.asarray(grads["params"]["alpha"]) != 0)

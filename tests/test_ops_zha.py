@@ -66,8 +66,10 @@ def test_attention_matches_brute_force(rng, theta, batch, seq, heads, dim, refs,
 def test_top_p_one_is_dense_attention(rng):
   q, k, v = random_qkv(rng, (2, 80, 2, 8), np.float32)
   ref_queries = _refs(rng, 2, 4, 8).astype(np.float32)
-  out = ops.zha_attention(q, k, v, ref_queries, chunk=3, levels=3, top_p=1.0, rope_theta=10000.0)
-  assert_close(out, ops.tfpp_attention(q, k, v), jnp.float32)
+  # Jitted: op by op, the reference compiled a small program per operation.
+  run = jax.jit(lambda q, k, v: ops.zha_attention(q, k, v, ref_queries, chunk=3, levels=3, top_p=1.0, rope_theta=1e4))
+  out = run(q, k, v)
+  assert_close(out, jax.jit(ops.tfpp_attention)(q, k, v), jnp.float32)
 
 
 def test_merged_summary_equals_direct_summary_without_rope(rng):
@@ -91,7 +93,8 @@ def test_merged_summary_equals_direct_summary_without_rope(rng):
 def test_causal(rng):
   q, k, v = random_qkv(rng, (1, 64, 2, 8), np.float32)
   ref_queries = _refs(rng, 2, 2, 8).astype(np.float32)
-  run = lambda q, k, v: ops.zha_attention(q, k, v, ref_queries, chunk=4, levels=2, top_p=0.7, rope_theta=10000.0)
+  # Jitted: both inputs have the same shapes, so one compiled program serves them (op by op was slower).
+  run = jax.jit(lambda q, k, v: ops.zha_attention(q, k, v, ref_queries, chunk=4, levels=2, top_p=0.7, rope_theta=1e4))
   cut = 37
   changed = [x.copy() for x in (q, k, v)]
   for x in changed:
