@@ -1,6 +1,8 @@
 """ZHA reference (fsjax.reference.zha) against brute-force loops, the properties ZHA III states, and the ZHA ops'
 dispatch (fsjax.ops.zha)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,18 +48,10 @@ def test_attention_matches_brute_force(rng, theta, batch, seq, heads, dim, refs,
     max_nodes=max_nodes,
   )
   with jax.enable_x64(True):
-    out, fraction = ops.zha_attention(
-      q,
-      k,
-      v,
-      ref_queries,
-      chunk=chunk,
-      levels=levels,
-      top_p=top_p,
-      rope_theta=theta,
-      max_nodes=max_nodes,
-      return_fraction=True,
+    attention = functools.partial(  # jitted: op by op was slower
+      ops.zha_attention, chunk=chunk, levels=levels, top_p=top_p, rope_theta=theta, max_nodes=max_nodes
     )
+    out, fraction = jax.jit(lambda *args: attention(*args, return_fraction=True))(q, k, v, ref_queries)
   assert_close(out, expected, jnp.float64)
   np.testing.assert_allclose(np.asarray(fraction), expected_fraction, rtol=1e-12)  # same key counts
   assert np.min(expected_fraction) < 1.0  # the routing really prunes in these geometries
@@ -112,10 +106,12 @@ def test_kl_is_zero_when_node_scores_are_exact(rng):
   q = rng.standard_normal((1, seq, 2, 8))
   ref_queries = _refs(rng, 2, 2, 8)
   with jax.enable_x64(True):
-    per_level = zha.zha_kl_per_level(q, k, ref_queries, chunk=chunk, levels=levels)
+    # Jitted: op by op was slower.
+    per_level = jax.jit(lambda q, k: zha.zha_kl_per_level(q, k, ref_queries, chunk=chunk, levels=levels))(q, k)
     assert per_level.shape == (levels,)
     assert float(jnp.max(jnp.abs(per_level))) < 1e-12
-    noisy = ops.zha_kl_loss(q, k + 0.3 * rng.standard_normal(k.shape), ref_queries, chunk=chunk, levels=levels)
+    loss = jax.jit(lambda q, k: ops.zha_kl_loss(q, k, ref_queries, chunk=chunk, levels=levels))
+    noisy = loss(q, k + 0.3 * rng.standard_normal(k.shape))
     assert float(noisy) > 1e-6
 
 
@@ -143,7 +139,8 @@ def _adam_step(optimizer, loss, params, state):
 def test_kl_gives_no_gradient_to_queries_and_keys(rng):
   q, k, _ = random_qkv(rng, (1, 40, 2, 8), np.float32)
   ref_queries = _refs(rng, 2, 2, 8).astype(np.float32)
-  grads = jax.grad(lambda q, k: ops.zha_kl_loss(q, k, ref_queries, chunk=3, levels=2), argnums=(0, 1))(q, k)
+  loss = lambda q, k: ops.zha_kl_loss(q, k, ref_queries, chunk=3, levels=2)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, k)  # jitted: op by op was slower
   assert all(float(jnp.max(jnp.abs(g))) == 0.0 for g in grads)
 
 
