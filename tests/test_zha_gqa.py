@@ -51,10 +51,11 @@ def test_grouped_attention_matches_brute_force(rng, theta, heads, kv_heads, top_
   expected, expected_fraction = brute_force.zha(
     q, k, v, ref_queries, chunk=3, levels=2, top_p=zha_ref.level_top_p(top_p, 2), theta=theta, max_nodes=max_nodes
   )
+  attention = functools.partial(  # jitted: op by op was slower
+    ops.zha_attention, chunk=3, levels=2, top_p=top_p, rope_theta=theta, max_nodes=max_nodes, return_fraction=True
+  )
   with jax.enable_x64(True):
-    out, fraction = ops.zha_attention(
-      q, k, v, ref_queries, chunk=3, levels=2, top_p=top_p, rope_theta=theta, max_nodes=max_nodes, return_fraction=True
-    )
+    out, fraction = jax.jit(attention)(q, k, v, ref_queries)
   assert_close(out, expected, jnp.float64)
   np.testing.assert_allclose(np.asarray(fraction), expected_fraction, rtol=1e-12)
   assert np.min(expected_fraction) < 1.0  # the routing prunes
