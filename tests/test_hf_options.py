@@ -111,8 +111,8 @@ def test_one_layer_with_every_option_equals_a_float64_forward_by_hand(rng):
   )
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 40)))
   with jax.enable_x64(True):
-    variables = _perturbed(init_variables(config, jax.random.PRNGKey(0), 40))
-    logits = np.asarray(Transformer(config).apply(variables, tokens), np.float64)
+    variables = _perturbed(jitted_init(config, 40))  # init and forward jitted: op by op was slower
+    logits = np.asarray(jax.jit(Transformer(config).apply)(variables, tokens), np.float64)
     expected = _one_layer_by_hand(variables["params"], np.asarray(tokens), config)
   # The model returns float32 logits (fsjax.model.Transformer): a float32 tolerance on float64 maths.
   assert_close(logits, expected, np.float32)
