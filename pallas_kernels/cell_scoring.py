@@ -106,15 +106,18 @@ def _cell_topk_kernel(
   chunk,
   steps_per_split,
   pruned,
+  stacked,
   scale,
   precision,
 ):
-  """q_ref `[Bq, d]`, pos_ref `[Bq]`, layer_ref `[1]`, mean_ref `[layers, M', d]` and norm_ref `[layers, M']`
-  (read at layer `layer_ref[0]`), death_ref `[M']` (a_c and Eq. 8 death blocks of the key/value head this query
-  head reads), lam_ref / inv_sigma_ref `[H']` (λ_h, 1/(2σ_h) of every query head) → idx_ref, value_ref `[Bq,
-  K']`: the top-K of this program's cell range (chunks `split · steps_per_split` onwards) and their scores."""
+  """q_ref `[Bq, d]`, pos_ref `[Bq]`, layer_ref `[1]`, mean_ref `[layers, M', d]` and norm_ref `[layers, M']` (read
+  at layer `layer_ref[0]` where `stacked`, else at 0), death_ref `[M']` (a_c and Eq. 8 death blocks of the
+  key/value head this query head reads), lam_ref / inv_sigma_ref `[H']` (λ_h, 1/(2σ_h) of every query head) →
+  idx_ref, value_ref `[Bq, K']`: the top-K of this program's cell range (chunks `split · steps_per_split`
+  onwards) and their scores."""
   q = q_ref[...].astype(jnp.float32)
-  pos, layer = pos_ref[...], layer_ref[0]
+  pos = pos_ref[...]
+  layer = layer_ref[0] if stacked else 0  # a constant index where there is one layer (training, prefill)
   query_block = pos // block
   num_eligible = query_block * (block // cell)  # Eq. 6: m_n cells precede the query's block
   lam, inv_two_sigma = lam_ref[pl.program_id(2)], inv_sigma_ref[pl.program_id(2)]
@@ -277,6 +280,7 @@ def select_from_summaries(
     chunk=chunk,
     steps_per_split=pl.cdiv(padded_cells // chunk, splits),
     pruned=variant == "fsl",
+    stacked=layer is not None,
     scale=1.0 / math.sqrt(head_dim),
     # Tensor cores in three TF32 passes keep float32 accuracy; the CPU interpreter has
     # no such algorithm and multiplies in full float32.

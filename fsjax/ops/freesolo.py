@@ -44,9 +44,6 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing: Routin
   if dispatch.resolve("select_from_summaries", impl, **_facts(routing, q.shape[-1])) == "reference":
     mean_keys, max_norms = read(mean_keys), read(max_norms)
     return cells_ref.select_from_summaries(q, positions, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma)
-  layer = None
-  if isinstance(max_norms, LayerSlice):
-    layer, stacks = max_norms.layer, (mean_keys.stack, max_norms.stack)
   death = None
   if routing.variant == "fsl":  # FS-L's pool (Eq. 8) per key/value head, ranked once per sequence in float32
     death = cells_ref.retention_death_block(
@@ -55,8 +52,9 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing: Routin
       block=routing.block,
       retain_top=routing.retain_top,
     )
-  if layer is not None:
-    mean_keys, max_norms = stacks
+  layer = None
+  if isinstance(max_norms, LayerSlice):  # the kernel reads the layer of the stacks where it lies
+    layer, mean_keys, max_norms = max_norms.layer, mean_keys.stack, max_norms.stack
   return cell_scoring.select_from_summaries(
     q,
     positions,
