@@ -56,26 +56,11 @@ def _softmax_part(logits, seen, values, o_ref, lse_ref):
   )
 
 
-def _ring_part(
-  tile,
-  q_rot,
-  token,
-  pos,
-  valid,
-  layer,
-  scale,
-  ring_k_ref,
-  ring_v_ref,
-  ring_pos_ref,
-  o_ref,
-  lse_ref,
-  *,
-  window,
-  ring_slots,
-):
+def _ring_part(tile, q_rot, token, pos, valid, layer, scale, ring_refs, out_refs, *, window, ring_slots):
   """The local branch (Eq. 3-4) over ring tile `tile`: keys at j <= pos with pos - j <= window (the ring holds
   position j at slot j mod R). `token`: the token's rotated key and value `[d]` (float32 of the cache's dtype),
-  taken in place of slot `pos mod R` for a valid row."""
+  taken in place of slot `pos mod R` for a valid row. ring_refs: the ring's k, v and pos; out_refs: o and lse."""
+  ring_k_ref, ring_v_ref, ring_pos_ref = ring_refs
   slots = tile * RING_TILE + jnp.arange(RING_TILE)
   at = jnp.minimum(slots, ring_slots - 1)
   mine = valid & (slots == pos % ring_slots)
@@ -85,7 +70,7 @@ def _ring_part(
   k = jnp.where(mine[:, None], k_new[None, :], ring_k_ref[layer, at, :].astype(jnp.float32))  # [T, d]
   v = jnp.where(mine[:, None], v_new[None, :], ring_v_ref[layer, at, :].astype(jnp.float32))
   logits = jnp.sum(k * q_rot[None, :], axis=1) * scale
-  _softmax_part(logits, seen, v, o_ref, lse_ref)
+  _softmax_part(logits, seen, v, *out_refs)
 
 
 def _cell_part(
@@ -202,21 +187,10 @@ def _bounded_decode_kernel(
   @pl.when(part < tiles)
   def _():
     q_rot = q_rot_ref[...].astype(jnp.float32)
+    token = (k_rot_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32))
+    ring_refs = (ring_k_ref, ring_v_ref, ring_pos_ref)
     _ring_part(
-      part,
-      q_rot,
-      (k_rot_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32)),
-      pos,
-      valid,
-      layer,
-      scale,
-      ring_k_ref,
-      ring_v_ref,
-      ring_pos_ref,
-      o_ref,
-      lse_ref,
-      window=window,
-      ring_slots=ring_slots,
+      part, q_rot, token, pos, valid, layer, scale, ring_refs, (o_ref, lse_ref), window=window, ring_slots=ring_slots
     )
 
   @pl.when(part >= tiles)
