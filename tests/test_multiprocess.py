@@ -245,11 +245,14 @@ def test_kill_9_of_one_process_ends_the_other_with_an_error_and_keeps_the_last_c
   may abort it first, with its own message. The newest checkpoint still loads.
 
   A survivor that waited in a barrier would wait out the heartbeat timeout, set to 600 s here; ending within 300 s
-  tells the two apart with room for a loaded machine (a 2-core runner beside other tests took 90 s)."""
+  tells the two apart with room for a loaded machine (a 2-core runner beside other tests took 90 s). The kill
+  lands between saves: a survivor inside one of Orbax's save barriers also waits out the heartbeat timeout (no
+  collective of its own fails there), so the test saves every 20 steps and kills once step 20 is committed, when
+  process 0 has 19 plain steps ahead of it; with a save every 2 steps a loaded CI runner once killed inside one."""
   monkeypatch.setenv("FSJAX_HEARTBEAT_TIMEOUT", "600")
   run = tmp_path / "run"
-  procs = _launch(run, 2, "train.steps=400")
-  _wait_for_checkpoint(run, 2, procs)
+  procs = _launch(run, 2, "train.steps=400", "checkpoint.every=20")
+  _wait_for_checkpoint(run, 20, procs)
   procs[victim].kill()
   killed = time.time()
   codes, outputs = _finish(procs, timeout=400)
@@ -262,7 +265,7 @@ def test_kill_9_of_one_process_ends_the_other_with_an_error_and_keeps_the_last_c
   else:
     assert "error: process 1 of 2 stopped" in outputs[1] or "JAX distributed service" in outputs[1], outputs[1]
   directory, step = ckpt_lib.resolve(str(run))
-  assert step >= 2
+  assert step >= 20
   _, params, _, loaded = ckpt_lib.load(str(run))
   assert loaded == step and params
 
