@@ -42,12 +42,22 @@ def child(weights, name):
   return weights.replace(params=weights.params[name], routing=routing)
 
 
+def _in_place(stacks, weights, name, value):
+  if weights is None or weights.layer is None or stacks is None or name not in stacks:
+    return value
+  return LayerSlice(stacks[name], weights.layer)
+
+
 def routing_variable(weights, name, value):
   """The "routing" variable `name` whose value in this layer is `value`, as a kernel may read it: a
   `LayerSlice` of the scanned model's stack at the layer (read where it lies), else `value` itself."""
-  if weights is None or weights.layer is None or weights.routing is None or name not in weights.routing:
-    return value
-  return LayerSlice(weights.routing[name], weights.layer)
+  return _in_place(None if weights is None else weights.routing, weights, name, value)
+
+
+def parameter(weights, name, value):
+  """The parameter `name` of this module whose value in this layer is `value`, as `routing_variable` gives a
+  routing variable: a `LayerSlice` of the scanned model's stack at the layer, else `value` itself."""
+  return _in_place(None if weights is None else weights.params, weights, name, value)
 
 
 def dense_products(weights, x, names, contracted, dtype):

@@ -11,10 +11,12 @@ walking them all is latency-bound):
     both, so the union needs no deduplication. The K parts repeat the scoring (a few KB, from L2) rather than
     wait for one another.
 
-Each part writes its softmax normalized over its own keys and their log-sum-exp; `_merge_parts` combines them
-exactly into the local output and the unnormed long-range sum. The jnp specification is
-`fsjax.attention.freesolo_step.bounded_segment`: `attend` over the ring and the token, `bounded_long_range`, and
-the ring and block-buffer writes of `bounded.write_segment`.
+Each part writes its softmax normalized over its own keys and their log-sum-exp. A second launch (`_mix_kernel`,
+one program per row and head) combines them exactly into the local output and the long-range sum, applies the
+readout RMSNorm and mixes the branches (Eq. 2), reading α and the gain where they lie: in XLA that merge was a
+fusion that took no fused slice of the parameter stacks, so each step copied α and the gain out first. The jnp
+specification is `fsjax.attention.freesolo_step.bounded_segment`: `attend` over the ring and the token,
+`bounded_long_range`, `mix_branches`, and the ring and block-buffer writes of `bounded.write_segment`.
 
 The token's writes (its rotated key, value and position into ring slot `pos mod R`, its raw key and value into
 block-buffer slot `pos mod B`) happen here, in place (the cache arrays are aliased to outputs): part 0 of the
@@ -45,7 +47,7 @@ RING_TILE = 128  # ring slots per local-branch part (one program each)
 
 def _softmax_part(logits, seen, values, o_ref, lse_ref):
   """One part of a softmax over keys split across programs: writes the part's normalized output `[d]` and its
-  log-sum-exp (-inf where it saw no key), which `_merge_parts` combines exactly."""
+  log-sum-exp (-inf where it saw no key), which `_mix_kernel` combines exactly."""
   m = jnp.max(jnp.where(seen, logits, -jnp.inf))
   shift = jnp.where(m > -jnp.inf, m, 0.0)
   p = jnp.where(seen, jnp.exp(logits - shift), 0.0)
@@ -215,13 +217,30 @@ def _bounded_decode_kernel(
     )
 
 
-def _merge_parts(o, lse):
-  """Softmax parts `o [.., parts, d]` (each normalized over its keys) with their log-sum-exps `lse [.., parts]`
-  → the softmax over all their keys `[.., d]` (0 where no part saw a key)."""
-  top = jnp.max(lse, axis=-1, keepdims=True)
+def _merged(o, lse, mask):
+  """The softmax over the keys of the parts where `mask` `[P]` holds, from their outputs `o [P, d]` (each normalized
+  over its own keys) and log-sum-exps `lse [P]`: `[d]`, 0 where no part saw a key. Parts outside `mask` may hold
+  anything (the launch leaves the padding parts unwritten)."""
+  lse = jnp.where(mask & (lse > -jnp.inf), lse, -jnp.inf)
+  top = jnp.max(lse)
   weight = jnp.where(lse > -jnp.inf, jnp.exp(lse - jnp.where(top > -jnp.inf, top, 0.0)), 0.0)
-  total = jnp.sum(weight, axis=-1, keepdims=True)
-  return jnp.sum(weight[..., None] * o, axis=-2) / jnp.where(total > 0, total, 1.0)
+  total = jnp.sum(weight)
+  return jnp.sum(weight[:, None] * jnp.where(mask[:, None], o, 0.0), axis=0) / jnp.where(total > 0, total, 1.0)
+
+
+def _mix_kernel(o_ref, lse_ref, alpha_ref, gain_ref, layer_ref, out_ref, *, tiles, parts, eps):
+  """One (row, query head): o_ref `[P', d]` and lse_ref `[P']` the parts of `_bounded_decode_kernel` (P' ≥ T + K a
+  power of two; the rest unwritten); alpha_ref `[layers]` (this head's α), gain_ref `[layers, d]`, read at layer
+  `layer_ref[0]`. Writes out_ref `[d]`: local + α · RMSNorm(long-range sum) · gain (Eq. 2, 9), in float32 until
+  the final cast, as the reference path computes it."""
+  layer = layer_ref[0]
+  o, lse = o_ref[...], lse_ref[...]
+  part = jax.lax.broadcasted_iota(jnp.int32, lse.shape, 0)
+  local = _merged(o, lse, part < tiles)
+  summed = _merged(o, lse, (part >= tiles) & (part < parts))
+  gain = gain_ref[layer, :].astype(jnp.float32)
+  long_range = summed * jax.lax.rsqrt(jnp.sum(summed * summed) / summed.shape[0] + eps) * gain
+  out_ref[...] = (local + alpha_ref[layer].astype(jnp.float32) * long_range).astype(out_ref.dtype)
 
 
 def compilable(*, cell, head_dim):
@@ -232,12 +251,31 @@ def compilable(*, cell, head_dim):
 WRITTEN = ("ring_k", "ring_v", "ring_pos", "block_k", "block_v")  # the cache arrays the kernel writes in place
 
 
-@functools.partial(jax.jit, static_argnames=("window", "cell", "top_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("window", "cell", "top_k", "eps", "out_dtype", "interpret"))
 def bounded_decode(
-  q, q_rot, k_rot, k, v, pos, valid, lam, sigma, cache, *, window, cell, top_k, layer=None, interpret=None
+  q,
+  q_rot,
+  k_rot,
+  k,
+  v,
+  pos,
+  valid,
+  lam,
+  sigma,
+  alpha,
+  gain,
+  cache,
+  *,
+  window,
+  cell,
+  top_k,
+  eps,
+  out_dtype=jnp.float32,
+  layer=None,
+  interpret=None,
 ):
-  """FS-L's one-token step: the token into the ring and block buffer, the local branch, and the long-range
-  selection and readout.
+  """FS-L's one-token step: the token into the ring and block buffer, the local branch, the long-range selection
+  and readout, and their mix (Eq. 2).
 
   Args:
     q, q_rot: `[batch, heads, d]` the token's query, unrotated (long-range branch) and RoPE-rotated (local).
@@ -245,18 +283,21 @@ def bounded_decode(
     pos: `[batch]` int32 its position; valid: `[batch]` bool (an invalid row writes nothing and its token is not
       a key); lam, sigma: `[heads]`, or with `layer` the scanned model's stacks `[layers, heads]` (the "routing"
       collection's), read at `layer` where they lie like the cache (a `[heads]` pair is broadcast to the layers).
+    alpha: `[heads]` the branch mix α (Eq. 2) and gain `[d]` the readout RMSNorm's (Eq. 9), or with `layer` the
+      scanned model's parameter stacks `[layers, heads]` and `[layers, d]`, read the same way.
     cache: the layer's `fsjax.cache.bounded.BoundedCache` fields as a dict of arrays, before the token: ring_k,
       ring_v `[batch, R, kv_heads, d]`, ring_pos `[batch, R]`, block_k, block_v `[batch, B, kv_heads, d]`,
       pool_ids `[batch, kv_heads, P]`, pool_mean `[.., P, d]`, pool_norm `[.., P]`, pool_k / pool_v `[.., P, s,
       d]`, recent_ids `[batch, W]`, recent_mean / norm / k / v as the pool's with W. With `layer` (int32 scalar),
       each is a scanned model's stack `[layers, ...]` of that shape, read at `layer` where it lies.
-    window, cell, top_k: the routing's w, s and K.
+    window, cell, top_k: the routing's w, s and K; eps: the readout RMSNorm's ε.
+    out_dtype: the output's dtype (the model's, so that the output projection reads it as it is).
 
   Returns:
-    local `[batch, heads, d]` float32 (Eq. 3-4), the long-range sum `[batch, heads, d]` float32 before its
-    RMSNorm (Eq. 9), cells `[batch, heads, K]` int32 in decreasing score order (-1 where fewer are available),
-    and the `WRITTEN` arrays after the token's writes, as given (stacks with `layer`). Under `jit` with the cache
-    donated or dead after the call, XLA writes them in place.
+    o `[batch, heads, d]` in `out_dtype`: local (Eq. 3-4) + α · RMSNorm(long-range readout) (Eq. 9, 2), computed
+    in float32; cells `[batch, heads, K]` int32 in decreasing score order (-1 where fewer are available); and the
+    `WRITTEN` arrays after the token's writes, as given (stacks with `layer`). Under `jit` with the cache donated
+    or dead after the call, XLA writes them in place.
   """
   interpret = default_interpret() if interpret is None else interpret
   batch, heads, dim = q.shape
@@ -288,6 +329,7 @@ def bounded_decode(
 
   tiles = -(-ring_slots // RING_TILE)
   parts = tiles + top_k
+  padded_parts = pl.next_power_of_2(parts)  # Triton loads power-of-two tiles: the mix reads them all, masked
 
   def spec(name):
     shape = stacks[name].shape
@@ -310,7 +352,7 @@ def bounded_decode(
   row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h, 0))
   kv_row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h // group, 0))
   scalar = lambda index: pl.BlockSpec((1,), index)
-  per_layer = lambda x: x if x.ndim == 2 else jnp.broadcast_to(x, (layers, heads))
+  per_layer = lambda x: x if x.ndim == 2 else jnp.broadcast_to(x, (layers, x.shape[-1]))
   token = [k_rot.astype(stacks["ring_k"].dtype), k.astype(stacks["block_k"].dtype), v.astype(stacks["ring_v"].dtype)]
   inputs = [
     q.astype(jnp.float32),
@@ -357,8 +399,8 @@ def bounded_decode(
       *(spec(name) for name in WRITTEN),
     ],
     out_shape=[
-      jax.ShapeDtypeStruct((batch, heads, parts, dim), jnp.float32),
-      jax.ShapeDtypeStruct((batch, heads, parts), jnp.float32),
+      jax.ShapeDtypeStruct((batch, heads, padded_parts, dim), jnp.float32),
+      jax.ShapeDtypeStruct((batch, heads, padded_parts), jnp.float32),
       jax.ShapeDtypeStruct((batch, heads, width), jnp.int32),
       *(jax.ShapeDtypeStruct(stacks[name].shape, stacks[name].dtype) for name in WRITTEN),
     ],
@@ -367,7 +409,22 @@ def bounded_decode(
     interpret=interpret,
     name="fsl_bounded_decode",
   )(*inputs)
-  local = _merge_parts(o[:, :, :tiles], lse[:, :, :tiles])
-  long_range = _merge_parts(o[:, :, tiles:], lse[:, :, tiles:])
+  per_head = pl.BlockSpec((layers, None), lambda b, h: (0, h))
+  mixed = pl.pallas_call(
+    functools.partial(_mix_kernel, tiles=tiles, parts=parts, eps=eps),
+    grid=(batch, heads),
+    in_specs=[
+      pl.BlockSpec((None, None, padded_parts, dim), lambda b, h: (b, h, 0, 0)),
+      pl.BlockSpec((None, None, padded_parts), lambda b, h: (b, h, 0)),
+      per_head,
+      pl.BlockSpec((layers, dim), lambda b, h: (0, 0)),
+      pl.BlockSpec((1,), lambda b, h: (0,)),
+    ],
+    out_specs=pl.BlockSpec((None, None, dim), lambda b, h: (b, h, 0)),
+    out_shape=jax.ShapeDtypeStruct((batch, heads, dim), out_dtype),
+    compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+    interpret=interpret,
+    name="fsl_mix_branches",
+  )(o, lse, per_layer(alpha), per_layer(gain), layer_index)
   unstack = (lambda x: x) if layer is not None else (lambda x: x[0])
-  return local, long_range, cells[..., :top_k], {name: unstack(x) for name, x in zip(WRITTEN, written)}
+  return mixed, cells[..., :top_k], {name: unstack(x) for name, x in zip(WRITTEN, written)}

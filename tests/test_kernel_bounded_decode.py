@@ -39,27 +39,31 @@ def _filled_cache(rng, routing, *, batch, kv_heads, dim, prompt, steps, dtype):
   return cache
 
 
-def _step(cache, routing, *, heads, positions, impl, seed=7, lam=None, sigma=None, valid=None):
-  """One token per row at `positions` `[batch]` (`valid` `[batch]`, default all) through `bounded_segment`; the
-  token, λ, σ and the readout gain drawn from `seed`, so two implementations see the same step."""
+def _step(cache, routing, *, heads, positions, impl, seed=7, valid=None, **given):
+  """One token per row at `positions` `[batch]` (`valid` `[batch]`, default all) through `bounded_segment`: its
+  mixed output (Eq. 2), cells and cache. The token, λ, σ, α and the readout gain are drawn from `seed`, so two
+  implementations see the same step; `given` (lam, sigma, alpha, lr_gain) replaces the drawn ones."""
   shape = read(cache.pool_k).shape
   batch, kv_heads, dim = shape[0], shape[1], shape[-1]
   draw = np.random.default_rng(seed)
   q = jnp.asarray(draw.standard_normal((batch, 1, heads, dim)), jnp.float32)
   k, v = (jnp.asarray(draw.standard_normal((batch, 1, kv_heads, dim)), jnp.float32) for _ in range(2))
-  lam = jnp.asarray(draw.uniform(0.5, 2.0, heads), jnp.float32) if lam is None else lam
-  sigma = jnp.asarray(draw.uniform(2.0, 8.0, heads), jnp.float32) if sigma is None else sigma
-  gain = jnp.asarray(draw.uniform(0.5, 1.5, dim), jnp.float32)
+  weights = dict(
+    lam=jnp.asarray(draw.uniform(0.5, 2.0, heads), jnp.float32),
+    sigma=jnp.asarray(draw.uniform(2.0, 8.0, heads), jnp.float32),
+    lr_gain=jnp.asarray(draw.uniform(0.5, 1.5, dim), jnp.float32),
+    alpha=jnp.asarray(draw.uniform(0.5, 1.5, heads), jnp.float32),
+  )
+  weights.update(given)
   valid = jnp.ones((batch, 1), bool) if valid is None else jnp.asarray(valid)[:, None]
   segment = jax.jit(functools.partial(freesolo_step.bounded_segment, routing=routing, impl=impl, rope_theta=10000.0))
-  return segment(cache, q, k, v, positions[:, None], valid, lam=lam, sigma=sigma, lr_gain=gain)
+  return segment(cache, q, k, v, positions[:, None], valid, **weights)
 
 
 def _assert_steps_agree(kernel, reference, dtype):
-  local, long_range, cells, cache = kernel
-  local_ref, long_ref, cells_ref, cache_ref = reference
-  assert_close(local, local_ref, dtype)
-  assert_close(long_range, long_ref, dtype)
+  o, cells, cache = kernel
+  o_ref, cells_ref, cache_ref = reference
+  assert_close(o, o_ref, dtype)
   np.testing.assert_array_equal(np.asarray(cells), np.asarray(cells_ref))
   for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(cache_ref)):
     if a.size == 0:  # no recent cells
@@ -118,7 +122,7 @@ CASES = {
 @pytest.mark.parametrize("interpret", kernel_modes())
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_kernel_step_equals_the_reference_step(rng, interpret, case, monkeypatch):
-  """Both branches, the K cells in order and the cache after the step (merge included at a block's end)."""
+  """The mixed branches, the K cells in order and the cache after the step (merge included at a block's end)."""
   spec, batch, heads, kv_heads, dim, prompt, steps, positions = CASES[case]
   routing = Routing(variant="fsl", **spec)
   cache = _filled_cache(
@@ -129,7 +133,7 @@ def test_the_kernel_step_equals_the_reference_step(rng, interpret, case, monkeyp
   _force_interpret(monkeypatch, interpret)
   kernel, reference = run("pallas"), run("reference")
   _assert_steps_agree(kernel, reference, np.float32)
-  assert np.all(np.asarray(kernel[2]) >= -1) and np.any(np.asarray(kernel[2]) >= 0)
+  assert np.all(np.asarray(kernel[1]) >= -1) and np.any(np.asarray(kernel[1]) >= 0)
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
@@ -147,7 +151,7 @@ def test_a_row_whose_token_is_not_valid_writes_nothing(rng, interpret, monkeypat
   _force_interpret(monkeypatch, interpret)
   kernel, reference = run("pallas"), run("reference")
   _assert_steps_agree(kernel, reference, np.float32)
-  written, slot = kernel[3], positions[0] % (routing.window + 1)
+  written, slot = kernel[2], positions[0] % (routing.window + 1)
   np.testing.assert_array_equal(
     np.asarray(written.ring.pos)[:, slot], [positions[0], np.asarray(cache.ring.pos)[1, slot]]
   )
@@ -169,13 +173,13 @@ def test_the_kernel_breaks_exact_score_ties_toward_the_lower_cell(rng, interpret
   zeros = jnp.zeros((1,), jnp.float32)
   run = lambda impl: _step(cache, routing, heads=1, positions=jnp.array([64]), impl=impl, lam=zeros, sigma=zeros + 4)
   kernel, reference = run("pallas"), run("reference")
-  assert int(kernel[2][0, 0, 0, 0]) == int(ids[low]) == int(reference[2][0, 0, 0, 0])
+  assert int(kernel[1][0, 0, 0, 0]) == int(ids[low]) == int(reference[1][0, 0, 0, 0])
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
 def test_the_kernel_reads_a_scanned_models_layer_where_it_lies(rng, interpret, monkeypatch):
-  """Caches, λ and σ as views into `[layers, ...]` stacks (a scanned model's decode step): the kernel reads layer
-  1 and the step writes only layer 1, equal to the step over that layer alone."""
+  """Caches, λ, σ, α and the readout gain as views into `[layers, ...]` stacks (a scanned model's decode step):
+  the kernels read layer 1 and the step writes only layer 1, equal to the step over that layer alone."""
   routing = Routing(variant="fsl", window=40, cell=8, block=32, top_k=3, retain_top=5, retain_recent=3)
   layers = [
     _filled_cache(rng, routing, batch=2, kv_heads=2, dim=16, prompt=90, steps=2, dtype=jnp.bfloat16) for _ in range(3)
@@ -184,16 +188,22 @@ def test_the_kernel_reads_a_scanned_models_layer_where_it_lies(rng, interpret, m
   view = jax.tree_util.tree_map(lambda x: LayerSlice(x, jnp.int32(1)), stacked)
   # [layers, heads]: layer 1's λ lets the distance prior rank the cells, the others' leave it to the content
   lam = jnp.asarray(rng.uniform(0.5, 2.0, (3, 2)) * np.array([[0.01], [30.0], [0.01]]), jnp.float32)
-  sigma = jnp.asarray(rng.uniform(2.0, 8.0, (3, 2)), jnp.float32)
+  stacks = dict(
+    lam=lam,
+    sigma=jnp.asarray(rng.uniform(2.0, 8.0, (3, 2)), jnp.float32),
+    alpha=jnp.asarray(rng.uniform(0.5, 1.5, (3, 2)), jnp.bfloat16),  # in the parameters' dtype, as a model's
+    lr_gain=jnp.asarray(rng.uniform(0.5, 1.5, (3, 16)), jnp.bfloat16),
+  )
   _force_interpret(monkeypatch, interpret)
   positions = jnp.array([92, 92])
-  views = dict(lam=LayerSlice(lam, jnp.int32(1)), sigma=LayerSlice(sigma, jnp.int32(1)))
-  local, long_range, cells, written = _step(view, routing, heads=2, positions=positions, impl="pallas", **views)
+  views = {name: LayerSlice(x, jnp.int32(1)) for name, x in stacks.items()}
+  o, cells, written = _step(view, routing, heads=2, positions=positions, impl="pallas", **views)
   written = jax.tree_util.tree_map(lambda x: x.stack, written, is_leaf=lambda x: isinstance(x, LayerSlice))
-  alone = _step(layers[1], routing, heads=2, positions=positions, impl="reference", lam=lam[1], sigma=sigma[1])
-  other = _step(layers[1], routing, heads=2, positions=positions, impl="reference", lam=lam[0], sigma=sigma[0])
-  assert not np.array_equal(np.asarray(alone[2]), np.asarray(other[2]))  # another layer's λ, σ would show
-  _assert_steps_agree((local, long_range, cells, jax.tree_util.tree_map(lambda x: x[1], written)), alone, np.float32)
+  at = lambda layer: {name: x[layer] for name, x in stacks.items()}
+  alone = _step(layers[1], routing, heads=2, positions=positions, impl="reference", **at(1))
+  other = _step(layers[1], routing, heads=2, positions=positions, impl="reference", **at(0))
+  assert not np.array_equal(np.asarray(alone[1]), np.asarray(other[1]))  # another layer's λ, σ would show
+  _assert_steps_agree((o, cells, jax.tree_util.tree_map(lambda x: x[1], written)), alone, np.float32)
   for a, b in zip(jax.tree_util.tree_leaves(written), jax.tree_util.tree_leaves(stacked)):
     np.testing.assert_array_equal(np.asarray(a)[::2], np.asarray(b)[::2])  # layers 0 and 2 untouched
 
@@ -213,10 +223,15 @@ def test_a_scanned_model_decodes_through_the_kernel_as_through_the_reference(rng
   reference's logits and cells at every step. (Only the decode steps differ: the tiny model's 8-token cells are
   below what the compiled training kernels of a Pallas prefill tile.)"""
   config, model, variables = tiny_model("fsl", scan_layers=True)
-  scales = jax.tree_util.tree_map(  # λ and σ of every layer and head their own, as a trained model's are
-    lambda x: x * jnp.asarray(rng.uniform(0.5, 2.0, x.shape), x.dtype), variables["routing"]
-  )
-  variables = {**variables, "routing": scales}
+  scaled = lambda tree: jax.tree_util.tree_map(lambda x: x * jnp.asarray(rng.uniform(0.5, 2.0, x.shape), x.dtype), tree)
+  # λ, σ, α and the readout gain of every layer and head their own, as a trained model's are
+  attention = variables["params"]["layers"]["layer"]["attention"]
+  attention = {**attention, **scaled({name: attention[name] for name in ("alpha", "lr_gain")})}
+  params = {
+    **variables["params"],
+    "layers": {"layer": {**variables["params"]["layers"]["layer"], "attention": attention}},
+  }
+  variables = {**variables, "params": params, "routing": scaled(variables["routing"])}
   reference = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl="reference"))
   kernel = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl="pallas"))
   _force_interpret(monkeypatch, interpret)

@@ -211,8 +211,15 @@ def test_fsl_bounded_decode_lowers(stacked):
     recent_v=shape((*lead, 2, 2, 8, 32, 64), bf16),
   )
   q, kv = shape((2, 4, 64), f32), shape((2, 2, 64), f32)
-  run = lambda q, q_rot, k_rot, k, v, pos, valid, lam, sigma, cache, layer: bounded_decode.bounded_decode(
-    q, q_rot, k_rot, k, v, pos, valid, lam, sigma, cache, window=512, cell=32, top_k=4, layer=layer, interpret=False
+  run = lambda q, q_rot, k_rot, k, v, pos, valid, lam, sigma, alpha, gain, cache, layer: bounded_decode.bounded_decode(
+    *(q, q_rot, k_rot, k, v, pos, valid, lam, sigma, alpha, gain, cache),
+    window=512,
+    cell=32,
+    top_k=4,
+    eps=1e-8,
+    out_dtype=bf16,
+    layer=layer,
+    interpret=False,
   )
   _lowers_for_cuda(
     run,
@@ -225,7 +232,9 @@ def test_fsl_bounded_decode_lowers(stacked):
     shape((2,), jnp.bool_),
     shape((*lead, 4), f32),
     shape((*lead, 4), f32),
+    shape((*lead, 4), bf16),
+    shape((*lead, 64), bf16),
     cache,
     shape((), i32) if stacked else None,
-    kernels=["fsl_bounded_decode"],
+    kernels=["fsl_bounded_decode", "fsl_mix_branches"],
   )

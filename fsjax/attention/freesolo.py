@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from fsjax.attention import freesolo_step
 from fsjax.attention.projections import Projection, project_out, project_qkv
 from fsjax.cache.bounded import BoundedCache
-from fsjax.layer_weights import routing_variable
+from fsjax.layer_weights import parameter, routing_variable
 from fsjax.ops import freesolo as freesolo_ops
 from fsjax.reference.cells import cell_summaries
 from fsjax.reference.common import compute_dtype
@@ -94,15 +94,20 @@ class FreeSoloAttention(nn.Module):
     dtype = compute_dtype(q.dtype)
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
     step = dict(rope_theta=self.rope_theta, lam=lam, sigma=sigma, lr_gain=lr_gain.astype(dtype))
-    if isinstance(cache, BoundedCache):  # a scanned model's λ and σ as stacks, which the decode kernel reads in place
-      step.update(lam=routing_variable(weights, "lam", lam), sigma=routing_variable(weights, "sigma", sigma))
-      local, long_range, cell_idx, cache = freesolo_step.bounded_chunk(
-        cache, q, k, v, positions, valid, routing, impl=self.impl, **step
+    if isinstance(cache, BoundedCache):  # a scanned model's stacks, which the decode kernels read in place
+      step.update(
+        lam=routing_variable(weights, "lam", lam),
+        sigma=routing_variable(weights, "sigma", sigma),
+        alpha=parameter(weights, "alpha", alpha),
+        lr_gain=parameter(weights, "lr_gain", lr_gain),
+      )
+      o, cell_idx, cache = freesolo_step.bounded_chunk(
+        cache, q, k, v, positions, valid, routing, out_dtype=x.dtype, impl=self.impl, **step
       )
     else:
       local, long_range, cell_idx, cache = freesolo_step.archive_chunk(
         cache, q, k, v, positions, valid, routing, tau=tau, impl=self.impl, **step
       )
+      o = mix_branches(local, long_range, alpha.astype(dtype))
     self.sow("intermediates", "selected_cells", cell_idx)
-    o = mix_branches(local, long_range, alpha.astype(dtype))
     return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype, weights), cache

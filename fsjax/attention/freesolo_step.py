@@ -9,7 +9,8 @@ own the kernel choice) as maths.
   then reranks with token keys (Eq. 12); a longer chunk does the same block by block (`blockwise_select`) and
   leaves the forests past its last complete block.
 - FS-L's bounded cache: segment by segment within query blocks, the local branch over the ring plus the segment,
-  the long-range branch over `pool ∪ recent` (Eq. 8), then the cache update (Eq. 15).
+  the long-range branch over `pool ∪ recent` (Eq. 8) and their mix (Eq. 2: FS-L's steps return the layer's
+  attention output, so that one token's step can mix in its kernels), then the cache update (Eq. 15).
 
 With grouped-query attention every cache holds its state per key/value head (tokens, summaries, FS-L's pool and
 recent cells, FS-B's forests); queries `[batch, C, heads, d]` read the state of key/value head `h // group`.
@@ -33,7 +34,7 @@ from fsjax.ops.freesolo import cached_readout, cached_readout_runs_kernel
 from fsjax.reference import cells as cells_ref
 from fsjax.reference import forest as forest_ref
 from fsjax.reference.common import PRECISION
-from fsjax.reference.freesolo import rms_norm
+from fsjax.reference.freesolo import READOUT_NORM_EPS, mix_branches, rms_norm
 from fsjax.reference.grouped import group_size, kv_head_of, per_query_head
 from fsjax.reference.rope import apply_rope
 from fsjax.reference.routing import Routing
@@ -330,15 +331,28 @@ def _with_written(cache: bounded.BoundedCache, written):
 
 
 def bounded_token_kernel(
-  cache: bounded.BoundedCache, q, k, v, pos, valid, routing: Routing, *, rope_theta, lam, sigma, lr_gain
+  cache: bounded.BoundedCache,
+  q,
+  k,
+  v,
+  pos,
+  valid,
+  routing: Routing,
+  *,
+  rope_theta,
+  lam,
+  sigma,
+  lr_gain,
+  alpha,
+  out_dtype,
 ):
   """`bounded_segment` for one token per row through `pallas_kernels.bounded_decode`: one kernel writes the token
-  into the ring and the block buffer and computes both branches and the selection; a completed block is merged
-  after it (or after the last layer, where the cache defers merges)."""
+  into the ring and the block buffer and computes both branches and the selection, a second mixes them; a
+  completed block is merged after them (or after the last layer, where the cache defers merges)."""
   q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
   fields, layer = _kernel_fields(cache)
-  lam, sigma = (_at_layer(x, layer) for x in (lam, sigma))
-  local, summed, selected, written = bounded_decode.bounded_decode(
+  lam, sigma, alpha, lr_gain = (_at_layer(x, layer) for x in (lam, sigma, alpha, lr_gain))
+  o, selected, written = bounded_decode.bounded_decode(
     q[:, 0],
     q_rot[:, 0],
     k_rot[:, 0],
@@ -348,18 +362,22 @@ def bounded_token_kernel(
     valid[:, 0],
     lam,
     sigma,
+    alpha,
+    lr_gain,
     fields,
     window=routing.window,
     cell=routing.cell,
     top_k=routing.top_k,
+    eps=READOUT_NORM_EPS,
+    out_dtype=jnp.dtype(out_dtype),
     layer=layer,
   )
   cache = _with_written(cache, written)
-  local, long_range = local[:, None].astype(q.dtype), rms_norm(summed[:, None].astype(q.dtype), lr_gain)
+  o = o[:, None]
   if cache.defer_merge:
-    return local, long_range, selected[:, None], cache
-  pos = after(pos, local, long_range)  # the merge updates the pool the kernel read, in place: order it after the read
-  return local, long_range, selected[:, None], bounded.merge_completed(cache, pos, valid)
+    return o, selected[:, None], cache
+  pos = after(pos, o)  # the merge updates the pool the kernel read, in place: order it after the read
+  return o, selected[:, None], bounded.merge_completed(cache, pos, valid)
 
 
 def bounded_segment(
@@ -375,24 +393,42 @@ def bounded_segment(
   lam,
   sigma,
   lr_gain,
+  alpha,
+  out_dtype=None,
   impl="reference",
 ):
   """Queries/keys at `pos` `[batch, L]`, every row's valid tokens inside one query block, in order:
-  `(o_sr, o_lr, cells, new cache)` (the cache merged at the end of a completed block). One token per row runs
-  the fused kernel where `impl` picks it (`fsjax.ops.dispatch`, "bounded_decode"). `lam`, `sigma`: `[heads]`, or
-  (a scanned model's step) `LayerSlice`s of the `[layers, heads]` stacks at the cache's layer, which the kernel
-  reads where they lie."""
+  `(o, cells, new cache)` (the cache merged at the end of a completed block), o `[batch, L, heads, d]` the mixed
+  branches (Eq. 2) in `out_dtype` (default q's). One token per row runs the fused kernels where `impl` picks them
+  (`fsjax.ops.dispatch`, "bounded_decode"). `lam`, `sigma` `[heads]`, `alpha` `[heads]` and `lr_gain` `[d]`, or
+  (a scanned model's step) `LayerSlice`s of their `[layers, ...]` stacks at the cache's layer, which the kernels
+  read where they lie."""
+  out_dtype = q.dtype if out_dtype is None else out_dtype
   facts = dict(tokens=q.shape[1], cell=routing.cell, head_dim=q.shape[-1])
   if q.shape[1] == 1 and dispatch.resolve("bounded_decode", impl, **facts) == "pallas":
     return bounded_token_kernel(
-      cache, q, k, v, pos, valid, routing, rope_theta=rope_theta, lam=lam, sigma=sigma, lr_gain=lr_gain
+      cache,
+      q,
+      k,
+      v,
+      pos,
+      valid,
+      routing,
+      rope_theta=rope_theta,
+      lam=lam,
+      sigma=sigma,
+      lr_gain=lr_gain,
+      alpha=alpha,
+      out_dtype=out_dtype,
     )
   lam, sigma = read(lam), read(sigma)
+  lr_gain, alpha = (read(x).astype(q.dtype) for x in (lr_gain, alpha))
   q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
   local = attend(q_rot, pos, *bounded.concat_ring(cache, k_rot, v, pos, valid), window=routing.window)
   long_range, selected = bounded_long_range(cache, q, pos, routing, lam=lam, sigma=sigma, lr_gain=lr_gain)
-  pos = after(pos, local, long_range)  # the writes below update the buffers these read in place
-  return local, long_range, selected, bounded.write_segment(cache, k_rot, k, v, pos, valid)
+  o = mix_branches(local.astype(q.dtype), long_range, alpha).astype(out_dtype)
+  pos = after(pos, o)  # the writes below update the buffers these read in place
+  return o, selected, bounded.write_segment(cache, k_rot, k, v, pos, valid)
 
 
 def bounded_chunk(
@@ -408,18 +444,28 @@ def bounded_chunk(
   lam,
   sigma,
   lr_gain,
+  alpha,
+  out_dtype=None,
   impl="reference",
 ):
   """A chunk of one token or whole query blocks through FS-L's bounded cache, block by block (availability
-  changes at block boundaries): `(o_sr, o_lr, cells, new cache)`. The blocks run in a `lax.scan`, so a chunk
-  compiles one block's program whatever its length."""
+  changes at block boundaries): `(o, cells, new cache)`, o the mixed branches (Eq. 2) as `bounded_segment` gives
+  them. The blocks run in a `lax.scan`, so a chunk compiles one block's program whatever its length."""
   chunk, block = q.shape[1], routing.block
   if chunk > 1 and chunk % block:
     raise ValueError(
       f"a chunk for the FS-L bounded cache must be 1 token or whole blocks, got {chunk} tokens with block={block}"
     )
   segment = functools.partial(
-    bounded_segment, routing=routing, rope_theta=rope_theta, lam=lam, sigma=sigma, lr_gain=lr_gain, impl=impl
+    bounded_segment,
+    routing=routing,
+    rope_theta=rope_theta,
+    lam=lam,
+    sigma=sigma,
+    lr_gain=lr_gain,
+    alpha=alpha,
+    out_dtype=out_dtype,
+    impl=impl,
   )
   if chunk <= block:
     return segment(cache, q, k, v, positions, valid)
@@ -431,6 +477,6 @@ def bounded_chunk(
     *branches, cache = segment(cache, *inputs)
     return cache, branches
 
-  cache, branches = jax.lax.scan(one_block, cache, tuple(by_block(x) for x in (q, k, v, positions, valid)))
-  local, long_range, cell_idx = (unblock(x) for x in branches)
-  return local, long_range, cell_idx, cache
+  cache, outputs = jax.lax.scan(one_block, cache, tuple(by_block(x) for x in (q, k, v, positions, valid)))
+  o, cell_idx = (unblock(x) for x in outputs)
+  return o, cell_idx, cache
