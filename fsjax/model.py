@@ -114,17 +114,20 @@ class ScannedLayer(nn.Module):
 
   @nn.compact
   def __call__(self, carry, index, history, positions, valid, stacks):
-    x, cache = carry
+    x, cache, *carried = carry
     layer = (nn.remat(DecoderLayer) if self.config.remat else DecoderLayer)(
       self.config, first_chunk=self.first_chunk, name="layer"
     )
     if cache is None:
       return (layer(x), None), None
+    # With a cache the layer index is carried, counting up from 0, rather than sliced from the scanned `arange`:
+    # the kernels take it as an operand, and a slice of the scanned array became a copy per layer on the GPU.
+    (index,) = carried
     weights = None
     if stacks is not None:
       weights = LayerWeights(stacks["params"], index, self.config.attention.impl, stacks.get(ROUTING))
     x, view, history = layer(x, layer_of(cache, index), positions, valid, history, weights)
-    return (x, write_back(cache, view, index)), history
+    return (x, write_back(cache, view, index), index + 1), history
 
 
 def _scanned_layers(config: ModelConfig, first_chunk=False):
@@ -179,8 +182,9 @@ class Transformer(nn.Module):
       stacks = None
       if "layers" in params:
         stacks = {"params": params["layers"]["layer"], ROUTING: routing.get("layers", {}).get("layer")}
-      (x, new_cache["layers"]), history = _scanned_layers(c, first_chunk)(
-        (x, None if cache is None else cache["layers"]), jnp.arange(c.num_layers), history, positions, valid, stacks
+      carry = (x, None) if cache is None else (x, cache["layers"], jnp.int32(0))
+      (x, new_cache["layers"], *_), history = _scanned_layers(c, first_chunk)(
+        carry, jnp.arange(c.num_layers), history, positions, valid, stacks
       )
     else:
       layer = nn.remat(DecoderLayer) if c.remat else DecoderLayer
