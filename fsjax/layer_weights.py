@@ -6,6 +6,11 @@ product of a few rows, `Transformer` hands each layer the stacks themselves with
 `LayerWeights`. `dense_products` multiplies by each kernel at that index where it lies, and returns None where
 the matrix-vector kernel does not apply. The layer's `nn.Dense` modules then run as they do everywhere else.
 
+A module's input that still needs its RMSNorm reaches the products as it is, with the norm's scale beside the
+weights (`LayerWeights.prenorm`): the kernel normalizes it in its prologue, which in XLA were two launches per
+norm (a reduction, then the scaling). `DecoderLayer` decides this with `runs_kernel`, the same rule
+`dense_products` follows.
+
 The parameters, their tree and their shapes are the same either way: this is how a step reads them, not how they
 are stored.
 """
@@ -22,24 +27,35 @@ from pallas_kernels import matvec
 
 
 @flax.struct.dataclass
+class Prenorm:
+  """The RMSNorm a module's input still needs (flax's `nn.RMSNorm(epsilon=eps)`): `scale` `[K]`, or a scanned
+  model's stack `[layers, K]` read at the layer, as the weights are."""
+
+  scale: Any
+  eps: float = flax.struct.field(pytree_node=False, default=1e-6)
+
+
+@flax.struct.dataclass
 class LayerWeights:
   """`params`: a layer's parameter subtree: a scanned model's stacks (every leaf `[layers, ...]`) with `layer`
   (int32 scalar), or an unscanned layer's own parameters with `layer` None. `impl`: the model's
   `attention.impl`, which picks the kernel (`fsjax.ops.dispatch`, op "matvec"). `routing`: the layer's subtree
-  of the "routing" collection (FreeSolo's λ, σ, τ) in the same form, or None."""
+  of the "routing" collection (FreeSolo's λ, σ, τ) in the same form, or None. `prenorm`: a `Prenorm` that the
+  products of the module's input apply first (that input then arrives unnormed), or None."""
 
   params: Any
   layer: Any = None
   impl: str = flax.struct.field(pytree_node=False, default="auto")
   routing: Any = None
+  prenorm: Any = None
 
 
 def child(weights, name):
-  """The `LayerWeights` of submodule `name` (None stays None)."""
+  """The `LayerWeights` of submodule `name` (None stays None); a prenorm stays with the module it was given to."""
   if weights is None:
     return None
   routing = None if weights.routing is None else weights.routing.get(name)
-  return weights.replace(params=weights.params[name], routing=routing)
+  return weights.replace(params=weights.params[name], routing=routing, prenorm=None)
 
 
 def _in_place(stacks, weights, name, value):
@@ -60,15 +76,31 @@ def parameter(weights, name, value):
   return _in_place(None if weights is None else weights.params, weights, name, value)
 
 
-def dense_products(weights, x, names, contracted, dtype):
+def runs_kernel(weights, x_shape, names, contracted=1):
+  """Whether `dense_products(weights, x, names, contracted, ...)` for an `x` of `x_shape` runs the matrix-vector
+  kernel: `weights` given, at most `pallas_kernels.matvec.MAX_ROWS` rows, sizes it can tile, and an `impl`
+  that picks it."""
+  if weights is None:
+    return False
+  rows, k = math.prod(x_shape[: len(x_shape) - contracted]), math.prod(x_shape[len(x_shape) - contracted :])
+  stacked = weights.layer is not None
+  ns = [math.prod(weights.params[name]["kernel"].shape[int(stacked) + contracted :]) for name in names]
+  if not matvec.compilable(rows=rows, k=k, ns=ns):
+    return False
+  return dispatch.resolve("matvec", dispatch.for_op("matvec", weights.impl), rows=rows, k=k, ns=ns) != "reference"
+
+
+def dense_products(weights, x, names, contracted, dtype, normed_input=False):
   """`x [..., *in]` times the kernel `[*in, *out_j]` (plus its `bias` `[*out_j]`, if any) of each module in `names`
   → their outputs `[..., *out_j]` in `dtype`, as `nn.DenseGeneral(..., dtype=dtype)` over the last `contracted`
-  axes of `x` gives them (the sums in float32).
+  axes of `x` gives them (the sums in float32). `normed_input`: `x` is the module's input, which `weights.prenorm`
+  (if set) normalizes first.
 
-  Returns None where the matrix-vector kernel does not apply: no `weights`, more than
-  `pallas_kernels.matvec.MAX_ROWS` rows, sizes it cannot tile, or an `impl` that does not pick it.
+  Returns None where the matrix-vector kernel does not apply (`runs_kernel`).
   """
-  if weights is None:
+  if not runs_kernel(weights, x.shape, names, contracted):
+    if normed_input and weights is not None and weights.prenorm is not None:
+      raise ValueError("a prenorm was handed to products that do not run the matrix-vector kernel")
     return None
   lead, inner = x.shape[: x.ndim - contracted], x.shape[x.ndim - contracted :]
   rows, k = math.prod(lead), math.prod(inner)
@@ -76,12 +108,10 @@ def dense_products(weights, x, names, contracted, dtype):
   kernels = [weights.params[name]["kernel"] for name in names]
   out_shapes = [w.shape[int(stacked) + contracted :] for w in kernels]
   ns = [math.prod(shape) for shape in out_shapes]
-  if not matvec.compilable(rows=rows, k=k, ns=ns):
-    return None
-  if dispatch.resolve("matvec", dispatch.for_op("matvec", weights.impl), rows=rows, k=k, ns=ns) == "reference":
-    return None
   mats = [w.reshape(w.shape[:1] + (k, n) if stacked else (k, n)) for w, n in zip(kernels, ns)]
-  sums = matvec.matvec(x.reshape(rows, k), mats, layer=weights.layer, dtype=dtype)
+  prenorm = weights.prenorm if normed_input else None
+  norm = {} if prenorm is None else dict(norm_scale=prenorm.scale, norm_eps=prenorm.eps)
+  sums = matvec.matvec(x.reshape(rows, k), mats, layer=weights.layer, dtype=dtype, **norm)
   outputs = []
   for name, total, shape in zip(names, sums, out_shapes):
     y = total.reshape(*lead, *shape)

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 
 from fsjax import kinds, short_conv
 from fsjax.attention.freesolo import ROUTING
-from fsjax.attention.projections import Projection
+from fsjax.attention.projections import QKV, Projection
 from fsjax.cache import defer_block_merges, layer_of, merge_deferred_blocks, write_back
 from fsjax.config import ModelConfig
-from fsjax.layer_weights import LayerWeights, child, dense_products
+from fsjax.layer_weights import LayerWeights, Prenorm, child, dense_products, runs_kernel
 
 EMBED_INIT_STD = 0.02  # keeps tied-embedding logits O(1) at init (LLaMA's choice)
 
@@ -36,9 +36,13 @@ def make_attention(config: ModelConfig, name=None):
   )
 
 
+GATE_UP = ("gate", "up")
+
+
 class SwiGLU(nn.Module):
   """`x [.., d_model]` → `W_down(silu(W_gate x) * W_up x)`. `weights`: the module's
-  `fsjax.layer_weights.LayerWeights` at a decode step (the products then read the weights where they lie)."""
+  `fsjax.layer_weights.LayerWeights` at a decode step (the products then read the weights where they lie; x
+  arrives unnormed where they carry a prenorm)."""
 
   hidden: int
   dtype: jnp.dtype = jnp.float32
@@ -49,7 +53,7 @@ class SwiGLU(nn.Module):
     dense = lambda features, name: nn.Dense(
       features, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name
     )
-    gate_up = dense_products(weights, x, ("gate", "up"), 1, self.dtype)
+    gate_up = dense_products(weights, x, GATE_UP, 1, self.dtype, normed_input=True)
     gate, up = gate_up if gate_up is not None else (dense(self.hidden, "gate")(x), dense(self.hidden, "up")(x))
     h = nn.silu(gate) * up
     down = dense_products(weights, h, ("down",), 1, self.dtype)
@@ -78,8 +82,17 @@ class DecoderLayer(nn.Module):
   def __call__(self, x, cache=None, positions=None, valid=None, history=None, weights=None):
     c = self.config
     norm = lambda name: nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name=name)
+
+    def normed(name, x, module, products):
+      """`(the input of `module`, its weights)`: RMSNorm(x), or x itself where the products of a step's
+      matrix-vector kernel normalize it in their prologue (`fsjax.layer_weights.Prenorm`)."""
+      reader = child(weights, module)
+      if reader is None or (module == "attention" and c.short_conv) or not runs_kernel(reader, x.shape, products):
+        return norm(name)(x), reader
+      return x, reader.replace(prenorm=Prenorm(weights.params[name]["scale"], c.norm_eps))
+
     attention = make_attention(c, name="attention")
-    h = norm("attention_norm")(x)
+    h, attention_weights = normed("attention_norm", x, "attention", QKV)
     if c.short_conv:
       init = lambda _, shape: short_conv.init_weights(*shape, c.param_dtype)
       w = self.param("short_conv", init, (c.short_conv, c.d_model))
@@ -90,17 +103,17 @@ class DecoderLayer(nn.Module):
     if cache is None:
       x = x + attention(h)
     else:
-      attention_weights = child(weights, "attention")
       y, cache = attention(h, cache, positions, valid, first_chunk=self.first_chunk, weights=attention_weights)
       x = x + y
     mlp = SwiGLU(c.ffn_hidden_size, dtype=c.dtype, param_dtype=c.param_dtype, name="mlp")
-    x = x + mlp(norm("mlp_norm")(x), child(weights, "mlp"))
+    x = x + mlp(*normed("mlp_norm", x, "mlp", GATE_UP))
     return x if cache is None else (x, cache, history)
 
 
 class ScannedLayer(nn.Module):
-  """A DecoderLayer as the body of `nn.scan` over layer indices: carry `(x, stacked cache | None)`; the short
-  convolution's history (None without one) is scanned in `[num_layers, ...]` and out as the scan's output.
+  """A DecoderLayer as the body of `nn.scan` over layer indices: carry `(x, None)`, or with a cache `(x, stacked
+  cache, layer index)`; the short convolution's history (None without one) is scanned in `[num_layers, ...]` and
+  out as the scan's output.
 
   The whole stacked cache is carried, and the layer reads and writes its own layer in place
   (`fsjax.cache.layer_of`): scanning the cache as per-layer slices would copy every layer's cache out and

@@ -17,6 +17,10 @@ their columns together. The jnp specification is `matvec_reference`.
 
 Rows: below `DOT_ROWS`, float32 elementwise products and sums per row, since `tl.dot` needs 16 rows. From
 `DOT_ROWS` on, the rows are padded to 16 and each tile is one `tl.dot`.
+
+An RMSNorm of `x` (`norm_scale`, flax's `nn.RMSNorm`: `x * (rsqrt(mean(x²) + ε) · scale)` in float32, rounded to
+the products' dtype) can run in the prologue: each program reads its rows whole (a few KB), forms their norms and
+scales its chunk of them. In XLA that norm was two launches (the reduction, then the scaling) before the kernel.
 """
 
 import functools
@@ -60,22 +64,50 @@ def tiling(rows, k, ns):
   return block_k, block_n, splits
 
 
-def _matvec_kernel(layer_ref, x_ref, *refs, starts, block_k, steps, rows, dot_precision):
+def _matvec_kernel(layer_ref, x_ref, *refs, starts, block_k, steps, rows, dot_precision, dtype, norm_eps):
   """Program (c, s): its weight is the one whose column blocks `[starts[j], starts[j+1])` hold c. layer_ref
-  `[1]`; x_ref `[rows', K/S]` (rows' = 16 on the tl.dot path); each weight ref `[layers, K/S, BN]` read at layer
-  `layer_ref[0]`; o_ref `[rows', BN]` float32, this split's partial sums."""
-  *w_refs, o_ref = refs
+  `[1]`; x_ref `[rows', K/S]` in the products' `dtype` (rows' = 16 on the tl.dot path), or with a norm (`norm_eps`
+  set) `[rows', K]` in x's own dtype, and then scale_ref `[layers, K]` first among `refs`; each weight ref
+  `[layers, K/S, BN]` read at layer `layer_ref[0]`; o_ref `[rows', BN]` float32, this split's partial sums."""
+  normed = norm_eps is not None
+  scale_ref, *w_refs, o_ref = refs if normed else (None, *refs)
   layer = layer_ref[0]
   column = pl.program_id(0)
+  if normed:  # each program forms the norms of its rows from the whole rows (a few KB), block_k at a time
+
+    def inverse(row=None):  # 1 / RMS of one row (a scalar) or of all (`[16]`)
+      def add(i, total):
+        at = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+        x = (x_ref[:, at] if row is None else x_ref[row, at]).astype(jnp.float32)
+        return total + jnp.sum(x * x, axis=-1)
+
+      width = x_ref.shape[1]
+      zero = jnp.zeros((x_ref.shape[0],), jnp.float32) if row is None else jnp.float32(0.0)
+      return jax.lax.rsqrt(jax.lax.fori_loop(0, width // block_k, add, zero) / width + norm_eps)
+
+    first = pl.program_id(1) * (steps * block_k)
+    inverses = inverse() if dot_precision is not None else [inverse(r) for r in range(rows)]
+
+  def x_at(k, row=None):
+    """x at contraction slice `k` of this split, one row or all, in the products' dtype (normed first)."""
+    if not normed:
+      return x_ref[:, k] if row is None else x_ref[row, k]
+    at = pl.ds(first + k.start, k.size)
+    scale = scale_ref[layer, at].astype(jnp.float32)
+    if row is None:
+      x = x_ref[:, at].astype(jnp.float32) * (inverses[:, None] * scale[None, :])
+    else:
+      x = x_ref[row, at].astype(jnp.float32) * (inverses[row] * scale)
+    return x.astype(dtype)
 
   def product(w_ref):
     def step(i, acc):
       k = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
-      w = w_ref[layer, k, :].astype(x_ref.dtype)
+      w = w_ref[layer, k, :].astype(dtype)
       if dot_precision is not None:
-        return acc + jax.lax.dot(x_ref[:, k], w, precision=dot_precision, preferred_element_type=jnp.float32)
+        return acc + jax.lax.dot(x_at(k), w, precision=dot_precision, preferred_element_type=jnp.float32)
       w = w.astype(jnp.float32)
-      return tuple(a + jnp.sum(x_ref[r, k].astype(jnp.float32)[:, None] * w, axis=0) for r, a in enumerate(acc))
+      return tuple(a + jnp.sum(x_at(k, r).astype(jnp.float32)[:, None] * w, axis=0) for r, a in enumerate(acc))
 
     block_n = o_ref.shape[-1]
     if dot_precision is not None:
@@ -92,9 +124,22 @@ def _matvec_kernel(layer_ref, x_ref, *refs, starts, block_k, steps, rows, dot_pr
     pl.when((column >= starts[j]) & (column < starts[j + 1]))(functools.partial(product, w_ref))
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "tiles", "num_warps", "num_stages", "interpret"))
-def matvec(x, weights, *, layer=None, dtype=None, tiles=None, num_warps=4, num_stages=2, interpret=None):
-  """`x [rows, K]` times each of `weights` → a tuple of `[rows, N_j]` float32 sums, the products in `dtype`.
+@functools.partial(jax.jit, static_argnames=("dtype", "norm_eps", "tiles", "num_warps", "num_stages", "interpret"))
+def matvec(
+  x,
+  weights,
+  *,
+  layer=None,
+  dtype=None,
+  norm_scale=None,
+  norm_eps=1e-6,
+  tiles=None,
+  num_warps=4,
+  num_stages=2,
+  interpret=None,
+):
+  """`x [rows, K]` (RMS-normed first with `norm_scale`) times each of `weights` → a tuple of `[rows, N_j]` float32
+  sums, the products in `dtype`.
 
   Args:
     x: `[rows, K]`, rows ≤ `MAX_ROWS`.
@@ -103,6 +148,9 @@ def matvec(x, weights, *, layer=None, dtype=None, tiles=None, num_warps=4, num_s
     layer: int32 scalar, the layer of the stacks; None for plain matrices.
     dtype: the products' dtype (`x` and the weights are cast to it before multiplying, as `nn.Dense` promotes
       them); default `x.dtype`. The sums are float32 whatever it is.
+    norm_scale: None, or the scale `[K]` (with `layer`, a stack `[layers, K]` read there) of an RMSNorm of each
+      row of `x` before the products, as flax's `nn.RMSNorm(epsilon=norm_eps)` computes it (float32, then
+      rounded to `dtype`); norm_eps: its ε.
     tiles: (block_k, block_n, splits) overriding `tiling`'s choice (powers of two dividing K and every N_j;
       splits dividing K / block_k).
     num_warps, num_stages: Triton's launch parameters.
@@ -131,7 +179,13 @@ def matvec(x, weights, *, layer=None, dtype=None, tiles=None, num_warps=4, num_s
     raise ValueError(f"tiles {(block_k, block_n, splits)} must divide K = {k} and every N in {ns}")
   on_dot = rows >= DOT_ROWS
   x_rows = MIN_DOT_DIM if on_dot else rows
-  x = jnp.pad(x.astype(dtype), ((0, x_rows - rows), (0, 0)))
+  normed = norm_scale is not None
+  if normed:
+    scale, _ = layer_stack(norm_scale, layer, 1)
+    if scale.shape[1] != k:
+      raise ValueError(f"norm_scale must hold x's {k} features, got shape {norm_scale.shape}")
+  # The norm reads x as it is (flax's RMSNorm forms it in float32 from the unrounded input); padded rows are 0.
+  x = jnp.pad(x if normed else x.astype(dtype), ((0, x_rows - rows), (0, 0)))
   dot_precision = None
   if on_dot:
     dot_precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
@@ -152,11 +206,14 @@ def matvec(x, weights, *, layer=None, dtype=None, tiles=None, num_warps=4, num_s
       steps=chunk // block_k,
       rows=rows,
       dot_precision=dot_precision,
+      dtype=dtype,
+      norm_eps=norm_eps if normed else None,
     ),
     grid=(starts[-1], splits),
     in_specs=[
       pl.BlockSpec((1,), lambda c, s: (0,)),
-      pl.BlockSpec((x_rows, chunk), lambda c, s: (0, s)),
+      pl.BlockSpec((x_rows, k), lambda c, s: (0, 0)) if normed else pl.BlockSpec((x_rows, chunk), lambda c, s: (0, s)),
+      *([pl.BlockSpec((scale.shape[0], k), lambda c, s: (0, 0))] if normed else []),
       *(weight_spec(j) for j in range(len(stacks))),
     ],
     out_specs=pl.BlockSpec((None, x_rows, block_n), lambda c, s: (s, 0, c)),
@@ -164,14 +221,25 @@ def matvec(x, weights, *, layer=None, dtype=None, tiles=None, num_warps=4, num_s
     compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
     interpret=interpret,
     name="matvec",
-  )(layer_index, x, *stacks)
+  )(layer_index, x, *([scale] if normed else []), *stacks)
   sums = jnp.sum(partials[:, :rows], axis=0)
   offsets = [start * block_n for start in starts]
   return tuple(sums[:, offsets[j] : offsets[j + 1]] for j in range(len(stacks)))
 
 
-def matvec_reference(x, weights, *, layer=None, dtype=None):
-  """The specification of `matvec`: `x @ W_j` (or `x @ W_j[layer]`) in `dtype` with float32 sums, per weight."""
+def rms_normed(x, scale, eps, dtype):
+  """flax's `nn.RMSNorm(epsilon=eps, dtype=dtype)` of `x [..., K]` with its `scale` `[K]`: the mean of squares and
+  the scaling in float32, the result rounded to `dtype`."""
+  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  multiplier = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+  return (x * multiplier).astype(dtype)
+
+
+def matvec_reference(x, weights, *, layer=None, dtype=None, norm_scale=None, norm_eps=1e-6):
+  """The specification of `matvec`: `x @ W_j` (or `x @ W_j[layer]`) in `dtype` with float32 sums, per weight;
+  with `norm_scale` (`[K]`, or a stack read at `layer`), `rms_normed(x)` in place of x."""
   dtype = jnp.dtype(dtype or x.dtype)
   pick = (lambda w: w) if layer is None else (lambda w: w[layer])
+  if norm_scale is not None:
+    x = rms_normed(x, pick(norm_scale), norm_eps, dtype)
   return tuple(jnp.matmul(x.astype(dtype), pick(w).astype(dtype), preferred_element_type=jnp.float32) for w in weights)

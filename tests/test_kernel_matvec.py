@@ -4,6 +4,7 @@ decode steps through it against the same steps through `nn.Dense`."""
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +49,26 @@ def test_products_equal_the_reference_at_a_layer_of_the_stacks(rng, interpret, r
   for g, w, n in zip(got, want, widths):
     assert g.shape == (rows, n) and g.dtype == jnp.float32
     assert_close(g, w, np.float32)  # bfloat16 products are exact in float32: only the order of the sums differs
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+@pytest.mark.parametrize("rows,k,widths,tiles", [CASES[0], CASES[1], CASES[3], CASES[5]])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_an_rms_norm_in_the_prologue_equals_flaxs_before_the_products(rng, interpret, rows, k, widths, tiles, dtype):
+  """`norm_scale`: each row RMS-normed over all K features (every split reads its rows whole) with the layer's
+  scale, as `nn.RMSNorm` computes it from the float32 input, then multiplied in `dtype`."""
+  x, stacks = _inputs(rng, rows, k, widths, dtype)
+  x = x.astype(np.float32) * jnp.asarray(rng.uniform(0.1, 10.0, (rows, 1)), np.float32)  # rows of other scales
+  scale = jnp.asarray(rng.uniform(0.5, 1.5, (3, k)), jnp.bfloat16)
+  layer = jnp.int32(rng.integers(0, 3))
+  run = lambda x, w, s, i: matvec.matvec(
+    x, w, layer=i, dtype=dtype, norm_scale=s, norm_eps=1e-5, tiles=tiles, interpret=interpret
+  )
+  got = jax.jit(run)(x, stacks, scale, layer)
+  normed = nn.RMSNorm(epsilon=1e-5, dtype=dtype).apply({"params": {"scale": scale[layer]}}, x)
+  want = matvec.matvec_reference(normed, stacks, layer=layer, dtype=dtype)
+  for g, w in zip(got, want):
+    assert_close(g, w, dtype)  # the norm's sums run in another order: bfloat16 inputs may round differently
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
@@ -113,23 +134,38 @@ def _with_hf_options(config, rng):
   return config, jax.tree_util.tree_map_with_path(randomize, jitted_init(config))
 
 
+def _random_norm_scales(variables, rng):
+  """Every RMSNorm's scale random (they start at one), so that a norm read from the wrong module or layer shows."""
+  randomize = lambda path, x: x * jnp.asarray(rng.uniform(0.5, 1.5, x.shape), x.dtype) if path[-1].key == "scale" else x
+  return jax.tree_util.tree_map_with_path(randomize, variables)
+
+
 @pytest.mark.parametrize(
-  "scan_layers,options", [(True, False), (False, False), (True, True)], ids=["scanned", "unrolled", "hf-options"]
+  "scan_layers,options",
+  [(True, None), (False, None), (True, "hf"), (True, "short-conv")],
+  ids=["scanned", "unrolled", "hf-options", "short-conv"],
 )
 def test_decode_steps_through_the_kernel_equal_those_through_dense(rng, monkeypatch, scan_layers, options):
   """The tiny TF++ model, two rows prefilled to different lengths: one-token steps (2 rows: elementwise) and a
   two-token chunk (4 rows: tl.dot) with `impl="pallas"` give the logits of `impl="reference"`, and every
-  projection went through the kernel, a scanned model's as whole stacks read at the layer index. With the Hugging
-  Face options (`fsjax.attention.projections`), the biases are added to the kernel's products."""
+  projection went through the kernel, a scanned model's as whole stacks read at the layer index, W_q/W_k/W_v and
+  W_gate/W_up normalizing their input in the prologue. With the Hugging Face options
+  (`fsjax.attention.projections`), the biases are added to the kernel's products; with a short convolution
+  between the norm and W_q/W_k/W_v, the attention's norm stays in XLA."""
   config, _, variables = tiny_model("tfpp", scan_layers=scan_layers)
-  if options:
+  if options == "hf":
     config, variables = _with_hf_options(config, rng)
+  if options == "short-conv":
+    config = dataclasses.replace(config, short_conv=3)
+    variables = jitted_init(config)
+  variables = _random_norm_scales(variables, rng)
   calls, original = [], matvec.matvec
-  monkeypatch.setattr(
-    matvec,
-    "matvec",
-    lambda x, w, **kw: calls.append((x.shape[0], tuple(m.shape for m in w), kw["layer"])) or original(x, w, **kw),
-  )
+
+  def record(x, w, **kw):
+    calls.append((x.shape[0], tuple(m.shape for m in w), kw["layer"], kw.get("norm_scale") is not None))
+    return original(x, w, **kw)
+
+  monkeypatch.setattr(matvec, "matvec", record)
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 48)), jnp.int32)
   lengths = jnp.array([37, 30])
   reference = Transformer(_with_impl(config, "reference"))
@@ -147,9 +183,15 @@ def test_decode_steps_through_the_kernel_equal_those_through_dense(rng, monkeypa
     assert_close(got, want, np.float32)
   d, hidden, heads = config.d_model, config.ffn_hidden_size, config.num_heads * config.head_dim
   kv = (config.num_kv_heads or config.num_heads) * config.head_dim
-  products = {((d, heads), (d, kv), (d, kv)), ((heads, d),), ((d, hidden), (d, hidden)), ((hidden, d),)}
-  assert {rows for rows, _, _ in calls} == {2, 4}  # the elementwise path and the tl.dot one
-  assert {tuple(shape[-2:] for shape in shapes) for _, shapes, _ in calls} == products
-  for _, shapes, layer in calls:  # a scanned model's weights as whole stacks, read at the layer index
+  qkv = ((d, heads), (d, kv), (d, kv))
+  products = {
+    (qkv, options != "short-conv"),
+    (((heads, d),), False),
+    (((d, hidden), (d, hidden)), True),
+    (((hidden, d),), False),
+  }
+  assert {rows for rows, *_ in calls} == {2, 4}  # the elementwise path and the tl.dot one
+  assert {(tuple(shape[-2:] for shape in shapes), normed) for _, shapes, _, normed in calls} == products
+  for _, shapes, layer, _ in calls:  # a scanned model's weights as whole stacks, read at the layer index
     assert (layer is not None) == scan_layers
     assert all(len(shape) == 3 and shape[0] == config.num_layers for shape in shapes) == scan_layers

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import bounded_decode, cell_scoring, forest_search, sparse_readout, zha_routing
+from pallas_kernels import bounded_decode, cell_scoring, forest_search, matvec, sparse_readout, zha_routing
 
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
 shape = jax.ShapeDtypeStruct
@@ -237,4 +237,22 @@ def test_fsl_bounded_decode_lowers(stacked):
     cache,
     shape((), i32) if stacked else None,
     kernels=["fsl_bounded_decode", "fsl_mix_branches"],
+  )
+
+
+@pytest.mark.parametrize("rows", [1, 4], ids=["elementwise", "dot"])
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "rms-normed"])
+def test_matvec_lowers(rows, normed):
+  """W_gate and W_up of the 341M shape as layer stacks, one row or four (tl.dot), with the RMSNorm prologue or not."""
+  norm = shape((24, 1024), f32) if normed else None
+  _lowers_for_cuda(
+    lambda x, gate, up, scale, layer: matvec.matvec(
+      x, [gate, up], layer=layer, dtype=bf16, norm_scale=scale, norm_eps=1e-5, interpret=False
+    ),
+    shape((rows, 1024), bf16),
+    shape((24, 1024, 2816), bf16),
+    shape((24, 1024, 2816), bf16),
+    norm,
+    shape((), i32),
+    kernels=["matvec"],
   )

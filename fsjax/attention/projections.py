@@ -15,6 +15,8 @@ import flax.linen as nn
 
 from fsjax.layer_weights import dense_products
 
+QKV = ("q_proj", "k_proj", "v_proj")  # the input projections, whose products share their input
+
 
 @dataclasses.dataclass(frozen=True)
 class Projection:
@@ -49,10 +51,11 @@ def project_heads(x, num_heads, head_dim, name, dtype, param_dtype, bias=False):
 def project_qkv(x, num_heads, head_dim, projection: Projection, dtype, param_dtype, weights=None):
   """`x [batch, seq, d_model]` → q `[batch, seq, heads, head_dim]`, k and v `[batch, seq, kv_heads, head_dim]`,
   unrotated (q and k normed per head when `projection.qk_norm`); call inside a compact module. `weights`: the
-  attention module's `fsjax.layer_weights.LayerWeights` at a decode step (one launch for W_q, W_k and W_v)."""
+  attention module's `fsjax.layer_weights.LayerWeights` at a decode step (one launch for W_q, W_k and W_v; x
+  arrives unnormed where it carries a prenorm)."""
   kv_heads = projection.kv_heads(num_heads)
   bias = projection.qkv_bias
-  products = dense_products(weights, x, ("q_proj", "k_proj", "v_proj"), 1, dtype)
+  products = dense_products(weights, x, QKV, 1, dtype, normed_input=True)
   if products is not None:
     q, k, v = products
   else:
