@@ -331,27 +331,15 @@ def _with_written(cache: bounded.BoundedCache, written):
 
 
 def bounded_token_kernel(
-  cache: bounded.BoundedCache,
-  q,
-  k,
-  v,
-  pos,
-  valid,
-  routing: Routing,
-  *,
-  rope_theta,
-  lam,
-  sigma,
-  lr_gain,
-  alpha,
-  out_dtype,
+  cache: bounded.BoundedCache, q, k, v, pos, valid, routing: Routing, weights, *, rope_theta, out_dtype
 ):
   """`bounded_segment` for one token per row through `pallas_kernels.bounded_decode`: one kernel writes the token
   into the ring and the block buffer and computes both branches and the selection, a second mixes them; a
-  completed block is merged after them (or after the last layer, where the cache defers merges)."""
+  completed block is merged after them (or after the last layer, where the cache defers merges). `weights`: the
+  layer's lam, sigma, alpha and lr_gain, as `bounded_segment` takes them."""
   q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
   fields, layer = _kernel_fields(cache)
-  lam, sigma, alpha, lr_gain = (_at_layer(x, layer) for x in (lam, sigma, alpha, lr_gain))
+  lam, sigma, alpha, lr_gain = (_at_layer(weights[name], layer) for name in ("lam", "sigma", "alpha", "lr_gain"))
   o, selected, written = bounded_decode.bounded_decode(
     q[:, 0],
     q_rot[:, 0],
@@ -406,20 +394,9 @@ def bounded_segment(
   out_dtype = q.dtype if out_dtype is None else out_dtype
   facts = dict(tokens=q.shape[1], cell=routing.cell, head_dim=q.shape[-1])
   if q.shape[1] == 1 and dispatch.resolve("bounded_decode", impl, **facts) == "pallas":
+    weights = dict(lam=lam, sigma=sigma, alpha=alpha, lr_gain=lr_gain)
     return bounded_token_kernel(
-      cache,
-      q,
-      k,
-      v,
-      pos,
-      valid,
-      routing,
-      rope_theta=rope_theta,
-      lam=lam,
-      sigma=sigma,
-      lr_gain=lr_gain,
-      alpha=alpha,
-      out_dtype=out_dtype,
+      cache, q, k, v, pos, valid, routing, weights, rope_theta=rope_theta, out_dtype=out_dtype
     )
   lam, sigma = read(lam), read(sigma)
   lr_gain, alpha = (read(x).astype(q.dtype) for x in (lr_gain, alpha))
