@@ -1,8 +1,6 @@
 """pallas_kernels.forest_search (FS-B's beam search, FS Eq. 11) against the reference beam search
 (fsjax.reference.forest.beam_search) on streaming forests."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,15 +51,13 @@ def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
   lam, sigma = jnp.asarray(rng.uniform(0.3, 2.0, heads)), jnp.asarray(rng.uniform(1.0, 8.0, heads))
   steps = forest_cache.num_levels_of(cache.forests)
   roots_of = lambda forest: jnp.broadcast_to(forest.root[:, None, :], (batch, queries, heads))
-  # Both searches jitted: op by op, the interpreted kernel and the reference's steps dispatched every operation.
-  search = jax.jit(lambda forest: _reference_search(forest, q, positions, lam=lam, sigma=sigma, beam=beam, steps=steps))
-  kernel = jax.jit(
-    functools.partial(forest_search.beam_search, beam=beam, steps=steps, bound_c=8.0, interpret=interpret)
-  )
+  search = lambda forest: _reference_search(forest, q, positions, lam=lam, sigma=sigma, beam=beam, steps=steps)
   for which in (0, 1):
     forest = cache.forest(which)
     expected = search(forest)
-    actual = kernel(q, positions, roots_of(forest), forest.nodes, lam, sigma)
+    actual = forest_search.beam_search(
+      q, positions, roots_of(forest), forest.nodes, lam, sigma, beam=beam, steps=steps, bound_c=8.0, interpret=interpret
+    )
     np.testing.assert_array_equal(actual, expected)  # slot order too: (U desc, first cell asc), leaves first
     assert np.any(np.asarray(expected) >= 0)
   # A scanned model's stacked tables: layer 1 holds forest 0, layer 0 the other forest, which beams differently.
@@ -69,5 +65,18 @@ def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
     name: jnp.stack([cache.forest(1).nodes[name], cache.forest(0).nodes[name]]) for name in cache.forests.nodes
   }
   np.testing.assert_array_equal(
-    kernel(q, positions, roots_of(cache.forest(0)), stacked, lam, sigma, layer=jnp.int32(1)), search(cache.forest(0))
+    forest_search.beam_search(
+      q,
+      positions,
+      roots_of(cache.forest(0)),
+      stacked,
+      lam,
+      sigma,
+      beam=beam,
+      steps=steps,
+      bound_c=8.0,
+      layer=jnp.int32(1),
+      interpret=interpret,
+    ),
+    search(cache.forest(0)),
   )
