@@ -121,12 +121,11 @@ def test_grouped_attention_equals_multi_head_attention_over_repeated_kv(rng, var
   q, k, v = _grouped_qkv(rng, 160, np.float32, dim=16)
   lam, sigma, tau = _routing_buffers(rng, k, 16)
   geometry = dict(GEOMETRY, cell=16, block=32, window=40, **FSB)
-  # Jitted: op by op, FS-B's forest build and the interpreted kernels dispatched every operation.
-  run = jax.jit(
-    lambda q, k, v, lam, sigma, tau: ops.freesolo_attention(
-      q, k, v, variant=variant, alpha=0.7, lam=lam, sigma=sigma, tau=tau, impl=impl, **geometry
-    )
+  run = lambda q, k, v, lam, sigma, tau: ops.freesolo_attention(
+    q, k, v, variant=variant, alpha=0.7, lam=lam, sigma=sigma, tau=tau, impl=impl, **geometry
   )
+  if variant != "fsb":  # FS and FS-L jitted; FS-B's two impls share its forest build's op-by-op programs instead
+    run = jax.jit(run)
   assert_close(
     run(q, k, v, lam, sigma, tau), run(q, _repeated(k), _repeated(v), lam, sigma, _repeated(tau, 0)), np.float32
   )
@@ -140,12 +139,13 @@ def test_a_kv_head_per_query_head_changes_nothing(rng, variant):
     num_heads=4, head_dim=8, routing=ref.Routing(variant=variant, window=40, cell=8, block=32), projection=projection
   )
   plain, grouped = make(Projection()), make(Projection(num_kv_heads=4))
-  # Jitted: op by op, init and both forwards dispatched every operation of the routing.
-  variables = jax.jit(plain.init)(jax.random.PRNGKey(0), x)
+  # FS and FS-L jitted; FS-B's two forwards share its forest build's op-by-op programs instead.
+  jit = (lambda f: f) if variant == "fsb" else jax.jit
+  variables = jit(plain.init)(jax.random.PRNGKey(0), x)
   assert jax.tree_util.tree_map(jnp.shape, variables) == jax.tree_util.tree_map(
     jnp.shape, jax.eval_shape(grouped.init, jax.random.PRNGKey(0), x)
   )
-  np.testing.assert_array_equal(jax.jit(plain.apply)(variables, x), jax.jit(grouped.apply)(variables, x))
+  np.testing.assert_array_equal(jit(plain.apply)(variables, x), jit(grouped.apply)(variables, x))
 
 
 def test_a_grouped_module_keeps_kv_state_per_kv_head_and_buffers_by_what_they_weight(rng):
@@ -225,22 +225,22 @@ def test_forest_search_kernel_searches_each_query_heads_kv_head_forests(rng, int
   archive = archive_lib.extend(cache.archive, k, k, pos, jnp.ones(pos.shape, bool), cell)
   tau = jnp.asarray(np.quantile(np.asarray(archive.max_norms).reshape(-1, KV_HEADS), 0.6, axis=0), jnp.float32)
   target = jnp.array([4, 3]) * (block // cell)
-  advance = jax.jit(lambda c, t, tau: forest_cache.advance(c, t, tau, cell=cell, block=block))  # op by op: slow
-  cache = advance(cache.replace(archive=archive), target, tau)
+  cache = forest_cache.advance(cache.replace(archive=archive), target, tau, cell=cell, block=block)
   q = jnp.asarray(rng.standard_normal((batch, queries, HEADS, dim)) * 2, jnp.float32)
   positions = jnp.asarray(target[:, None] * cell + rng.integers(0, block, (batch, queries)), jnp.int32)
   lam, sigma = jnp.asarray(rng.uniform(0.3, 2.0, HEADS), jnp.float32), jnp.asarray(rng.uniform(1, 8, HEADS))
-  search = dict(beam=beam, steps=forest_cache.num_levels_of(cache.forests), bound_c=8.0)
-  reference = jax.jit(functools.partial(ops.forest_beam_search, cell=cell, **search))
-  kernel = jax.jit(functools.partial(forest_search.beam_search, interpret=interpret, **search))
+  steps = forest_cache.num_levels_of(cache.forests)
   for which in (0, 1):
     forest = cache.forest(which)
     roots = jnp.broadcast_to(_repeated(forest.root, 1)[:, None], (batch, queries, HEADS))
-    expected = reference(q, positions, roots, forest.nodes, lam, sigma)
-    actual = kernel(q, positions, roots, forest.nodes, lam, sigma)
+    search = dict(beam=beam, steps=steps, bound_c=8.0)
+    expected = ops.forest_beam_search(q, positions, roots, forest.nodes, lam, sigma, cell=cell, **search)
+    actual = forest_search.beam_search(q, positions, roots, forest.nodes, lam, sigma, interpret=interpret, **search)
     np.testing.assert_array_equal(actual, expected)
     repeated_nodes = {name: _repeated(x, 1) for name, x in forest.nodes.items()}
-    np.testing.assert_array_equal(reference(q, positions, roots, repeated_nodes, lam, sigma), expected)
+    np.testing.assert_array_equal(
+      ops.forest_beam_search(q, positions, roots, repeated_nodes, lam, sigma, cell=cell, **search), expected
+    )
 
 
 # The model: decode, gradients.
