@@ -87,10 +87,11 @@ def test_fsb_reference_selects_a_loop_over_query_heads_cells_from_their_kv_heads
   q, k, _ = _grouped_qkv(rng, 64)
   lam, sigma, tau = _routing_buffers(rng, k, GEOMETRY["cell"])
   cell, block, top_k = GEOMETRY["cell"], GEOMETRY["block"], GEOMETRY["top_k"]
+  select = lambda q, k, lam, sigma, tau: ref.select_cells(
+    q, k, variant="fsb", lam=lam, sigma=sigma, tau=tau, cell=cell, block=block, top_k=top_k, **FSB
+  )
   with jax.enable_x64(True):
-    cells = ref.select_cells(
-      q, k, variant="fsb", lam=lam, sigma=sigma, tau=tau, cell=cell, block=block, top_k=top_k, **FSB
-    )
+    cells = jax.jit(select)(q, k, lam, sigma, tau)  # op by op, the forest build dispatched every operation
   expected = np.concatenate(
     [
       brute_force.fsb_cells(
@@ -120,10 +121,14 @@ def test_grouped_attention_equals_multi_head_attention_over_repeated_kv(rng, var
   q, k, v = _grouped_qkv(rng, 160, np.float32, dim=16)
   lam, sigma, tau = _routing_buffers(rng, k, 16)
   geometry = dict(GEOMETRY, cell=16, block=32, window=40, **FSB)
-  run = lambda k, v, tau: ops.freesolo_attention(
+  run = lambda q, k, v, lam, sigma, tau: ops.freesolo_attention(
     q, k, v, variant=variant, alpha=0.7, lam=lam, sigma=sigma, tau=tau, impl=impl, **geometry
   )
-  assert_close(run(k, v, tau), run(_repeated(k), _repeated(v), _repeated(tau, 0)), np.float32)
+  if variant != "fsb":  # FS and FS-L jitted; FS-B's two impls share its forest build's op-by-op programs instead
+    run = jax.jit(run)
+  assert_close(
+    run(q, k, v, lam, sigma, tau), run(q, _repeated(k), _repeated(v), lam, sigma, _repeated(tau, 0)), np.float32
+  )
 
 
 @pytest.mark.parametrize("variant", ["fs", "fsl", "fsb"])
@@ -134,11 +139,13 @@ def test_a_kv_head_per_query_head_changes_nothing(rng, variant):
     num_heads=4, head_dim=8, routing=ref.Routing(variant=variant, window=40, cell=8, block=32), projection=projection
   )
   plain, grouped = make(Projection()), make(Projection(num_kv_heads=4))
-  variables = plain.init(jax.random.PRNGKey(0), x)
+  # FS and FS-L jitted; FS-B's two forwards share its forest build's op-by-op programs instead.
+  jit = (lambda f: f) if variant == "fsb" else jax.jit
+  variables = jit(plain.init)(jax.random.PRNGKey(0), x)
   assert jax.tree_util.tree_map(jnp.shape, variables) == jax.tree_util.tree_map(
     jnp.shape, jax.eval_shape(grouped.init, jax.random.PRNGKey(0), x)
   )
-  np.testing.assert_array_equal(plain.apply(variables, x), grouped.apply(variables, x))
+  np.testing.assert_array_equal(jit(plain.apply)(variables, x), jit(grouped.apply)(variables, x))
 
 
 def test_a_grouped_module_keeps_kv_state_per_kv_head_and_buffers_by_what_they_weight(rng):
@@ -198,10 +205,12 @@ def test_sparse_readout_kernel_over_kv_heads_matches_the_reference_with_gradient
     return lambda q, k, v: jnp.sum(readout(q, k, v, cell_idx, cell=16) * weights)
 
   kernel = lambda *a, cell: readout_kernel.sparse_readout(*a, cell=cell, interpret=interpret)
-  expected = ref.sparse_readout(q, k, v, cell_idx, cell=16)
-  assert_close(kernel(q, k, v, cell_idx, cell=16), expected, np.float32)
-  grads = jax.grad(loss(kernel), argnums=(0, 1, 2))(q, k, v)
-  for got, want in zip(grads, jax.grad(loss(ref.sparse_readout), argnums=(0, 1, 2))(q, k, v)):
+  # Jitted: op by op, the interpreted kernels and both backward passes dispatched every operation.
+  forward = lambda readout: jax.jit(lambda q, k, v: readout(q, k, v, cell_idx, cell=16))
+  expected = forward(ref.sparse_readout)(q, k, v)
+  assert_close(forward(kernel)(q, k, v), expected, np.float32)
+  grads = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2)))(q, k, v)
+  for got, want in zip(grads, jax.jit(jax.grad(loss(ref.sparse_readout), argnums=(0, 1, 2)))(q, k, v)):
     assert_close(got, want, np.float32)
 
 

@@ -67,10 +67,13 @@ def test_cache_attention_over_fewer_kv_heads_equals_it_over_repeated_ones(rng):
   k_pos = jnp.broadcast_to(jnp.where(jnp.arange(40) < 33, jnp.arange(40), -1), (2, 40))
   q_pos = jnp.broadcast_to(25 + jnp.arange(8), (2, 8))
   chunk = q[:, :8]
-  grouped = attend(chunk, q_pos, k, v, k_pos, window=20)
-  assert_close(grouped, attend(chunk, q_pos, _repeated(k), _repeated(v), k_pos, window=20), np.float32)
-  one = attend_one(chunk[:, :1], q_pos[:, :1], k, v, k_pos, window=20)
-  assert_close(one, attend_one(chunk[:, :1], q_pos[:, :1], _repeated(k), _repeated(v), k_pos, window=20), np.float32)
+  # Jitted: op by op, every operation compiled on its own.
+  attend_chunk = jax.jit(lambda k, v: attend(chunk, q_pos, k, v, k_pos, window=20))
+  attend_token = jax.jit(lambda k, v: attend_one(chunk[:, :1], q_pos[:, :1], k, v, k_pos, window=20))
+  grouped = attend_chunk(k, v)
+  assert_close(grouped, attend_chunk(_repeated(k), _repeated(v)), np.float32)
+  one = attend_token(k, v)
+  assert_close(one, attend_token(_repeated(k), _repeated(v)), np.float32)
   assert_close(one, grouped[:, :1], np.float32)
 
 
@@ -79,13 +82,14 @@ def test_groups_of_kv_heads_take_the_query_heads_that_read_them(rng):
   q, k, v = _grouped_qkv(rng, 24, np.float32)
   positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
   attend_heads = lambda q, k, v: attend(q, positions, k, v, positions)
-  assert_close(by_head_groups(attend_heads, KV_HEADS, q, k, v), attend_heads(q, k, v), np.float32)
+  by_groups = jax.jit(lambda q, k, v: by_head_groups(attend_heads, KV_HEADS, q, k, v))  # op by op: slow
+  assert_close(by_groups(q, k, v), jax.jit(attend_heads)(q, k, v), np.float32)
 
 
 def test_a_grouped_module_projects_fewer_kv_heads_and_reads_them_per_group(rng):
   module = DenseAttention(num_heads=HEADS, head_dim=8, kind="tfpp", projection=Projection(num_kv_heads=KV_HEADS))
   x = jnp.asarray(rng.standard_normal((2, 24, 16)), jnp.float32)
-  params = module.init(jax.random.PRNGKey(0), x)["params"]
+  params = jax.jit(module.init)(jax.random.PRNGKey(0), x)["params"]  # op by op: slow
   assert {name: params[name]["kernel"].shape for name in params} == {
     "q_proj": (16, HEADS, 8),
     "k_proj": (16, KV_HEADS, 8),
@@ -93,9 +97,11 @@ def test_a_grouped_module_projects_fewer_kv_heads_and_reads_them_per_group(rng):
     "o_proj": (HEADS, 8, 16),
   }
   q, k, v = (jnp.einsum("btm,mhd->bthd", x, params[n]["kernel"]) for n in ("q_proj", "k_proj", "v_proj"))
-  o = ops.tfpp_attention(q, _repeated(k), _repeated(v))
+  o = jax.jit(ops.tfpp_attention)(q, _repeated(k), _repeated(v))
   assert_close(
-    module.apply({"params": params}, x), jnp.einsum("bthd,hdm->btm", o, params["o_proj"]["kernel"]), np.float32
+    jax.jit(module.apply)({"params": params}, x),
+    jnp.einsum("bthd,hdm->btm", o, params["o_proj"]["kernel"]),
+    np.float32,
   )
 
 

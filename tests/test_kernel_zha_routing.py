@@ -303,9 +303,12 @@ def test_capped_decode_through_the_kernels_equals_the_reference(rng):
   q, k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, dim)), jnp.float32) for _ in range(3))
   ref_queries = jnp.asarray(rng.standard_normal((heads, 2, dim)), jnp.float32)
   tree = ZHATree(refs=2, chunk=4, levels=2, top_p=(0.9,), max_nodes=2)
-  expected, expected_fraction = ops.zha_attention(
-    q, k, v, ref_queries, chunk=4, levels=2, top_p=0.9, rope_theta=10000.0, max_nodes=2, return_fraction=True
-  )
+  # Jitted: op by op, the reference's routing dispatched every operation.
+  expected, expected_fraction = jax.jit(
+    lambda q, k, v, r: ops.zha_attention(
+      q, k, v, r, chunk=4, levels=2, top_p=0.9, rope_theta=10000.0, max_nodes=2, return_fraction=True
+    )
+  )(q, k, v, ref_queries)
   cache = zha_cache.empty_zha(batch, 72, heads, dim, tree)
   outputs, fractions = [], []
   for start, size in ((0, 40), *((t, 1) for t in range(40, seq))):
@@ -387,14 +390,17 @@ def test_capped_descent_keeps_the_references_leaves_under_ties_across_parents(
   batch, heads, capacity, max_nodes = 4, 4, 300, 3
   tree = ZHATree(refs=refs, chunk=chunk, levels=levels, top_p=top_p, max_nodes=max_nodes)
   cache = _random_zha_cache(rng, batch, capacity, heads, dim, tree, jnp.float32, tie_block=chunk)
+
+  @jax.jit  # op by op, every node's scores and the reference's descent dispatched every operation
+  def reference_leaves(q, position, cache):
+    scores = [zha_ref.node_scores(q[:, None], keys, bias) for keys, bias in zip(cache.keys, cache.bias)]
+    return zha_ref.route(scores, position[:, None], chunk=chunk, top_p=top_p, max_nodes=max_nodes)[:, :, 0]
+
   for position in ([3, chunk**levels + 5, capacity - 1, 100], [capacity - 2, 40, 150, 221]):
     position = jnp.asarray(position, jnp.int32)
     q = jnp.asarray(rng.standard_normal((batch, heads, dim)) * 2, jnp.float32)
     leaves = np.asarray(_route(q, position, cache.keys, cache.bias, tree=tree, impl=impl))
-    scores = [zha_ref.node_scores(q[:, None], keys, bias) for keys, bias in zip(cache.keys, cache.bias)]
-    expected = np.asarray(
-      zha_ref.route(scores, position[:, None], chunk=chunk, top_p=top_p, max_nodes=max_nodes)[:, :, 0]
-    )  # [batch, heads, N_1]
+    expected = np.asarray(reference_leaves(q, position, cache))  # [batch, heads, N_1]
     reached = np.zeros_like(expected)
     b, h, slot = np.nonzero(leaves >= 0)
     reached[b, h, leaves[b, h, slot]] = True

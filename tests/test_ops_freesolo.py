@@ -95,15 +95,20 @@ def test_freesolo_attention_mixes_branches_with_alpha(rng):
   lam, sigma = _routing(rng, heads)
   alpha = rng.uniform(-1.0, 2.0, heads)
   kw = dict(variant="fsl", cell=8, block=32, top_k=3, retain_top=4, retain_recent=1)
+  attention = jax.jit(  # op by op, both branches dispatched every operation
+    lambda q, k, v, alpha, lam, sigma: ops.freesolo_attention(
+      q, k, v, alpha=alpha, lam=lam, sigma=sigma, lr_gain=1.0, window=40, **kw
+    )
+  )
   with jax.enable_x64(True):
-    out = np.asarray(ops.freesolo_attention(q, k, v, alpha=alpha, lam=lam, sigma=sigma, lr_gain=1.0, window=40, **kw))
+    out = np.asarray(attention(q, k, v, alpha, lam, sigma))
   long_range, _ = brute_force.fs_long_range(q, k, v, lam=lam, sigma=sigma, gain=1.0, **kw)
   assert_close(out, brute_force.local(q, k, v, 40) + alpha[:, None] * long_range, np.float64)
 
 
 def test_first_block_has_zero_long_range_output(rng):
   q, k, v = random_qkv(rng, (2, 96, 2, 8), np.float32)
-  out = ops.freesolo_long_range(q, k, v, cell=8, block=32, window=32)
+  out = jax.jit(functools.partial(ops.freesolo_long_range, cell=8, block=32, window=32))(q, k, v)  # op by op: slow
   np.testing.assert_array_equal(np.asarray(out[:, :32]), 0.0)
   assert np.all(np.abs(np.asarray(out[:, 32:])).sum(-1) > 0)
 
