@@ -142,8 +142,8 @@ def _random_norm_scales(variables, rng):
 
 @pytest.mark.parametrize(
   "scan_layers,options",
-  [(True, None), (False, None), (True, "hf"), (True, "short-conv")],
-  ids=["scanned", "unrolled", "hf-options", "short-conv"],
+  [(True, None), (False, "short-conv"), (True, "hf")],
+  ids=["scanned", "unrolled-short-conv", "hf-options"],
 )
 def test_decode_steps_through_the_kernel_equal_those_through_dense(rng, monkeypatch, scan_layers, options):
   """The tiny TF++ model, two rows prefilled to different lengths: one-token steps (2 rows: elementwise) and a
