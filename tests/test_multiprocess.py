@@ -248,7 +248,7 @@ def test_kill_9_of_one_process_ends_the_other_with_an_error_and_keeps_the_last_c
   tells the two apart with room for a loaded machine (a 2-core runner beside other tests took 90 s). The kill
   lands between saves: a survivor inside one of Orbax's save barriers also waits out the heartbeat timeout (no
   collective of its own fails there), so the test saves every 20 steps and kills once step 20 is committed, when
-  process 0 has 19 plain steps ahead of it; with a save every 2 steps a loaded CI runner once killed inside one."""
+  process 0 has 19 plain steps ahead of it (with a save every 2 steps, most of the run is inside saves)."""
   monkeypatch.setenv("FSJAX_HEARTBEAT_TIMEOUT", "600")
   run = tmp_path / "run"
   procs = _launch(run, 2, "train.steps=400", "checkpoint.every=20")
