@@ -64,7 +64,8 @@ def _integer_variable(name, default=None):
 
 def exit_after_error(error):
   """Ends a multi-process run's process at once after `error`, with one line naming it (exit status 1). Its peers
-  stop at their next collective, which fails once this process is gone; a normal exit would first wait in
+  stop at their next collective, which usually fails once this process is gone (one that waits instead, or a save
+  barrier, ends at the heartbeat timeout, when JAX aborts the process); a normal exit would first wait in
   `jax.distributed`'s shutdown barrier for every peer, some of which may be dead, until the heartbeat timeout
   and then abort. Returns in a single-process run."""
   if not jax.distributed.is_initialized() or jax.process_count() == 1:
