@@ -88,17 +88,17 @@ def _matvec_kernel(layer_ref, x_ref, *refs, starts, block_k, steps, rows, dot_pr
     first = pl.program_id(1) * (steps * block_k)
     inverses = inverse() if dot_precision is not None else [inverse(r) for r in range(rows)]
 
-  def x_at(k, row=None):
-    """x at contraction slice `k` of this split, one row or all, in the products' dtype (normed first)."""
+  def x_at(k):
+    """x at contraction slice `k` of this split, in the products' dtype (normed first): `[rows', BK]` on the
+    tl.dot path, else a list of the rows `[BK]`."""
+    rows_at = lambda at: x_ref[:, at] if dot_precision is not None else [x_ref[r, at] for r in range(rows)]
     if not normed:
-      return x_ref[:, k] if row is None else x_ref[row, k]
+      return rows_at(k)
     at = pl.ds(first + k.start, k.size)
-    scale = scale_ref[layer, at].astype(jnp.float32)
-    if row is None:
-      x = x_ref[:, at].astype(jnp.float32) * (inverses[:, None] * scale[None, :])
-    else:
-      x = x_ref[row, at].astype(jnp.float32) * (inverses[row] * scale)
-    return x.astype(dtype)
+    scale = scale_ref[layer, at].astype(jnp.float32)  # once per step, for every row
+    if dot_precision is not None:
+      return (rows_at(at).astype(jnp.float32) * (inverses[:, None] * scale[None, :])).astype(dtype)
+    return [(x.astype(jnp.float32) * (inverse * scale)).astype(dtype) for x, inverse in zip(rows_at(at), inverses)]
 
   def product(w_ref):
     def step(i, acc):
@@ -107,7 +107,7 @@ def _matvec_kernel(layer_ref, x_ref, *refs, starts, block_k, steps, rows, dot_pr
       if dot_precision is not None:
         return acc + jax.lax.dot(x_at(k), w, precision=dot_precision, preferred_element_type=jnp.float32)
       w = w.astype(jnp.float32)
-      return tuple(a + jnp.sum(x_at(k, r).astype(jnp.float32)[:, None] * w, axis=0) for r, a in enumerate(acc))
+      return tuple(a + jnp.sum(x.astype(jnp.float32)[:, None] * w, axis=0) for x, a in zip(x_at(k), acc))
 
     block_n = o_ref.shape[-1]
     if dot_precision is not None:

@@ -451,8 +451,8 @@ def bounded_chunk(
   unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], chunk, *x.shape[3:])
 
   def one_block(cache, inputs):
-    *branches, cache = segment(cache, *inputs)
-    return cache, branches
+    *outputs, cache = segment(cache, *inputs)
+    return cache, outputs
 
   cache, outputs = jax.lax.scan(one_block, cache, tuple(by_block(x) for x in (q, k, v, positions, valid)))
   o, cell_idx = (unblock(x) for x in outputs)
