@@ -104,20 +104,23 @@ def _cell_topk_kernel(
   top_k,
   retain_recent,
   chunk,
+  num_cells,
   steps_per_split,
   pruned,
   stacked,
   scale,
   precision,
 ):
-  """q_ref `[Bq, d]`, pos_ref `[Bq]`, layer_ref `[1]`, mean_ref `[layers, M', d]` and norm_ref `[layers, M']` (read
-  at layer `layer_ref[0]` where `stacked`, else at 0), death_ref `[M']` (a_c and Eq. 8 death blocks of the
-  key/value head this query head reads), lam_ref / inv_sigma_ref `[H']` (λ_h, 1/(2σ_h) of every query head) →
-  idx_ref, value_ref `[Bq, K']`: the top-K of this program's cell range (chunks `split · steps_per_split`
-  onwards) and their scores."""
+  """q_ref `[Bq, d]`, pos_ref `[Bq]`, layer_ref `[1]`, mean_ref `[layers, M, d]` and norm_ref `[layers, M]` (read
+  at layer `layer_ref[0]` where `stacked`, else at 0), death_ref `[M]` (a_c and Eq. 8 death blocks of the
+  key/value head this query head reads; read only when `pruned`), lam_ref / inv_sigma_ref `[H']` (λ_h, 1/(2σ_h)
+  of every query head) → idx_ref, value_ref `[Bq, K']`: the top-K of this program's cell range (chunks `split ·
+  steps_per_split` onwards) and their scores. M = `num_cells` need not be a multiple of the chunk: the last
+  chunk's loads are masked, so a decode cache's summaries are read where they lie rather than padded (a copy of
+  the layer at every step)."""
   q = q_ref[...].astype(jnp.float32)
   pos = pos_ref[...]
-  layer = layer_ref[0] if stacked else 0  # a constant index where there is one layer (training, prefill)
+  layer = layer_ref[0] if stacked else jnp.int32(0)  # a constant index where there is one layer (training, prefill)
   query_block = pos // block
   num_eligible = query_block * (block // cell)  # Eq. 6: m_n cells precede the query's block
   lam, inv_two_sigma = lam_ref[pl.program_id(2)], inv_sigma_ref[pl.program_id(2)]
@@ -128,12 +131,14 @@ def _cell_topk_kernel(
     top_values, top_indices = carry
     first = step * chunk
     c = first + lane
-    mean = mean_ref[layer, pl.ds(first, chunk), :].astype(jnp.float32)
+    inside = c < num_cells
+    load = lambda ref, mask, *index: plgpu.load(ref.at[(*index, pl.ds(first, chunk))], mask=mask, other=0)
+    mean = load(mean_ref, inside[:, None], layer).astype(jnp.float32)
     content = (
       jax.lax.dot_general(q, mean, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
       * scale
     )
-    amplitude = (lam * norm_ref[layer, pl.ds(first, chunk)].astype(jnp.float32))[None, :]  # λ_h a_c of Eq. 7
+    amplitude = (lam * load(norm_ref, inside, layer).astype(jnp.float32))[None, :]  # λ_h a_c of Eq. 7
 
     def prior_with_erf():
       distance = pos.astype(jnp.float32)[:, None] - (c.astype(jnp.float32)[None, :] + 0.5) * cell
@@ -146,7 +151,7 @@ def _cell_topk_kernel(
     available = c[None, :] < num_eligible[:, None]
     if pruned:  # Eq. 8: Recent_W ∪ TopP
       recent = c[None, :] >= num_eligible[:, None] - retain_recent
-      in_pool = query_block[:, None] < death_ref[pl.ds(first, chunk)][None, :]
+      in_pool = query_block[:, None] < load(death_ref, inside)[None, :]
       available &= recent | in_pool
     # Only scores above a query's current K-th best can enter its list (an equal one loses on index).
     scores = jnp.where(available & (scores > top_values[-1][:, None]), scores, -jnp.inf)
@@ -223,8 +228,8 @@ def select_from_summaries(
       `s`, `B`, `K`, `P`, `W`.
     block_sizes: `BlockSizes`; interpret: None = compiled on GPU, interpreted elsewhere.
     layer: int32 scalar, or None. With it, mean_keys and max_norms are a scanned model's stacks `[layers, batch,
-      M, ...]` (a decode cache's), read at `layer` where they lie when the cells fill whole chunks and the head
-      dim is a power of two (else the layer is sliced out first, a copy); death stays `[batch, M, kv_heads]`.
+      M, ...]` (a decode cache's), read at `layer` where they lie when the head dim is a power of two (else the
+      layer is sliced out and padded first, a copy); death stays `[batch, M, kv_heads]`.
 
   Returns:
     `[batch, T, heads, K]` int32, best first (ties: lower index), -1 where fewer than K cells are available.
@@ -237,7 +242,7 @@ def select_from_summaries(
     raise ValueError(f"variant must be 'fs' or 'fsl' for the cell-scoring kernel, got {variant!r}")
   tile, chunk = min(sizes.queries, pl.next_power_of_2(seq)), sizes.cells
   num_cells = max_norms.shape[-2]
-  if layer is not None and (num_cells % chunk or head_dim != pl.next_power_of_2(head_dim)):
+  if layer is not None and head_dim != pl.next_power_of_2(head_dim):
     mean_keys, max_norms, layer = mean_keys[layer], max_norms[layer], None  # padding would copy every layer
   (mean_keys, layer_index), (max_norms, _) = layer_stack(mean_keys, layer, 4), layer_stack(max_norms, layer, 3)
   kv_heads = max_norms.shape[-1]
@@ -250,8 +255,9 @@ def select_from_summaries(
   mean_keys, max_norms = (jax.lax.stop_gradient(_loadable(x)) for x in (mean_keys, max_norms))
   lam = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (heads,))
   sigma = jnp.broadcast_to(jnp.asarray(sigma, jnp.float32), (heads,))
-  if variant == "fs":
-    death = jnp.zeros(max_norms.shape[1:], jnp.int32)
+  pruned = variant == "fsl"
+  if not pruned:
+    death = jnp.zeros((1, 1, 1), jnp.int32)  # never read: no `[batch, M, kv_heads]` fill at every decode step
   elif death is None or death.shape != max_norms.shape[1:]:
     raise ValueError(
       f"variant 'fsl' needs death blocks shaped like max_norms {max_norms.shape[1:]}, got "
@@ -259,14 +265,12 @@ def select_from_summaries(
     )
 
   padded_seq = pl.cdiv(seq, tile) * tile
-  padded_cells = pl.cdiv(num_cells, chunk) * chunk
+  padded_cells = pl.cdiv(num_cells, chunk) * chunk  # cells the chunks cover; the loads past M are masked
   padded_k = pl.next_power_of_2(top_k)
   splits = _num_splits(sizes, programs=padded_seq // tile * batch * heads, num_chunks=padded_cells // chunk)
   q = pad_axis(pad_head_dim(q), 1, padded_seq)
   positions = pad_axis(positions.astype(jnp.int32), 1, padded_seq)
-  mean_keys = pad_axis(pad_head_dim(mean_keys), 2, padded_cells)
-  max_norms = pad_axis(max_norms, 2, padded_cells)
-  death = pad_axis(death, 1, padded_cells)
+  mean_keys = pad_head_dim(mean_keys)
   lam = pad_axis(lam, 0, pl.next_power_of_2(heads))
   inv_two_sigma = pad_axis(1.0 / (2.0 * sigma), 0, pl.next_power_of_2(heads), 1.0)
   dim, layers = q.shape[-1], mean_keys.shape[0]
@@ -278,14 +282,19 @@ def select_from_summaries(
     top_k=top_k,
     retain_recent=retain_recent,
     chunk=chunk,
+    num_cells=num_cells,
     steps_per_split=pl.cdiv(padded_cells // chunk, splits),
-    pruned=variant == "fsl",
+    pruned=pruned,
     stacked=layer is not None,
     scale=1.0 / math.sqrt(head_dim),
     # Tensor cores in three TF32 passes keep float32 accuracy; the CPU interpreter has
     # no such algorithm and multiplies in full float32.
     precision=(jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3),
   )
+  if pruned:
+    death_map = lambda i, b, h, s: (b, 0, h // group)
+  else:
+    death_map = lambda i, b, h, s: (0, 0, 0)
   out_spec = pl.BlockSpec((None, tile, None, None, padded_k), lambda i, b, h, s: (b, i, h, s, 0))
   out_shape = (batch, padded_seq, heads, splits, padded_k)
   idx, values = pl.pallas_call(
@@ -295,9 +304,9 @@ def select_from_summaries(
       pl.BlockSpec((None, tile, None, dim), lambda i, b, h, s: (b, i, h, 0)),
       pl.BlockSpec((None, tile), lambda i, b, h, s: (b, i)),
       pl.BlockSpec((1,), lambda i, b, h, s: (0,)),
-      pl.BlockSpec((layers, None, padded_cells, None, dim), lambda i, b, h, s: (0, b, 0, h // group, 0)),
-      pl.BlockSpec((layers, None, padded_cells, None), lambda i, b, h, s: (0, b, 0, h // group)),
-      pl.BlockSpec((None, padded_cells, None), lambda i, b, h, s: (b, 0, h // group)),
+      pl.BlockSpec((layers, None, num_cells, None, dim), lambda i, b, h, s: (0, b, 0, h // group, 0)),
+      pl.BlockSpec((layers, None, num_cells, None), lambda i, b, h, s: (0, b, 0, h // group)),
+      pl.BlockSpec((None, death.shape[1], None), death_map),
       pl.BlockSpec(lam.shape, lambda i, b, h, s: (0,)),
       pl.BlockSpec(inv_two_sigma.shape, lambda i, b, h, s: (0,)),
     ],

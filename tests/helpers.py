@@ -5,6 +5,7 @@ import functools
 import zlib
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -170,6 +171,18 @@ def gradient_temporaries(loss, *shapes, argnums=0):
   `shapes` (`jax.ShapeDtypeStruct`s; compiled, not run)."""
   grad = jax.value_and_grad(lambda *args: jnp.sum(loss(*args)), argnums=argnums)
   return jax.jit(grad).lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+
+
+def pallas_call_input_shapes(jaxpr):
+  """The shapes of every array a `pallas_call` in `jaxpr` (or in a jaxpr it calls) is handed: a kernel reading an
+  array where it lies is handed that array's shape, not a slice's or a padded copy's."""
+  shapes = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      shapes += [tuple(v.aval.shape) for v in eqn.invars]
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      shapes += pallas_call_input_shapes(sub)
+  return shapes
 
 
 def spy(monkeypatch, module, name):

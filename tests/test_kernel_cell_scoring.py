@@ -4,6 +4,7 @@ are checked against the reference in tests/test_parity.py."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from fsjax import ops
 from fsjax.reference import cells
 from pallas_kernels import cell_scoring
 
-from helpers import assert_same_cells, kernel_modes
+from helpers import assert_same_cells, kernel_modes, pallas_call_input_shapes
 
 SIZES = cell_scoring.BlockSizes(queries=32, cells=16)
 SCORE_ATOL = 1e-5  # float32 rounding of Eq. 7 computed in a different order (and XLA's erf approximation)
@@ -99,8 +100,9 @@ def test_select_cells_matches_reference(
 @pytest.mark.parametrize("num_cells", [80, 72], ids=["whole-chunks", "a-partial-chunk"])
 def test_a_layer_of_stacked_summaries_is_scored_as_that_layer_alone(rng, interpret, variant, num_cells):
   """A scanned model's decode cache holds every layer's summaries `[layers, batch, M, ...]`: scoring layer 1 of
-  the stack (read in place where the cells fill whole chunks, sliced out where they do not) selects what scoring
-  layer 1's own summaries does, and not what another layer's would."""
+  the stack selects what scoring layer 1's own summaries does, and not what another layer's would. The kernel is
+  handed the stack as it lies, also where the cells do not fill whole chunks (72 cells in chunks of 16: row 0's
+  query sees cells 64-69 of the last chunk, whose loads past cell 71 are masked)."""
   batch, heads, dim, cell, block, top_k = 2, 2, 32, 16, 32, 4
   q = jnp.asarray(rng.standard_normal((batch, 1, heads, dim)), jnp.float32)
   mean_keys = jnp.asarray(rng.standard_normal((3, batch, num_cells, 1, dim)), jnp.bfloat16)
@@ -119,6 +121,8 @@ def test_a_layer_of_stacked_summaries_is_scored_as_that_layer_alone(rng, interpr
   stacked = select(mean_keys, max_norms, layer=jnp.int32(1))
   np.testing.assert_array_equal(np.asarray(stacked), np.asarray(select(mean_keys[1], max_norms[1])))
   assert not np.array_equal(np.asarray(stacked), np.asarray(select(mean_keys[0], max_norms[0])))
+  kernel_inputs = pallas_call_input_shapes(jax.make_jaxpr(select)(mean_keys, max_norms, jnp.int32(1)).jaxpr)
+  assert mean_keys.shape in kernel_inputs and max_norms.shape in kernel_inputs  # no copy of the layer, no padding
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
