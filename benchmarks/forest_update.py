@@ -56,7 +56,7 @@ def filled_cache(start_cells, window_cells, heads, dim, cell, key, admission):
   the counts alone (fixed shapes), every length's window then holds the same chunk builds. "median": τ is the
   median cell norm of unscaled keys (each length's carries fall where its draw puts them)."""
   capacity = (start_cells + window_cells) * cell
-  cache = forest_cache.empty_forest_cache(1, capacity, heads, dim, cell, jnp.bfloat16)
+  cache = forest_cache.empty_forest_cache(1, capacity, heads, dim, cell, window=512, dtype=jnp.bfloat16)
   k = jax.random.normal(key, (1, capacity, heads, dim), jnp.float32)
   if admission == "aligned":
     prefix_key, offset_key, window_key = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -68,7 +68,7 @@ def filled_cache(start_cells, window_cells, heads, dim, cell, key, admission):
     k = k * jnp.repeat(jnp.where(admitted, 2.0, 0.5), cell, axis=0)[None, :, :, None]
   k = k.astype(jnp.bfloat16)
   pos = jnp.arange(capacity, dtype=jnp.int32)[None]
-  archive = jax.jit(lambda a: archive_lib.extend(a, k, k, pos, jnp.ones(pos.shape, bool), cell))(cache.archive)
+  archive = jax.jit(lambda a: archive_lib.extend(a, k, k, k, pos, jnp.ones(pos.shape, bool), cell))(cache.archive)
   norms = archive.max_norms[0].astype(jnp.float32)  # [cells, heads]
   if admission == "median":
     return cache.replace(archive=archive), jnp.median(norms, axis=0)

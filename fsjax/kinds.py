@@ -93,7 +93,7 @@ def _zha_module(att, **common):
 
 def _archive(att, batch, capacity, heads, head_dim, dtype, bounded):
   del bounded
-  return empty_archive(batch, capacity, heads, head_dim, att.cell, dtype)
+  return empty_archive(batch, capacity, heads, head_dim, att.cell, att.window, dtype)
 
 
 def _fsl_cache(att, batch, capacity, heads, head_dim, dtype, bounded):
@@ -107,7 +107,7 @@ def _fsb_cache(att, batch, capacity, heads, head_dim, dtype, bounded):
   """FS-B's streaming forests over the archive; the plain archive (forests rebuilt every step) when not bounded."""
   if not bounded:
     return _archive(att, batch, capacity, heads, head_dim, dtype, bounded)
-  return empty_forest_cache(batch, capacity, heads, head_dim, att.cell, dtype)
+  return empty_forest_cache(batch, capacity, heads, head_dim, att.cell, att.window, dtype)
 
 
 def _store(att, batch, capacity, heads, head_dim, dtype, bounded):

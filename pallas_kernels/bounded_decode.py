@@ -11,12 +11,10 @@ walking them all is latency-bound):
     both, so the union needs no deduplication. The K parts repeat the scoring (a few KB, from L2) rather than
     wait for one another.
 
-Each part writes its softmax normalized over its own keys and their log-sum-exp. A second launch (`_mix_kernel`,
-one program per row and head) combines them exactly into the local output and the long-range sum, applies the
-readout RMSNorm and mixes the branches (Eq. 2), reading α and the gain where they lie: in XLA that merge was a
-fusion that took no fused slice of the parameter stacks, so each step copied α and the gain out first. The jnp
-specification is `fsjax.attention.freesolo_step.bounded_segment`: `attend` over the ring and the token,
-`bounded_long_range`, `mix_branches`, and the ring and block-buffer writes of `bounded.write_segment`.
+Each part writes its softmax normalized over its own keys and their log-sum-exp; a second launch merges them and
+mixes the branches (`pallas_kernels.decode_parts.mix_branches`, shared with FS's step). The jnp specification is
+`fsjax.attention.freesolo_step.bounded_segment`: `attend` over the ring and the token, `bounded_long_range`,
+`mix_branches`, and the ring and block-buffer writes of `bounded.write_segment`.
 
 The token's writes (its rotated key, value and position into ring slot `pos mod R`, its raw key and value into
 block-buffer slot `pos mod B`) happen here, in place (the cache arrays are aliased to outputs): part 0 of the
@@ -27,8 +25,7 @@ and they take the token from their inputs in its place.
 
 The cache arrays are read where they lie: a scanned model's stacks `[layers, batch, ...]` with the layer index,
 so no layer is copied out per token (`fsjax.cache.layered`). Grouped-query attention: query head h reads the
-state of key/value head `h // group` through its index maps. No matrix product has 16 rows here (one query), so
-the dot products are elementwise products and sums in float32.
+state of key/value head `h // group` through its index maps.
 """
 
 import functools
@@ -40,39 +37,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import default_interpret, erf, group_size, layer_stack
+from pallas_kernels.decode_parts import RING_TILE, mix_branches, per_layer, ring_part, softmax_part
 
 NO_CELL = -1
-RING_TILE = 128  # ring slots per local-branch part (one program each)
-
-
-def _softmax_part(logits, seen, values, o_ref, lse_ref):
-  """One part of a softmax over keys split across programs: writes the part's normalized output `[d]` and its
-  log-sum-exp (-inf where it saw no key), which `_mix_kernel` combines exactly."""
-  m = jnp.max(jnp.where(seen, logits, -jnp.inf))
-  shift = jnp.where(m > -jnp.inf, m, 0.0)
-  p = jnp.where(seen, jnp.exp(logits - shift), 0.0)
-  total = jnp.sum(p)
-  o_ref[...] = jnp.where(total > 0, jnp.sum(p[:, None] * values, axis=0) / jnp.where(total > 0, total, 1.0), 0.0)
-  lse_ref[...] = jnp.full(
-    lse_ref.shape, jnp.where(total > 0, shift + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-  )
-
-
-def _ring_part(tile, q_rot, token, pos, valid, layer, scale, ring_refs, out_refs, *, window, ring_slots):
-  """The local branch (Eq. 3-4) over ring tile `tile`: keys at j <= pos with pos - j <= window (the ring holds
-  position j at slot j mod R). `token`: the token's rotated key and value `[d]` (float32 of the cache's dtype),
-  taken in place of slot `pos mod R` for a valid row. ring_refs: the ring's k, v and pos; out_refs: o and lse."""
-  ring_k_ref, ring_v_ref, ring_pos_ref = ring_refs
-  slots = tile * RING_TILE + jnp.arange(RING_TILE)
-  at = jnp.minimum(slots, ring_slots - 1)
-  mine = valid & (slots == pos % ring_slots)
-  k_pos = jnp.where(mine, pos, ring_pos_ref[layer, at])
-  seen = (slots < ring_slots) & (k_pos >= 0) & (k_pos <= pos) & (pos - k_pos <= window)
-  k_new, v_new = token
-  k = jnp.where(mine[:, None], k_new[None, :], ring_k_ref[layer, at, :].astype(jnp.float32))  # [T, d]
-  v = jnp.where(mine[:, None], v_new[None, :], ring_v_ref[layer, at, :].astype(jnp.float32))
-  logits = jnp.sum(k * q_rot[None, :], axis=1) * scale
-  _softmax_part(logits, seen, v, *out_refs)
 
 
 def _cell_part(
@@ -127,7 +94,7 @@ def _cell_part(
   for slot in mine[1:]:
     any_here = any_here | (slot >= 0)
   logits = jnp.sum(cell_k * q[None, :], axis=1) * scale  # [s]
-  _softmax_part(logits, jnp.broadcast_to(any_here, logits.shape), cell_v, o_ref, lse_ref)
+  softmax_part(logits, jnp.broadcast_to(any_here, logits.shape), cell_v, o_ref, lse_ref)
 
 
 def _bounded_decode_kernel(
@@ -191,7 +158,7 @@ def _bounded_decode_kernel(
     q_rot = q_rot_ref[...].astype(jnp.float32)
     token = (k_rot_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32))
     ring_refs = (ring_k_ref, ring_v_ref, ring_pos_ref)
-    _ring_part(
+    ring_part(
       part, q_rot, token, pos, valid, layer, scale, ring_refs, (o_ref, lse_ref), window=window, ring_slots=ring_slots
     )
 
@@ -215,37 +182,6 @@ def _bounded_decode_kernel(
       pool_size=pool_size,
       recent_size=recent_size,
     )
-
-
-def _merged(o, lse, mask):
-  """The softmax over the keys of the parts where `mask` `[P]` holds, from their outputs `o [P, d]` (each normalized
-  over its own keys) and log-sum-exps `lse [P]`: `[d]`, 0 where no part saw a key. Parts outside `mask` may hold
-  anything (the launch leaves the padding parts unwritten)."""
-  lse = jnp.where(mask & (lse > -jnp.inf), lse, -jnp.inf)
-  top = jnp.max(lse)
-  weight = jnp.where(lse > -jnp.inf, jnp.exp(lse - jnp.where(top > -jnp.inf, top, 0.0)), 0.0)
-  total = jnp.sum(weight)
-  return jnp.sum(weight[:, None] * jnp.where(mask[:, None], o, 0.0), axis=0) / jnp.where(total > 0, total, 1.0)
-
-
-def _mix_kernel(o_ref, lse_ref, alpha_ref, gain_ref, layer_ref, out_ref, *, tiles, parts, eps):
-  """One (row, query head): o_ref `[P', d]` and lse_ref `[P']` the parts of `_bounded_decode_kernel` (P' ≥ T + K a
-  power of two; the rest unwritten); alpha_ref `[layers]` (this head's α), gain_ref `[layers, d]`, read at layer
-  `layer_ref[0]`. Writes out_ref `[d]`: local + α · RMSNorm(long-range sum) · gain (Eq. 2, 9), in float32 until
-  the final cast, as the reference path computes it."""
-  layer = layer_ref[0]
-  o, lse = o_ref[...], lse_ref[...]
-  part = jax.lax.broadcasted_iota(jnp.int32, lse.shape, 0)
-  local = _merged(o, lse, part < tiles)
-  summed = _merged(o, lse, (part >= tiles) & (part < parts))
-  gain = gain_ref[layer, :].astype(jnp.float32)
-  long_range = summed * jax.lax.rsqrt(jnp.sum(summed * summed) / summed.shape[0] + eps) * gain
-  out_ref[...] = (local + alpha_ref[layer].astype(jnp.float32) * long_range).astype(out_ref.dtype)
-
-
-def compilable(*, cell, head_dim):
-  """Whether Triton can tile this geometry: a cell's keys and a head's vectors as power-of-two tiles."""
-  return cell >= 1 and cell & (cell - 1) == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 WRITTEN = ("ring_k", "ring_v", "ring_pos", "block_k", "block_v")  # the cache arrays the kernel writes in place
@@ -352,7 +288,6 @@ def bounded_decode(
   row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h, 0))
   kv_row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h // group, 0))
   scalar = lambda index: pl.BlockSpec((1,), index)
-  per_layer = lambda x: x if x.ndim == 2 else jnp.broadcast_to(x, (layers, x.shape[-1]))
   token = [k_rot.astype(stacks["ring_k"].dtype), k.astype(stacks["block_k"].dtype), v.astype(stacks["ring_v"].dtype)]
   inputs = [
     q.astype(jnp.float32),
@@ -360,7 +295,7 @@ def bounded_decode(
     *token,
     pos.astype(jnp.int32),
     valid.astype(jnp.int32),
-    *(per_layer(x).astype(jnp.float32) for x in (lam, sigma)),
+    *(per_layer(x, layers).astype(jnp.float32) for x in (lam, sigma)),
     layer_index,
     *(stacks[name] for name in names),
   ]
@@ -409,22 +344,17 @@ def bounded_decode(
     interpret=interpret,
     name="fsl_bounded_decode",
   )(*inputs)
-  per_head = pl.BlockSpec((layers, None), lambda b, h: (0, h))
-  mixed = pl.pallas_call(
-    functools.partial(_mix_kernel, tiles=tiles, parts=parts, eps=eps),
-    grid=(batch, heads),
-    in_specs=[
-      pl.BlockSpec((None, None, padded_parts, dim), lambda b, h: (b, h, 0, 0)),
-      pl.BlockSpec((None, None, padded_parts), lambda b, h: (b, h, 0)),
-      per_head,
-      pl.BlockSpec((layers, dim), lambda b, h: (0, 0)),
-      pl.BlockSpec((1,), lambda b, h: (0,)),
-    ],
-    out_specs=pl.BlockSpec((None, None, dim), lambda b, h: (b, h, 0)),
-    out_shape=jax.ShapeDtypeStruct((batch, heads, dim), out_dtype),
-    compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+  mixed = mix_branches(
+    o,
+    lse,
+    per_layer(alpha, layers),
+    per_layer(gain, layers),
+    layer_index,
+    tiles=tiles,
+    parts=parts,
+    eps=eps,
+    out_dtype=out_dtype,
     interpret=interpret,
-    name="fsl_mix_branches",
-  )(o, lse, per_layer(alpha), per_layer(gain), layer_index)
+  )
   unstack = (lambda x: x) if layer is not None else (lambda x: x[0])
   return mixed, cells[..., :top_k], {name: unstack(x) for name, x in zip(WRITTEN, written)}

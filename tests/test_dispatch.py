@@ -163,7 +163,7 @@ def test_archive_readout_by_head_groups_equals_one_call(rng, monkeypatch, copy_b
   k, v = (jnp.asarray(rng.standard_normal((2, batch, slots, heads, head_dim)), jnp.float32) for _ in range(2))
   pos = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (2, batch, slots))
   layer = lambda x: LayerSlice(x, jnp.int32(1))
-  archive = Archive(tokens=KVStore(k=layer(k), v=layer(v), pos=layer(pos)), mean_keys=None, max_norms=None)
+  archive = Archive(tokens=KVStore(k=layer(k), v=layer(v), pos=layer(pos)), ring=None, mean_keys=None, max_norms=None)
   q = jnp.asarray(rng.standard_normal((batch, chunk, heads, head_dim)), jnp.float32)
   q_pos = jnp.broadcast_to(96 + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
   # Distinct cells of the six complete ones per query and head, some slots unused (-1).

@@ -20,12 +20,13 @@ BATCH, HEADS, DIM = 2, 2, 6
 
 def _filled_cache(rng, seq, dtype=jnp.float64, heads=HEADS):
   """A forest cache whose archive holds `seq` random tokens (written in uneven chunks); forests still empty."""
-  cache = forest_cache.empty_forest_cache(BATCH, seq, heads, DIM, CELL, dtype)
+  cache = forest_cache.empty_forest_cache(BATCH, seq, heads, DIM, CELL, window=16, dtype=dtype)
   k = jnp.asarray(rng.standard_normal((BATCH, seq, heads, DIM)) * rng.uniform(0.5, 2.0, (BATCH, seq, heads, 1)))
   archive = cache.archive
   for start, stop in ((0, 37), (37, 38), (38, seq)):
     pos = jnp.broadcast_to(jnp.arange(start, stop, dtype=jnp.int32), (BATCH, stop - start))
-    archive = archive_lib.extend(archive, k[:, start:stop], k[:, start:stop], pos, jnp.ones(pos.shape, bool), CELL)
+    chunk = k[:, start:stop]  # as keys, rotated keys (the ring, which no forest reads) and values
+    archive = archive_lib.extend(archive, chunk, chunk, chunk, pos, jnp.ones(pos.shape, bool), CELL)
   tau = jnp.asarray(np.median(np.asarray(archive.max_norms).reshape(-1, heads), axis=0))
   return cache.replace(archive=archive), tau
 

@@ -219,10 +219,10 @@ def test_forest_search_kernel_searches_each_query_heads_kv_head_forests(rng, int
   """Both forests of a streaming cache over key/value heads: the kernel's final beams equal the reference's
   (`fsjax.ops.forest_beam_search`'s, which folds each forest's query heads), slot for slot."""
   batch, seq, cell, block, dim, beam, queries = 2, 320, 16, 64, 16, 4, 5
-  cache = forest_cache.empty_forest_cache(batch, seq, KV_HEADS, dim, cell)
+  cache = forest_cache.empty_forest_cache(batch, seq, KV_HEADS, dim, cell, window=16)
   k = jnp.asarray(_grouped_qkv(rng, seq, np.float32, dim=dim)[1])
   pos = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
-  archive = archive_lib.extend(cache.archive, k, k, pos, jnp.ones(pos.shape, bool), cell)
+  archive = archive_lib.extend(cache.archive, k, k, k, pos, jnp.ones(pos.shape, bool), cell)  # k as every input
   tau = jnp.asarray(np.quantile(np.asarray(archive.max_norms).reshape(-1, KV_HEADS), 0.6, axis=0), jnp.float32)
   target = jnp.array([4, 3]) * (block // cell)
   cache = forest_cache.advance(cache.replace(archive=archive), target, tau, cell=cell, block=block)

@@ -34,12 +34,12 @@ def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
   for slot (leaves reached early keep rank +inf, so their order is the first-cell tie rule's), also when it
   reads one layer of stacked tables."""
   batch, heads, cell, block = 2, 3, 16, 64
-  cache = forest_cache.empty_forest_cache(batch, seq, heads, dim, cell)
+  cache = forest_cache.empty_forest_cache(batch, seq, heads, dim, cell, window=16)
   k = jnp.asarray(
     rng.standard_normal((batch, seq, heads, dim)) * rng.uniform(0.2, 3.0, (batch, seq, heads, 1)), jnp.float32
   )
   pos = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
-  archive = archive_lib.extend(cache.archive, k, k, pos, jnp.ones(pos.shape, bool), cell)
+  archive = archive_lib.extend(cache.archive, k, k, k, pos, jnp.ones(pos.shape, bool), cell)  # k as every input
   tau = jnp.asarray(np.quantile(np.asarray(archive.max_norms).reshape(-1, heads), 0.7, axis=0), jnp.float32)
   last_block = (seq - 1) // block
   target = jnp.array([last_block, last_block - 1]) * (block // cell)

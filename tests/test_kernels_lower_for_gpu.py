@@ -11,7 +11,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import bounded_decode, cell_scoring, forest_search, matvec, sparse_readout, zha_routing
+from pallas_kernels import (
+  archive_decode,
+  bounded_decode,
+  cell_scoring,
+  forest_search,
+  matvec,
+  sparse_readout,
+  zha_routing,
+)
 
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
 shape = jax.ShapeDtypeStruct
@@ -236,7 +244,48 @@ def test_fsl_bounded_decode_lowers(stacked):
     shape((*lead, 64), bf16),
     cache,
     shape((), i32) if stacked else None,
-    kernels=["fsl_bounded_decode", "fsl_mix_branches"],
+    kernels=["fsl_bounded_decode", "decode_mix_branches"],
+  )
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_fs_archive_decode_lowers(stacked):
+  """The 341M geometry (ring 513, cell 32, d 64, K 4) over an archive of 1,056 slots, grouped heads, a layer
+  stack or not."""
+  lead = (3,) if stacked else ()
+  archive = dict(
+    ring_k=shape((*lead, 2, 513, 2, 64), bf16),
+    ring_v=shape((*lead, 2, 513, 2, 64), bf16),
+    ring_pos=shape((*lead, 2, 513), i32),
+    tokens_k=shape((*lead, 2, 1056, 2, 64), bf16),
+    tokens_v=shape((*lead, 2, 1056, 2, 64), bf16),
+    tokens_pos=shape((*lead, 2, 1056), i32),
+  )
+  q, kv = shape((2, 4, 64), f32), shape((2, 2, 64), f32)
+  run = lambda q, q_rot, k_rot, k, v, pos, valid, cells, alpha, gain, archive, layer: archive_decode.archive_decode(
+    *(q, q_rot, k_rot, k, v, pos, valid, cells, alpha, gain, archive),
+    window=512,
+    cell=32,
+    eps=1e-8,
+    out_dtype=bf16,
+    layer=layer,
+    interpret=False,
+  )
+  _lowers_for_cuda(
+    run,
+    q,
+    q,
+    kv,
+    kv,
+    kv,
+    shape((2,), i32),
+    shape((2,), jnp.bool_),
+    shape((2, 4, 4), i32),
+    shape((*lead, 4), bf16),
+    shape((*lead, 64), bf16),
+    archive,
+    shape((), i32) if stacked else None,
+    kernels=["fs_archive_decode", "decode_mix_branches"],
   )
 
 

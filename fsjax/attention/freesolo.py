@@ -10,7 +10,6 @@ from fsjax.layer_weights import parameter, routing_variable
 from fsjax.ops import freesolo as freesolo_ops
 from fsjax.reference.cells import cell_summaries
 from fsjax.reference.common import compute_dtype
-from fsjax.reference.freesolo import mix_branches
 from fsjax.reference.rope import RoPE
 from fsjax.reference.routing import Routing
 
@@ -93,21 +92,18 @@ class FreeSoloAttention(nn.Module):
 
     dtype = compute_dtype(q.dtype)
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-    step = dict(rope_theta=self.rope_theta, lam=lam, sigma=sigma, lr_gain=lr_gain.astype(dtype))
-    if isinstance(cache, BoundedCache):  # a scanned model's stacks, which the decode kernels read in place
-      step.update(
-        lam=routing_variable(weights, "lam", lam),
-        sigma=routing_variable(weights, "sigma", sigma),
-        alpha=parameter(weights, "alpha", alpha),
-        lr_gain=parameter(weights, "lr_gain", lr_gain),
-      )
-      o, cell_idx, cache = freesolo_step.bounded_chunk(
-        cache, q, k, v, positions, valid, routing, out_dtype=x.dtype, impl=self.impl, **step
-      )
+    step = dict(  # a scanned model's stacks at the layer, which the decode kernels read in place
+      rope_theta=self.rope_theta,
+      lam=routing_variable(weights, "lam", lam),
+      sigma=routing_variable(weights, "sigma", sigma),
+      alpha=parameter(weights, "alpha", alpha),
+      lr_gain=parameter(weights, "lr_gain", lr_gain),
+      out_dtype=x.dtype,
+      impl=self.impl,
+    )
+    if isinstance(cache, BoundedCache):
+      o, cell_idx, cache = freesolo_step.bounded_chunk(cache, q, k, v, positions, valid, routing, **step)
     else:
-      local, long_range, cell_idx, cache = freesolo_step.archive_chunk(
-        cache, q, k, v, positions, valid, routing, tau=tau, impl=self.impl, **step
-      )
-      o = mix_branches(local, long_range, alpha.astype(dtype))
+      o, cell_idx, cache = freesolo_step.archive_chunk(cache, q, k, v, positions, valid, routing, tau=tau, **step)
     self.sow("intermediates", "selected_cells", cell_idx)
-    return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype, weights), cache
+    return project_out(o, x.shape[-1], self.dtype, self.param_dtype, weights), cache

@@ -2,9 +2,10 @@
 prefill or one decode token, with the caches of `fsjax.cache` as state and the operators of `fsjax.ops` (which
 own the kernel choice) as maths.
 
-- The FS archive (FS, and FS-B's reference path): the local branch reads the `window + C` archived slots the
-  chunk can see; selection scores the cached cell summaries (Eq. 6-8) or, for FS-B, rebuilds the forests from
-  them (Eq. 10-12); the readout gathers the selected cells (Eq. 9).
+- The FS archive (FS, and FS-B's): the local branch reads the archive's ring of rotated keys and the chunk;
+  selection scores the cached cell summaries (Eq. 6-8) or, for FS-B, rebuilds the forests from them (Eq. 10-12)
+  or searches the forest cache's; the readout gathers the selected cells (Eq. 9); the branches are mixed (Eq. 2).
+  One token per row runs `pallas_kernels.archive_decode` after the selection where `impl` picks it.
 - FS-B's forest cache: a one-token step advances the cached forests to its block and beam-searches them (Eq. 11),
   then reranks with token keys (Eq. 12); a longer chunk does the same block by block (`blockwise_select`) and
   leaves the forests past its last complete block.
@@ -26,6 +27,7 @@ from fsjax import ops
 from fsjax.attention.cached import attend, by_head_groups
 from fsjax.cache import archive as archive_cache
 from fsjax.cache import bounded, forest
+from fsjax.cache import store as kv_store
 from fsjax.cache.archive import Archive
 from fsjax.cache.forest import ForestCache
 from fsjax.cache.layered import LayerSlice, after, read
@@ -39,22 +41,16 @@ from fsjax.reference.grouped import group_size, kv_head_of, per_query_head
 from fsjax.reference.rope import apply_rope
 from fsjax.reference.routing import Routing
 from fsjax.reference.softmax import masked_softmax
-from pallas_kernels import bounded_decode
+from pallas_kernels import archive_decode, bounded_decode
 
 NO_CELL = -1
 
 
-def archive_local(archive: Archive, q, pos, *, window, rope_theta):
-  """Eq. 3-4 for queries at `pos` `[batch, C]` (consecutive per row) over the archived keys (the chunk must
-  already be written). Reads only the `window + C` slots each row's chunk can see, so a step costs O(w), not
-  O(archive length). Returns `[batch, C, heads, d]`."""
-  tokens = archive.tokens
-  span = min(window + q.shape[1], tokens.capacity)
-  start = jnp.clip(jnp.min(pos, axis=1) - window, 0, tokens.capacity - span)  # slot = position
-  window_of = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, span, axis=0))
-  k, v, k_pos = (window_of(read(x), start) for x in (tokens.k, tokens.v, tokens.pos))
-  k_rot = apply_rope(k, jnp.maximum(k_pos, 0), rope_theta)
-  return attend(apply_rope(q, pos, rope_theta), pos, k_rot, v, k_pos, window=window)
+def archive_local(archive: Archive, q_rot, k_rot, v, pos, valid, *, window):
+  """Eq. 3-4 for a chunk's rotated queries at `pos` `[batch, C]` (`valid` `[batch, C]`) over the archive's ring,
+  which holds the w + 1 tokens before the chunk (read before the chunk is written), and the chunk's own rotated
+  keys: O(w + C) keys per query, whatever the archive's length. Returns `[batch, C, heads, d]`."""
+  return attend(q_rot, pos, *kv_store.concat(archive.ring, k_rot, v, pos, valid), window=window)
 
 
 def archive_select(archive: Archive, q, pos, routing: Routing, *, lam, sigma, tau=None, impl="reference"):
@@ -233,14 +229,53 @@ def blockwise_select(cache: ForestCache, q, positions, valid, routing: Routing, 
 
 
 def archive_chunk(
-  cache, q, k, v, positions, valid, routing: Routing, *, rope_theta, lam, sigma, lr_gain, tau=None, impl="reference"
+  cache,
+  q,
+  k,
+  v,
+  positions,
+  valid,
+  routing: Routing,
+  *,
+  rope_theta,
+  lam,
+  sigma,
+  lr_gain,
+  alpha,
+  tau=None,
+  out_dtype=None,
+  impl="reference",
 ):
-  """One chunk through an FS `Archive` or FS-B `ForestCache`: `(o_sr, o_lr, cells, new cache)`, the outputs
-  `[batch, C, heads, d]` and the cells `[batch, C, heads, K]`."""
+  """One chunk through an FS `Archive` or FS-B `ForestCache`: `(o, cells, new cache)`, o `[batch, C, heads, d]` the
+  mixed branches (Eq. 2) in `out_dtype` (default q's) and the cells `[batch, C, heads, K]`. One token per row runs
+  `pallas_kernels.archive_decode` after the selection where `impl` picks it ("archive_decode"). `lam`, `sigma`
+  `[heads]`, `alpha` `[heads]` and `lr_gain` `[d]`, or (a scanned model's step) `LayerSlice`s of their `[layers,
+  ...]` stacks at the cache's layer, which the kernels read where they lie."""
+  out_dtype = q.dtype if out_dtype is None else out_dtype
   streaming = isinstance(cache, ForestCache)
   archive = cache.archive if streaming else cache
-  archive = archive_cache.extend(archive, k, v, positions, valid, routing.cell)
-  local = archive_local(archive, q, positions, window=routing.window, rope_theta=rope_theta)
+  lam, sigma = read(lam), read(sigma)
+  q_rot, k_rot = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
+  facts = dict(tokens=q.shape[1], cell=routing.cell, head_dim=q.shape[-1])
+  if q.shape[1] == 1 and dispatch.resolve("archive_decode", impl, **facts) == "pallas":
+    return archive_token_kernel(
+      cache,
+      q,
+      q_rot,
+      k,
+      k_rot,
+      v,
+      positions,
+      valid,
+      routing,
+      dict(lam=lam, sigma=sigma, tau=tau, alpha=alpha, lr_gain=lr_gain),
+      out_dtype=out_dtype,
+      impl=impl,
+    )
+  lr_gain, alpha = (read(x).astype(q.dtype) for x in (lr_gain, alpha))
+  local = archive_local(archive, q_rot, k_rot, v, positions, valid, window=routing.window)
+  written_at = after(positions, local)  # the ring's write below updates the ring this read, in place
+  archive = archive_cache.extend(archive, k, k_rot, v, written_at, valid, routing.cell)
   selected = None
   if streaming:
     cache, selected = streaming_select(
@@ -251,7 +286,55 @@ def archive_chunk(
   long_range, cell_idx = archive_long_range(
     archive, q, positions, routing, lr_gain=lr_gain, lam=lam, sigma=sigma, tau=tau, impl=impl, selected=selected
   )
-  return local, long_range, cell_idx, cache
+  return mix_branches(local.astype(q.dtype), long_range, alpha).astype(out_dtype), cell_idx, cache
+
+
+def archive_token_kernel(cache, q, q_rot, k, k_rot, v, pos, valid, routing: Routing, weights, *, out_dtype, impl):
+  """`archive_chunk` for one token per row through `pallas_kernels.archive_decode`: the selection first (FS's
+  scoring kernel over the summaries, or FS-B's search of its forests, advanced to the token's block), then one
+  kernel writes the token into the archive and its ring and computes both branches, a second mixes them, and
+  XLA recomputes the summary of the token's cell. `weights`: lam, sigma, tau, alpha, lr_gain as `archive_chunk`
+  takes them. The selection never reads the token's cell (Eq. 6: only cells of earlier blocks), so it may run
+  before the write."""
+  streaming = isinstance(cache, ForestCache)
+  archive = cache.archive if streaming else cache
+  lam, sigma, tau = weights["lam"], weights["sigma"], weights["tau"]
+  if streaming:
+    cache, cells = streaming_select(cache, q, pos, valid, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
+  else:
+    cells = archive_select(archive, q, pos, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
+  fields = dict(ring_k=archive.ring.k, ring_v=archive.ring.v, ring_pos=archive.ring.pos)
+  fields.update(tokens_k=archive.tokens.k, tokens_v=archive.tokens.v, tokens_pos=archive.tokens.pos)
+  layer = None
+  if isinstance(archive.tokens.k, LayerSlice):
+    fields, layer = {name: x.stack for name, x in fields.items()}, archive.tokens.k.layer
+  alpha, lr_gain = (_at_layer(weights[name], layer) for name in ("alpha", "lr_gain"))
+  o, written = archive_decode.archive_decode(
+    q[:, 0],
+    q_rot[:, 0],
+    k_rot[:, 0],
+    k[:, 0],
+    v[:, 0],
+    pos[:, 0],
+    valid[:, 0],
+    cells[:, 0],
+    alpha,
+    lr_gain,
+    fields,
+    window=routing.window,
+    cell=routing.cell,
+    eps=READOUT_NORM_EPS,
+    out_dtype=jnp.dtype(out_dtype),
+    layer=layer,
+  )
+  put = lambda old, new: old.replace(stack=new) if isinstance(old, LayerSlice) else new
+  ring, tokens = archive.ring, archive.tokens
+  archive = archive.replace(
+    ring=ring.replace(**{f: put(getattr(ring, f), written[f"ring_{f}"]) for f in ("k", "v", "pos")}),
+    tokens=tokens.replace(**{f: put(getattr(tokens, f), written[f"tokens_{f}"]) for f in ("k", "v", "pos")}),
+  )
+  archive = archive_cache.summarize(archive, pos, valid, routing.cell)
+  return o[:, None], cells, cache.replace(archive=archive) if streaming else archive
 
 
 def fill(cache, k, v, positions, valid, routing: Routing, *, rope_theta, tau=None):
@@ -264,10 +347,11 @@ def fill(cache, k, v, positions, valid, routing: Routing, *, rope_theta, tau=Non
     cache: an empty `Archive`, `ForestCache` or `BoundedCache`; k, v: `[batch, C, heads, d]` unrotated, in the
       compute dtype; positions, valid: `[batch, C]`.
   """
+  k_rot = apply_rope(k, positions, rope_theta)
   if isinstance(cache, bounded.BoundedCache):
-    return bounded.fill(cache, apply_rope(k, positions, rope_theta), k, v, positions, valid)
+    return bounded.fill(cache, k_rot, k, v, positions, valid)
   streaming = isinstance(cache, ForestCache)
-  archive = archive_cache.extend(cache.archive if streaming else cache, k, v, positions, valid, routing.cell)
+  archive = archive_cache.extend(cache.archive if streaming else cache, k, k_rot, v, positions, valid, routing.cell)
   if not streaming:
     return archive
   target = forest.eligible_after(positions, valid, cache.admitted, cell=routing.cell, block=routing.block)

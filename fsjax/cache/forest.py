@@ -124,10 +124,10 @@ def empty_forest(batch, heads, head_dim, max_cells, dtype):
   )
 
 
-def empty_forest_cache(batch, capacity, heads, head_dim, cell, dtype=jnp.float32):
-  """An empty archive of `capacity` tokens and two empty forests over its `capacity // cell` cells (nodes in
-  `dtype` promoted to at least float32, the precision the reference builds them in)."""
-  archive = archive_lib.empty_archive(batch, capacity, heads, head_dim, cell, dtype)
+def empty_forest_cache(batch, capacity, heads, head_dim, cell, window, dtype=jnp.float32):
+  """An empty archive of `capacity` tokens (its ring of `window + 1`) and two empty forests over its `capacity //
+  cell` cells (nodes in `dtype` promoted to at least float32, the precision the reference builds them in)."""
+  archive = archive_lib.empty_archive(batch, capacity, heads, head_dim, cell, window, dtype)
   forests = empty_forest(batch, 2 * heads, head_dim, capacity // cell, jnp.promote_types(dtype, jnp.float32))
   return ForestCache(archive=archive, forests=forests, admitted=jnp.zeros((batch,), jnp.int32))
 

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from fsjax.ops import query_blocks
-from pallas_kernels import bounded_decode, matvec, zha_routing
 from pallas_kernels import common as kernel_common
+from pallas_kernels import decode_parts, matvec, zha_routing
 
 IMPLS = ("reference", "auto", "pallas")
 HALF_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -64,8 +64,8 @@ def _beam_kernel(*, cell, head_dim, beam, **_):
   return beam & (beam - 1) == 0 and _cell_kernels(cell=cell, head_dim=head_dim)
 
 
-def _bounded_decode_kernel(*, tokens, cell, head_dim, **_):
-  return on_gpu() and tokens == 1 and bounded_decode.compilable(cell=cell, head_dim=head_dim)
+def _decode_step_kernel(*, tokens, cell, head_dim, **_):
+  return on_gpu() and tokens == 1 and decode_parts.compilable(cell=cell, head_dim=head_dim)
 
 
 def _matvec_kernel(*, rows, k, ns, **_):
@@ -101,7 +101,9 @@ TABLE = {
   # FS-B's beam search over a decode step's streaming forests (FS Eq. 11).
   "forest_search": (Implementation("pallas", _beam_kernel),),
   # FS-L's one-token step over its bounded cache: local branch, scoring, top-K and readout in one kernel.
-  "bounded_decode": (Implementation("pallas", _bounded_decode_kernel),),
+  "bounded_decode": (Implementation("pallas", _decode_step_kernel),),
+  # FS's and FS-B's one-token step over the archive, given the selected cells: local branch, readout and mix.
+  "archive_decode": (Implementation("pallas", _decode_step_kernel),),
   # A decode step's projections of a few rows, the weights read where they lie (`fsjax.layer_weights`).
   "matvec": (Implementation("pallas", _matvec_kernel),),
   # Local and dense RoPE attention: cuDNN's fused kernel.

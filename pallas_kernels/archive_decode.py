@@ -1,0 +1,258 @@
+"""FS's and FS-B's attention for one decode token over the archive (FS Sec. 3.3 "Inference", Eq. 3-4 and 9), given
+the cells its selection chose, in one launch per layer that also writes the token into the archive and its ring.
+The grid is (batch row, query head, part), T + K parts per head:
+
+  - parts 0 .. T-1: the local branch (Eq. 3-4) over one tile of the archive's ring of rotated keys each, the token
+    in its slot (`pallas_kernels.decode_parts.ring_part`, as FS-L's kernel reads its own ring);
+  - parts T .. T+K-1: the readout (Eq. 9) of the selected cell of that rank, its s keys and values read from the
+    archive where they lie (slot = position), none where the selection found fewer than K cells.
+
+A second launch merges the parts and mixes the branches (`decode_parts.mix_branches`). The selection is not here:
+FS scores the archive's cell summaries with `pallas_kernels.cell_scoring` (every cell, its own launch), FS-B
+beam-searches its forests. The jnp specification is `fsjax.attention.freesolo_step.archive_chunk` for one token:
+`attend` over the ring and the token, the readout of `archive_long_range`, `mix_branches`, and the token and ring
+writes of `fsjax.cache.archive.extend` (the summaries of the token's cell stay XLA's, after this launch).
+
+The token's writes happen here, in place (the arrays are aliased to outputs): its raw key, value and position into
+archive slot `pos`, its rotated key, value and position into ring slot `pos mod R`; part 0 of the first query head
+of each key/value head writes them. A selected cell lies in a block before the token's, so no cell part reads the
+slot being written; the ring parts take the token from their inputs in place of ring slot `pos mod R` (which held
+position `pos - R`, outside the window), as FS-L's do.
+
+The arrays are read where they lie: a scanned model's stacks `[layers, batch, ...]` with the layer index, so no
+layer of the archive (gigabytes at long contexts) is copied out per token (`fsjax.cache.layered`). Grouped-query
+attention: query head h reads key/value head `h // group` through its index maps.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import default_interpret, group_size, layer_stack
+from pallas_kernels.decode_parts import RING_TILE, mix_branches, per_layer, ring_part, softmax_part
+
+FIELDS = ("ring_k", "ring_v", "ring_pos", "tokens_k", "tokens_v", "tokens_pos")  # read, and written in place
+
+
+def _cell_part(rank, q, layer, scale, cells_ref, tokens_refs, o_ref, lse_ref, *, cell):
+  """The long-range branch's part for the `rank`-th selected cell (`cells_ref` `[K']`, -1 for none): the softmax
+  of q against the cell's s archived keys, over its values (Eq. 9 before the merge of the K parts)."""
+  tokens_k_ref, tokens_v_ref = tokens_refs
+  chosen = cells_ref[...]
+  index = jnp.max(jnp.where(jnp.arange(chosen.shape[0]) == rank, chosen, -1))
+  first = jnp.maximum(index, 0) * cell
+  keys = tokens_k_ref[layer, pl.ds(first, cell), :].astype(jnp.float32)  # [s, d]
+  values = tokens_v_ref[layer, pl.ds(first, cell), :].astype(jnp.float32)
+  logits = jnp.sum(keys * q[None, :], axis=1) * scale
+  softmax_part(logits, jnp.broadcast_to(index >= 0, logits.shape), values, o_ref, lse_ref)
+
+
+def _archive_decode_kernel(
+  q_ref,
+  q_rot_ref,
+  k_rot_ref,
+  k_ref,
+  v_ref,
+  pos_ref,
+  valid_ref,
+  cells_ref,
+  layer_ref,
+  ring_k_ref,
+  ring_v_ref,
+  ring_pos_ref,
+  tokens_k_ref,
+  tokens_v_ref,
+  tokens_pos_ref,
+  o_ref,
+  lse_ref,
+  ring_k_out,
+  ring_v_out,
+  ring_pos_out,
+  tokens_k_out,
+  tokens_v_out,
+  tokens_pos_out,
+  *,
+  window,
+  cell,
+  ring_slots,
+  group,
+  tiles,
+):
+  """One (row, query head, part). q_ref / q_rot_ref `[d]`; k_rot_ref, k_ref, v_ref `[d]` the token's key (rotated
+  and raw) and value for this head's key/value head, in the archive's dtype; pos_ref, valid_ref, layer_ref `[1]`;
+  cells_ref `[K']` this head's selected cells; the archive refs `[layers, ...]`, read at layer `layer_ref[0]`:
+  ring k/v `[R, d]`, ring pos `[R]`, tokens k/v `[N, d]` (tokens pos `[N]`, written only). Writes the part's
+  o_ref `[d]` and lse_ref `[1]`; part 0 of a key/value head's first query head writes the token into the aliased
+  ring and tokens."""
+  del tokens_pos_ref  # aliased to tokens_pos_out, which is only written
+  head, part = pl.program_id(1), pl.program_id(2)
+  pos, valid, layer = pos_ref[0], valid_ref[0] != 0, layer_ref[0]
+  scale = 1.0 / math.sqrt(q_ref.shape[0])
+
+  @pl.when(valid & (part == 0) & (head % group == 0))
+  def _():
+    slot = pos % ring_slots
+    ring_k_out[layer, slot, :] = k_rot_ref[...]
+    ring_v_out[layer, slot, :] = v_ref[...]
+    tokens_k_out[layer, pos, :] = k_ref[...]
+    tokens_v_out[layer, pos, :] = v_ref[...]
+
+    @pl.when(head == 0)
+    def _():
+      ring_pos_out[layer, pl.ds(slot, 1)] = jnp.full((1,), pos, ring_pos_out.dtype)
+      tokens_pos_out[layer, pl.ds(pos, 1)] = jnp.full((1,), pos, tokens_pos_out.dtype)
+
+  @pl.when(part < tiles)
+  def _():
+    token = (k_rot_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32))
+    ring_part(
+      part,
+      q_rot_ref[...].astype(jnp.float32),
+      token,
+      pos,
+      valid,
+      layer,
+      scale,
+      (ring_k_ref, ring_v_ref, ring_pos_ref),
+      (o_ref, lse_ref),
+      window=window,
+      ring_slots=ring_slots,
+    )
+
+  @pl.when(part >= tiles)
+  def _():
+    q = q_ref[...].astype(jnp.float32)
+    _cell_part(part - tiles, q, layer, scale, cells_ref, (tokens_k_ref, tokens_v_ref), o_ref, lse_ref, cell=cell)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "cell", "eps", "out_dtype", "interpret"))
+def archive_decode(
+  q,
+  q_rot,
+  k_rot,
+  k,
+  v,
+  pos,
+  valid,
+  cells,
+  alpha,
+  gain,
+  archive,
+  *,
+  window,
+  cell,
+  eps,
+  out_dtype=jnp.float32,
+  layer=None,
+  interpret=None,
+):
+  """FS's (and FS-B's) one-token step given its selected cells: the token into the archive and its ring, the
+  local branch, the readout of the cells and the mix of the branches (Eq. 2).
+
+  Args:
+    q, q_rot: `[batch, heads, d]` the token's query, unrotated (long-range branch) and RoPE-rotated (local).
+    k_rot, k, v: `[batch, kv_heads, d]` its key, rotated (for the ring) and raw (for the archive), and value.
+    pos: `[batch]` int32 its position (its archive slot); valid: `[batch]` bool (an invalid row writes nothing
+      and its token is not a key).
+    cells: `[batch, heads, K]` int32 the cells each query head selected (any order; -1 for none), all in blocks
+      before the token's.
+    alpha: `[heads]` the branch mix α (Eq. 2) and gain `[d]` the readout RMSNorm's (Eq. 9), or with `layer` the
+      scanned model's parameter stacks `[layers, heads]` and `[layers, d]`, read at `layer` where they lie.
+    archive: the layer's `fsjax.cache.archive.Archive` arrays before the token, as a dict: ring_k, ring_v `[batch,
+      R, kv_heads, d]`, ring_pos `[batch, R]`, tokens_k, tokens_v `[batch, N, kv_heads, d]`, tokens_pos `[batch,
+      N]`. With `layer` (int32 scalar), each is a scanned model's stack `[layers, ...]` of that shape.
+    window, cell: the routing's w and s; eps: the readout RMSNorm's ε; out_dtype: the output's dtype.
+
+  Returns:
+    o `[batch, heads, d]` in `out_dtype`: local (Eq. 3-4) + α · RMSNorm(readout of the cells) (Eq. 9, 2),
+    computed in float32; and the `FIELDS` arrays after the token's writes, as given (stacks with `layer`). Under
+    `jit` with the archive donated or dead after the call, XLA writes them in place.
+  """
+  interpret = default_interpret() if interpret is None else interpret
+  batch, heads, dim = q.shape
+  axes = dict(ring_k=4, ring_v=4, ring_pos=2, tokens_k=4, tokens_v=4, tokens_pos=2)
+  stacks = {}
+  for name, ndim in axes.items():
+    stacks[name], layer_index = layer_stack(archive[name], layer, ndim)
+  layers, _, ring_slots, kv_heads, _ = stacks["ring_k"].shape
+  group = group_size(heads, kv_heads)
+  top_k = cells.shape[-1]
+  width = pl.next_power_of_2(top_k)
+  tiles = -(-ring_slots // RING_TILE)
+  parts = tiles + top_k
+  padded_parts = pl.next_power_of_2(parts)  # Triton loads power-of-two tiles: the mix reads them all, masked
+
+  def spec(name):
+    shape = stacks[name].shape
+    if name.endswith("_pos"):
+      return pl.BlockSpec((layers, None, shape[2]), lambda b, h, z: (0, b, 0))
+    return pl.BlockSpec((layers, None, shape[2], None, dim), lambda b, h, z: (0, b, 0, h // group, 0))
+
+  row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h, 0))
+  kv_row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h // group, 0))
+  scalar = lambda index: pl.BlockSpec((1,), index)
+  dtype = stacks["tokens_k"].dtype
+  cells = jnp.pad(cells.astype(jnp.int32), ((0, 0), (0, 0), (0, width - top_k)), constant_values=-1)
+  inputs = [
+    q.astype(jnp.float32),
+    q_rot.astype(jnp.float32),
+    k_rot.astype(stacks["ring_k"].dtype),
+    k.astype(dtype),
+    v.astype(dtype),
+    pos.astype(jnp.int32),
+    valid.astype(jnp.int32),
+    cells,
+    layer_index,
+    *(stacks[name] for name in FIELDS),
+  ]
+  first_field = len(inputs) - len(FIELDS)
+  o, lse, *written = pl.pallas_call(
+    functools.partial(
+      _archive_decode_kernel, window=window, cell=cell, ring_slots=ring_slots, group=group, tiles=tiles
+    ),
+    grid=(batch, heads, parts),
+    in_specs=[
+      row,
+      row,
+      kv_row,
+      kv_row,
+      kv_row,
+      scalar(lambda b, h, z: (b,)),
+      scalar(lambda b, h, z: (b,)),
+      pl.BlockSpec((None, None, width), lambda b, h, z: (b, h, 0)),
+      scalar(lambda b, h, z: (0,)),
+      *(spec(name) for name in FIELDS),
+    ],
+    out_specs=[
+      pl.BlockSpec((None, None, None, dim), lambda b, h, z: (b, h, z, 0)),
+      pl.BlockSpec((None, None, 1), lambda b, h, z: (b, h, z)),
+      *(spec(name) for name in FIELDS),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct((batch, heads, padded_parts, dim), jnp.float32),
+      jax.ShapeDtypeStruct((batch, heads, padded_parts), jnp.float32),
+      *(jax.ShapeDtypeStruct(stacks[name].shape, stacks[name].dtype) for name in FIELDS),
+    ],
+    input_output_aliases={first_field + i: 2 + i for i in range(len(FIELDS))},
+    compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+    interpret=interpret,
+    name="fs_archive_decode",
+  )(*inputs)
+  mixed = mix_branches(
+    o,
+    lse,
+    per_layer(alpha, layers),
+    per_layer(gain, layers),
+    layer_index,
+    tiles=tiles,
+    parts=parts,
+    eps=eps,
+    out_dtype=out_dtype,
+    interpret=interpret,
+  )
+  unstack = (lambda x: x) if layer is not None else (lambda x: x[0])
+  return mixed, {name: unstack(x) for name, x in zip(FIELDS, written)}

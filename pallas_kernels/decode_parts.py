@@ -1,0 +1,120 @@
+"""What the one-token decode kernels share (`pallas_kernels.bounded_decode` for FS-L, `archive_decode` for FS and
+FS-B): a softmax split into parts over programs, the local branch's part over one ring tile (Eq. 3-4), and the
+launch that merges the parts and mixes the branches (Eq. 2, 9).
+
+A step's attention launch has a grid (batch row, query head, part) so that a batch of one row still fills the GPU.
+Each part writes its softmax normalized over its own keys and their log-sum-exp; `mix_branches` (one program per
+row and head) combines them exactly into the local output and the long-range sum, applies the readout RMSNorm and
+mixes the branches, reading α and the gain where they lie: in XLA that merge was a fusion that took no fused
+slice of the parameter stacks, so each step copied α and the gain out first. No matrix product has 16 rows here
+(one query), so the dot products are elementwise products and sums in float32.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+RING_TILE = 128  # ring slots per local-branch part (one program each)
+
+
+def softmax_part(logits, seen, values, o_ref, lse_ref):
+  """One part of a softmax over keys split across programs: writes the part's normalized output `[d]` and its
+  log-sum-exp (-inf where it saw no key), which `mix_branches` combines exactly."""
+  m = jnp.max(jnp.where(seen, logits, -jnp.inf))
+  shift = jnp.where(m > -jnp.inf, m, 0.0)
+  p = jnp.where(seen, jnp.exp(logits - shift), 0.0)
+  total = jnp.sum(p)
+  o_ref[...] = jnp.where(total > 0, jnp.sum(p[:, None] * values, axis=0) / jnp.where(total > 0, total, 1.0), 0.0)
+  lse_ref[...] = jnp.full(
+    lse_ref.shape, jnp.where(total > 0, shift + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+  )
+
+
+def ring_part(tile, q_rot, token, pos, valid, layer, scale, ring_refs, out_refs, *, window, ring_slots):
+  """The local branch (Eq. 3-4) over ring tile `tile`: keys at j <= pos with pos - j <= window (the ring holds
+  position j at slot j mod R). `token`: the token's rotated key and value `[d]` (float32 of the cache's dtype),
+  taken in place of slot `pos mod R` for a valid row. ring_refs: the ring's k, v and pos; out_refs: o and lse."""
+  ring_k_ref, ring_v_ref, ring_pos_ref = ring_refs
+  slots = tile * RING_TILE + jnp.arange(RING_TILE)
+  at = jnp.minimum(slots, ring_slots - 1)
+  mine = valid & (slots == pos % ring_slots)
+  k_pos = jnp.where(mine, pos, ring_pos_ref[layer, at])
+  seen = (slots < ring_slots) & (k_pos >= 0) & (k_pos <= pos) & (pos - k_pos <= window)
+  k_new, v_new = token
+  k = jnp.where(mine[:, None], k_new[None, :], ring_k_ref[layer, at, :].astype(jnp.float32))  # [T, d]
+  v = jnp.where(mine[:, None], v_new[None, :], ring_v_ref[layer, at, :].astype(jnp.float32))
+  logits = jnp.sum(k * q_rot[None, :], axis=1) * scale
+  softmax_part(logits, seen, v, *out_refs)
+
+
+def _merged(o, lse, mask):
+  """The softmax over the keys of the parts where `mask` `[P]` holds, from their outputs `o [P, d]` (each normalized
+  over its own keys) and log-sum-exps `lse [P]`: `[d]`, 0 where no part saw a key. Parts outside `mask` may hold
+  anything (the launch leaves the padding parts unwritten)."""
+  lse = jnp.where(mask & (lse > -jnp.inf), lse, -jnp.inf)
+  top = jnp.max(lse)
+  weight = jnp.where(lse > -jnp.inf, jnp.exp(lse - jnp.where(top > -jnp.inf, top, 0.0)), 0.0)
+  total = jnp.sum(weight)
+  return jnp.sum(weight[:, None] * jnp.where(mask[:, None], o, 0.0), axis=0) / jnp.where(total > 0, total, 1.0)
+
+
+def _mix_kernel(o_ref, lse_ref, alpha_ref, gain_ref, layer_ref, out_ref, *, tiles, parts, eps):
+  """One (row, query head): o_ref `[P', d]` and lse_ref `[P']` a step's parts (P' ≥ T + K a power of two; the rest
+  unwritten); alpha_ref `[layers]` (this head's α), gain_ref `[layers, d]`, read at layer
+  `layer_ref[0]`. Writes out_ref `[d]`: local + α · RMSNorm(long-range sum) · gain (Eq. 2, 9), in float32 until
+  the final cast, as the reference path computes it."""
+  layer = layer_ref[0]
+  o, lse = o_ref[...], lse_ref[...]
+  part = jax.lax.broadcasted_iota(jnp.int32, lse.shape, 0)
+  local = _merged(o, lse, part < tiles)
+  summed = _merged(o, lse, (part >= tiles) & (part < parts))
+  gain = gain_ref[layer, :].astype(jnp.float32)
+  long_range = summed * jax.lax.rsqrt(jnp.sum(summed * summed) / summed.shape[0] + eps) * gain
+  out_ref[...] = (local + alpha_ref[layer].astype(jnp.float32) * long_range).astype(out_ref.dtype)
+
+
+def compilable(*, cell, head_dim):
+  """Whether Triton can tile this geometry: a cell's keys and a head's vectors as power-of-two tiles."""
+  return cell >= 1 and cell & (cell - 1) == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def mix_branches(o, lse, alpha, gain, layer_index, *, tiles, parts, eps, out_dtype, interpret):
+  """The launch that merges a step's parts and mixes the branches: local + α · RMSNorm(long-range sum) · gain.
+
+  Args:
+    o, lse: `[batch, heads, P', d]` and `[batch, heads, P']` float32, the parts written by a step's attention
+      launch: parts 0 .. `tiles`-1 the local branch's, `tiles` .. `parts`-1 the long-range branch's, the rest
+      (to P', a power of two) never written.
+    alpha `[layers, heads]`, gain `[layers, d]` (one layer as `[1, ...]`), read at `layer_index` `[1]` int32.
+    eps: the readout RMSNorm's ε; out_dtype: the output's dtype.
+
+  Returns:
+    `[batch, heads, d]` in `out_dtype`.
+  """
+  batch, heads, padded_parts, dim = o.shape
+  layers = alpha.shape[0]
+  return pl.pallas_call(
+    functools.partial(_mix_kernel, tiles=tiles, parts=parts, eps=eps),
+    grid=(batch, heads),
+    in_specs=[
+      pl.BlockSpec((None, None, padded_parts, dim), lambda b, h: (b, h, 0, 0)),
+      pl.BlockSpec((None, None, padded_parts), lambda b, h: (b, h, 0)),
+      pl.BlockSpec((layers, None), lambda b, h: (0, h)),
+      pl.BlockSpec((layers, dim), lambda b, h: (0, 0)),
+      pl.BlockSpec((1,), lambda b, h: (0,)),
+    ],
+    out_specs=pl.BlockSpec((None, None, dim), lambda b, h: (b, h, 0)),
+    out_shape=jax.ShapeDtypeStruct((batch, heads, dim), out_dtype),
+    compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+    interpret=interpret,
+    name="decode_mix_branches",
+  )(o, lse, alpha, gain, layer_index)
+
+
+def per_layer(x, layers):
+  """A `[layers, n]` stack as it is, or one layer's `[n]` broadcast to the layers (a kernel reads it at the
+  layer index either way)."""
+  return x if x.ndim == 2 else jnp.broadcast_to(x, (layers, x.shape[-1]))
