@@ -95,7 +95,7 @@ def _cell_topk_kernel(
   norm_ref,
   death_ref,
   lam_ref,
-  inv_sigma_ref,
+  sigma_ref,
   idx_ref,
   value_ref,
   *,
@@ -113,17 +113,17 @@ def _cell_topk_kernel(
 ):
   """q_ref `[Bq, d]`, pos_ref `[Bq]`, layer_ref `[1]`, mean_ref `[layers, M, d]` and norm_ref `[layers, M]` (read
   at layer `layer_ref[0]` where `stacked`, else at 0), death_ref `[M]` (a_c and Eq. 8 death blocks of the
-  key/value head this query head reads; read only when `pruned`), lam_ref / inv_sigma_ref `[H']` (λ_h, 1/(2σ_h)
-  of every query head) → idx_ref, value_ref `[Bq, K']`: the top-K of this program's cell range (chunks `split ·
-  steps_per_split` onwards) and their scores. M = `num_cells` need not be a multiple of the chunk: the last
-  chunk's loads are masked, so a decode cache's summaries are read where they lie rather than padded (a copy of
-  the layer at every step)."""
+  key/value head this query head reads; read only when `pruned`), lam_ref / sigma_ref `[layers]` (this query
+  head's λ_h and σ_h, read at the same layer) → idx_ref, value_ref `[Bq, K']`: the top-K of this program's cell
+  range (chunks `split · steps_per_split` onwards) and their scores. M = `num_cells` need not be a multiple of
+  the chunk: the last chunk's loads are masked, so a decode cache's summaries are read where they lie rather
+  than padded (a copy of the layer at every step)."""
   q = q_ref[...].astype(jnp.float32)
   pos = pos_ref[...]
   layer = layer_ref[0] if stacked else jnp.int32(0)  # a constant index where there is one layer (training, prefill)
   query_block = pos // block
   num_eligible = query_block * (block // cell)  # Eq. 6: m_n cells precede the query's block
-  lam, inv_two_sigma = lam_ref[pl.program_id(2)], inv_sigma_ref[pl.program_id(2)]
+  lam, inv_two_sigma = lam_ref[layer], 1.0 / (2.0 * sigma_ref[layer])
   lane = jnp.arange(chunk)
   nearest_query = jnp.min(pos).astype(jnp.float32)
 
@@ -224,8 +224,9 @@ def select_from_summaries(
       divides heads and query head h reads key/value head `h // (heads // kv_heads)`.
     death: for "fsl", `[batch, M, kv_heads]` int32: the first block at which each cell has left the top-P pool
       (the reference's `retention_death_block`, computed once per sequence by the caller); unused by "fs".
-    variant: "fs" or "fsl"; lam, sigma: scalars or `[heads]`; cell, block, top_k, retain_top, retain_recent:
-      `s`, `B`, `K`, `P`, `W`.
+    variant: "fs" or "fsl"; lam, sigma: scalars or `[heads]`, or with `layer` the scanned model's stacks
+      `[layers, heads]` (its "routing" collection's), read at `layer` where they lie; cell, block, top_k,
+      retain_top, retain_recent: `s`, `B`, `K`, `P`, `W`.
     block_sizes: `BlockSizes`; interpret: None = compiled on GPU, interpreted elsewhere.
     layer: int32 scalar, or None. With it, mean_keys and max_norms are a scanned model's stacks `[layers, batch,
       M, ...]` (a decode cache's), read at `layer` where they lie when the head dim is a power of two (else the
@@ -242,8 +243,11 @@ def select_from_summaries(
     raise ValueError(f"variant must be 'fs' or 'fsl' for the cell-scoring kernel, got {variant!r}")
   tile, chunk = min(sizes.queries, pl.next_power_of_2(seq)), sizes.cells
   num_cells = max_norms.shape[-2]
+  lam, sigma = (jnp.asarray(x, jnp.float32) for x in (lam, sigma))
   if layer is not None and head_dim != pl.next_power_of_2(head_dim):
-    mean_keys, max_norms, layer = mean_keys[layer], max_norms[layer], None  # padding would copy every layer
+    mean_keys, max_norms = mean_keys[layer], max_norms[layer]  # padding would copy every layer
+    lam, sigma = (x[layer] if x.ndim == 2 else x for x in (lam, sigma))
+    layer = None
   (mean_keys, layer_index), (max_norms, _) = layer_stack(mean_keys, layer, 4), layer_stack(max_norms, layer, 3)
   kv_heads = max_norms.shape[-1]
   group = group_size(heads, kv_heads)
@@ -253,8 +257,6 @@ def select_from_summaries(
   # where a float32 copy of the whole archive would be written and read again at every step.
   q = jax.lax.stop_gradient(q.astype(jnp.float32))
   mean_keys, max_norms = (jax.lax.stop_gradient(_loadable(x)) for x in (mean_keys, max_norms))
-  lam = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (heads,))
-  sigma = jnp.broadcast_to(jnp.asarray(sigma, jnp.float32), (heads,))
   pruned = variant == "fsl"
   if not pruned:
     death = jnp.zeros((1, 1, 1), jnp.int32)  # never read: no `[batch, M, kv_heads]` fill at every decode step
@@ -271,9 +273,8 @@ def select_from_summaries(
   q = pad_axis(pad_head_dim(q), 1, padded_seq)
   positions = pad_axis(positions.astype(jnp.int32), 1, padded_seq)
   mean_keys = pad_head_dim(mean_keys)
-  lam = pad_axis(lam, 0, pl.next_power_of_2(heads))
-  inv_two_sigma = pad_axis(1.0 / (2.0 * sigma), 0, pl.next_power_of_2(heads), 1.0)
   dim, layers = q.shape[-1], mean_keys.shape[0]
+  per_layer = lambda x: x if x.ndim == 2 else jnp.broadcast_to(jnp.broadcast_to(x, (heads,)), (layers, heads))
 
   kernel = functools.partial(
     _cell_topk_kernel,
@@ -307,15 +308,15 @@ def select_from_summaries(
       pl.BlockSpec((layers, None, num_cells, None, dim), lambda i, b, h, s: (0, b, 0, h // group, 0)),
       pl.BlockSpec((layers, None, num_cells, None), lambda i, b, h, s: (0, b, 0, h // group)),
       pl.BlockSpec((None, death.shape[1], None), death_map),
-      pl.BlockSpec(lam.shape, lambda i, b, h, s: (0,)),
-      pl.BlockSpec(inv_two_sigma.shape, lambda i, b, h, s: (0,)),
+      pl.BlockSpec((layers, None), lambda i, b, h, s: (0, h)),
+      pl.BlockSpec((layers, None), lambda i, b, h, s: (0, h)),
     ],
     out_specs=[out_spec, out_spec],
     out_shape=[jax.ShapeDtypeStruct(out_shape, jnp.int32), jax.ShapeDtypeStruct(out_shape, jnp.float32)],
     compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
     interpret=interpret,
     name="freesolo_cell_topk",
-  )(q, positions, layer_index, mean_keys, max_norms, death, lam, inv_two_sigma)
+  )(q, positions, layer_index, mean_keys, max_norms, death, *(per_layer(x) for x in (lam, sigma)))
   idx, values = idx[:, :seq, :, :, :top_k], values[:, :seq, :, :, :top_k]
   if splits == 1:
     return idx[..., 0, :]

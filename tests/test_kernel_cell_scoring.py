@@ -99,8 +99,9 @@ def test_select_cells_matches_reference(
 @pytest.mark.parametrize("variant", ["fs", "fsl"])
 @pytest.mark.parametrize("num_cells", [80, 72], ids=["whole-chunks", "a-partial-chunk"])
 def test_a_layer_of_stacked_summaries_is_scored_as_that_layer_alone(rng, interpret, variant, num_cells):
-  """A scanned model's decode cache holds every layer's summaries `[layers, batch, M, ...]`: scoring layer 1 of
-  the stack selects what scoring layer 1's own summaries does, and not what another layer's would. The kernel is
+  """A scanned model's decode cache holds every layer's summaries `[layers, batch, M, ...]`, and its "routing"
+  collection every layer's λ and σ `[layers, heads]`: scoring layer 1 of the stacks selects what scoring layer 1's
+  own summaries, λ and σ does, and not what another layer's summaries or λ would. The kernel is
   handed the stack as it lies, also where the cells do not fill whole chunks (72 cells in chunks of 16: row 0's
   query sees cells 64-69 of the last chunk, whose loads past cell 71 are masked)."""
   batch, heads, dim, cell, block, top_k = 2, 2, 32, 16, 32, 4
@@ -109,20 +110,28 @@ def test_a_layer_of_stacked_summaries_is_scored_as_that_layer_alone(rng, interpr
   max_norms = jnp.asarray(rng.uniform(0.5, 3.0, (3, batch, num_cells, 1)), jnp.bfloat16)
   positions = jnp.array([[num_cells * cell - 5], [700]], jnp.int32)
   routing = dict(variant=variant, cell=cell, block=block, retain_top=3, retain_recent=1, top_k=top_k)
-  routing.update(lam=jnp.full((heads,), 0.5), sigma=jnp.full((heads,), 4.0), block_sizes=SIZES, interpret=interpret)
+  routing.update(block_sizes=SIZES, interpret=interpret)
+  # [layers, heads]: layer 1's λ lets the distance prior rank the cells, the others' leave it to the content
+  lam = jnp.asarray(rng.uniform(0.5, 2.0, (3, heads)) * np.array([[0.01], [30.0], [0.01]]), jnp.float32)
+  sigma = jnp.asarray(rng.uniform(2.0, 8.0, (3, heads)), jnp.float32)
 
-  def select(mean_keys, max_norms, layer=None):
+  def select(mean_keys, max_norms, lam, sigma, layer=None):
     norms = max_norms if layer is None else max_norms[layer]
     death = None
     if variant == "fsl":
       death = cells.retention_death_block(norms.astype(jnp.float32), cell=cell, block=block, retain_top=3)
-    return cell_scoring.select_from_summaries(q, positions, mean_keys, max_norms, death, layer=layer, **routing)
+    return cell_scoring.select_from_summaries(
+      q, positions, mean_keys, max_norms, death, lam=lam, sigma=sigma, layer=layer, **routing
+    )
 
-  stacked = select(mean_keys, max_norms, layer=jnp.int32(1))
-  np.testing.assert_array_equal(np.asarray(stacked), np.asarray(select(mean_keys[1], max_norms[1])))
-  assert not np.array_equal(np.asarray(stacked), np.asarray(select(mean_keys[0], max_norms[0])))
-  kernel_inputs = pallas_call_input_shapes(jax.make_jaxpr(select)(mean_keys, max_norms, jnp.int32(1)).jaxpr)
-  assert mean_keys.shape in kernel_inputs and max_norms.shape in kernel_inputs  # no copy of the layer, no padding
+  stacked = select(mean_keys, max_norms, lam, sigma, layer=jnp.int32(1))
+  np.testing.assert_array_equal(np.asarray(stacked), np.asarray(select(mean_keys[1], max_norms[1], lam[1], sigma[1])))
+  assert not np.array_equal(np.asarray(stacked), np.asarray(select(mean_keys[0], max_norms[0], lam[1], sigma[1])))
+  assert not np.array_equal(np.asarray(stacked), np.asarray(select(mean_keys[1], max_norms[1], lam[0], sigma[0])))
+  jaxpr = jax.make_jaxpr(select)(mean_keys, max_norms, lam, sigma, jnp.int32(1)).jaxpr
+  kernel_inputs = pallas_call_input_shapes(jaxpr)
+  # no copy of the layer, no padding: the stacks as they lie
+  assert {mean_keys.shape, max_norms.shape, lam.shape} <= set(kernel_inputs)
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())

@@ -57,8 +57,9 @@ def archive_select(archive: Archive, q, pos, routing: Routing, *, lam, sigma, ta
   """Top-K cells (Eq. 6-8; FS-B Eq. 10-12 rebuilt from the summaries) for queries at `pos`:
   `[batch, C, heads, K]`, -1 for none. No gradient."""
   if routing.variant == "fsb":
-    return fsb_archive_select(archive, q, pos, routing, lam=lam, sigma=sigma, tau=tau)
-  # The summaries as they lie (views into a scanned model's stacks): the scoring kernel reads the layer in place.
+    return fsb_archive_select(archive, q, pos, routing, lam=read(lam), sigma=read(sigma), tau=tau)
+  # The summaries, λ and σ as they lie (views into a scanned model's stacks): the scoring kernel reads the layer
+  # in place.
   mean_keys, max_norms = archive.mean_keys, archive.max_norms
   return ops.select_from_summaries(q, pos, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma, impl=impl)
 
@@ -254,7 +255,6 @@ def archive_chunk(
   out_dtype = q.dtype if out_dtype is None else out_dtype
   streaming = isinstance(cache, ForestCache)
   archive = cache.archive if streaming else cache
-  lam, sigma = read(lam), read(sigma)
   q_rot, k_rot = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
   facts = dict(tokens=q.shape[1], cell=routing.cell, head_dim=q.shape[-1])
   if q.shape[1] == 1 and dispatch.resolve("archive_decode", impl, **facts) == "pallas":
@@ -272,6 +272,7 @@ def archive_chunk(
       out_dtype=out_dtype,
       impl=impl,
     )
+  lam, sigma = read(lam), read(sigma)
   lr_gain, alpha = (read(x).astype(q.dtype) for x in (lr_gain, alpha))
   local = archive_local(archive, q_rot, k_rot, v, positions, valid, window=routing.window)
   written_at = after(positions, local)  # the ring's write below updates the ring this read, in place
@@ -300,7 +301,7 @@ def archive_token_kernel(cache, q, q_rot, k, k_rot, v, pos, valid, routing: Rout
   archive = cache.archive if streaming else cache
   lam, sigma, tau = weights["lam"], weights["sigma"], weights["tau"]
   if streaming:
-    cache, cells = streaming_select(cache, q, pos, valid, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
+    cache, cells = streaming_select(cache, q, pos, valid, routing, lam=read(lam), sigma=read(sigma), tau=tau, impl=impl)
   else:
     cells = archive_select(archive, q, pos, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
   fields = dict(ring_k=archive.ring.k, ring_v=archive.ring.v, ring_pos=archive.ring.pos)

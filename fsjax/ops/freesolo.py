@@ -36,13 +36,14 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing: Routin
   Args:
     q: `[batch, T, heads, d]`; positions: `[batch, T]` or None for `0..T-1`; mean_keys `[batch, M, kv_heads, d]`,
       max_norms `[batch, M, kv_heads]`, or both `fsjax.cache.layered.LayerSlice`s of a scanned model's decode
-      cache (the kernel reads the layer where it lies); lam, sigma: `[heads]`.
+      cache (the kernel reads the layer where it lies); lam, sigma: `[heads]`, or `LayerSlice`s of the scanned
+      model's `[layers, heads]` stacks at the same layer (read the same way).
 
   Returns:
     `[batch, T, heads, K]` int32, -1 where fewer than K cells are available.
   """
   if dispatch.resolve("select_from_summaries", impl, **_facts(routing, q.shape[-1])) == "reference":
-    mean_keys, max_norms = read(mean_keys), read(max_norms)
+    mean_keys, max_norms, lam, sigma = (read(x) for x in (mean_keys, max_norms, lam, sigma))
     return cells_ref.select_from_summaries(q, positions, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma)
   death = None
   if routing.variant == "fsl":  # FS-L's pool (Eq. 8) per key/value head, ranked once per sequence in float32
@@ -55,6 +56,9 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing: Routin
   layer = None
   if isinstance(max_norms, LayerSlice):  # the kernel reads the layer of the stacks where it lies
     layer, mean_keys, max_norms = max_norms.layer, mean_keys.stack, max_norms.stack
+    lam, sigma = (x.stack if isinstance(x, LayerSlice) else x for x in (lam, sigma))
+  else:
+    lam, sigma = read(lam), read(sigma)
   return cell_scoring.select_from_summaries(
     q,
     positions,
