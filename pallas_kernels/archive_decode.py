@@ -10,14 +10,14 @@ The grid is (batch row, query head, part), T + K parts per head:
 A second launch merges the parts and mixes the branches (`decode_parts.mix_branches`). The selection is not here:
 FS scores the archive's cell summaries with `pallas_kernels.cell_scoring` (every cell, its own launch), FS-B
 beam-searches its forests. The jnp specification is `fsjax.attention.freesolo_step.archive_chunk` for one token:
-`attend` over the ring and the token, the readout of `archive_long_range`, `mix_branches`, and the token and ring
-writes of `fsjax.cache.archive.extend` (the summaries of the token's cell stay XLA's, after this launch).
+`attend` over the ring and the token, the readout of `archive_long_range`, `mix_branches`, and the writes of
+`fsjax.cache.archive.extend`: the token into the tokens and the ring, the summary of its cell (Eq. 5).
 
 The token's writes happen here, in place (the arrays are aliased to outputs): its raw key, value and position into
-archive slot `pos`, its rotated key, value and position into ring slot `pos mod R`; part 0 of the first query head
-of each key/value head writes them. A selected cell lies in a block before the token's, so no cell part reads the
-slot being written; the ring parts take the token from their inputs in place of ring slot `pos mod R` (which held
-position `pos - R`, outside the window), as FS-L's do.
+archive slot `pos`, its rotated key, value and position into ring slot `pos mod R`, and its cell's mean key and max
+key norm; part 0 of the first query head of each key/value head writes them. A selected cell lies in a block
+before the token's, so no cell part reads the slot being written; the ring parts take the token from their inputs
+in place of ring slot `pos mod R` (which held position `pos - R`, outside the window), as FS-L's do.
 
 The arrays are read where they lie: a scanned model's stacks `[layers, batch, ...]` with the layer index, so no
 layer of the archive (gigabytes at long contexts) is copied out per token (`fsjax.cache.layered`). Grouped-query
@@ -35,7 +35,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import default_interpret, group_size, layer_stack
 from pallas_kernels.decode_parts import RING_TILE, mix_branches, per_layer, ring_part, softmax_part
 
-FIELDS = ("ring_k", "ring_v", "ring_pos", "tokens_k", "tokens_v", "tokens_pos")  # read, and written in place
+# The archive's arrays the kernel reads and writes in place (summaries: only the token's cell is written).
+FIELDS = ("ring_k", "ring_v", "ring_pos", "tokens_k", "tokens_v", "tokens_pos", "mean_keys", "max_norms")
 
 
 def _cell_part(rank, q, layer, scale, cells_ref, tokens_refs, o_ref, lse_ref, *, cell):
@@ -49,6 +50,30 @@ def _cell_part(rank, q, layer, scale, cells_ref, tokens_refs, o_ref, lse_ref, *,
   values = tokens_v_ref[layer, pl.ds(first, cell), :].astype(jnp.float32)
   logits = jnp.sum(keys * q[None, :], axis=1) * scale
   softmax_part(logits, jnp.broadcast_to(index >= 0, logits.shape), values, o_ref, lse_ref)
+
+
+def _write_token(pos, layer, cell, ring_slots, head, token_refs, out_refs):
+  """The token into ring slot `pos mod R` (rotated key) and archive slot `pos` (raw key), with its value and
+  position, and the summary (Eq. 5) of its cell recomputed: the mean of the cell's s keys and their largest norm,
+  the token's key taken from its input rather than read back from the slot this program has just written."""
+  k_rot_ref, k_ref, v_ref, tokens_k_ref = token_refs
+  ring_k_out, ring_v_out, ring_pos_out, tokens_k_out, tokens_v_out, tokens_pos_out, mean_out, norm_out = out_refs
+  slot = pos % ring_slots
+  ring_k_out[layer, slot, :] = k_rot_ref[...]
+  ring_v_out[layer, slot, :] = v_ref[...]
+  tokens_k_out[layer, pos, :] = k_ref[...]
+  tokens_v_out[layer, pos, :] = v_ref[...]
+  first = pos // cell * cell
+  keys = tokens_k_ref[layer, pl.ds(first, cell), :]
+  keys = jnp.where((first + jnp.arange(cell) == pos)[:, None], k_ref[...][None, :], keys).astype(jnp.float32)
+  mean_out[layer, pos // cell, :] = (jnp.sum(keys, axis=0) / cell).astype(mean_out.dtype)
+  norm = jnp.max(jnp.sqrt(jnp.sum(keys * keys, axis=1)))
+  norm_out[layer, pl.ds(pos // cell, 1)] = jnp.full((1,), norm, norm_out.dtype)
+
+  @pl.when(head == 0)
+  def _():
+    ring_pos_out[layer, pl.ds(slot, 1)] = jnp.full((1,), pos, ring_pos_out.dtype)
+    tokens_pos_out[layer, pl.ds(pos, 1)] = jnp.full((1,), pos, tokens_pos_out.dtype)
 
 
 def _archive_decode_kernel(
@@ -67,15 +92,11 @@ def _archive_decode_kernel(
   tokens_k_ref,
   tokens_v_ref,
   tokens_pos_ref,
+  mean_ref,
+  norm_ref,
   o_ref,
   lse_ref,
-  ring_k_out,
-  ring_v_out,
-  ring_pos_out,
-  tokens_k_out,
-  tokens_v_out,
-  tokens_pos_out,
-  *,
+  *out_refs,
   window,
   cell,
   ring_slots,
@@ -85,26 +106,17 @@ def _archive_decode_kernel(
   """One (row, query head, part). q_ref / q_rot_ref `[d]`; k_rot_ref, k_ref, v_ref `[d]` the token's key (rotated
   and raw) and value for this head's key/value head, in the archive's dtype; pos_ref, valid_ref, layer_ref `[1]`;
   cells_ref `[K']` this head's selected cells; the archive refs `[layers, ...]`, read at layer `layer_ref[0]`:
-  ring k/v `[R, d]`, ring pos `[R]`, tokens k/v `[N, d]` (tokens pos `[N]`, written only). Writes the part's
-  o_ref `[d]` and lse_ref `[1]`; part 0 of a key/value head's first query head writes the token into the aliased
-  ring and tokens."""
-  del tokens_pos_ref  # aliased to tokens_pos_out, which is only written
+  ring k/v `[R, d]`, ring pos `[R]`, tokens k/v `[N, d]`; tokens pos `[N]`, mean keys `[M, d]` and max norms
+  `[M]` are written only. Writes the part's o_ref `[d]` and lse_ref `[1]`; part 0 of a key/value head's first
+  query head writes the token and its cell's summary into the aliased arrays (`out_refs`, in `FIELDS` order)."""
+  del tokens_pos_ref, mean_ref, norm_ref  # aliased to outputs that are only written
   head, part = pl.program_id(1), pl.program_id(2)
   pos, valid, layer = pos_ref[0], valid_ref[0] != 0, layer_ref[0]
   scale = 1.0 / math.sqrt(q_ref.shape[0])
 
   @pl.when(valid & (part == 0) & (head % group == 0))
   def _():
-    slot = pos % ring_slots
-    ring_k_out[layer, slot, :] = k_rot_ref[...]
-    ring_v_out[layer, slot, :] = v_ref[...]
-    tokens_k_out[layer, pos, :] = k_ref[...]
-    tokens_v_out[layer, pos, :] = v_ref[...]
-
-    @pl.when(head == 0)
-    def _():
-      ring_pos_out[layer, pl.ds(slot, 1)] = jnp.full((1,), pos, ring_pos_out.dtype)
-      tokens_pos_out[layer, pl.ds(pos, 1)] = jnp.full((1,), pos, tokens_pos_out.dtype)
+    _write_token(pos, layer, cell, ring_slots, head, (k_rot_ref, k_ref, v_ref, tokens_k_ref), out_refs)
 
   @pl.when(part < tiles)
   def _():
@@ -164,17 +176,19 @@ def archive_decode(
       scanned model's parameter stacks `[layers, heads]` and `[layers, d]`, read at `layer` where they lie.
     archive: the layer's `fsjax.cache.archive.Archive` arrays before the token, as a dict: ring_k, ring_v `[batch,
       R, kv_heads, d]`, ring_pos `[batch, R]`, tokens_k, tokens_v `[batch, N, kv_heads, d]`, tokens_pos `[batch,
-      N]`. With `layer` (int32 scalar), each is a scanned model's stack `[layers, ...]` of that shape.
+      N]`, mean_keys `[batch, N / s, kv_heads, d]`, max_norms `[batch, N / s, kv_heads]`. With `layer` (int32
+      scalar), each is a scanned model's stack `[layers, ...]` of that shape.
     window, cell: the routing's w and s; eps: the readout RMSNorm's ε; out_dtype: the output's dtype.
 
   Returns:
     o `[batch, heads, d]` in `out_dtype`: local (Eq. 3-4) + α · RMSNorm(readout of the cells) (Eq. 9, 2),
-    computed in float32; and the `FIELDS` arrays after the token's writes, as given (stacks with `layer`). Under
+    computed in float32; and the `FIELDS` arrays after the token's writes (the token in the tokens and the ring,
+    its cell's summary recomputed), as given (stacks with `layer`). Under
     `jit` with the archive donated or dead after the call, XLA writes them in place.
   """
   interpret = default_interpret() if interpret is None else interpret
   batch, heads, dim = q.shape
-  axes = dict(ring_k=4, ring_v=4, ring_pos=2, tokens_k=4, tokens_v=4, tokens_pos=2)
+  axes = dict(ring_k=4, ring_v=4, ring_pos=2, tokens_k=4, tokens_v=4, tokens_pos=2, mean_keys=4, max_norms=3)
   stacks = {}
   for name, ndim in axes.items():
     stacks[name], layer_index = layer_stack(archive[name], layer, ndim)
@@ -190,6 +204,8 @@ def archive_decode(
     shape = stacks[name].shape
     if name.endswith("_pos"):
       return pl.BlockSpec((layers, None, shape[2]), lambda b, h, z: (0, b, 0))
+    if name == "max_norms":
+      return pl.BlockSpec((layers, None, shape[2], None), lambda b, h, z: (0, b, 0, h // group))
     return pl.BlockSpec((layers, None, shape[2], None, dim), lambda b, h, z: (0, b, 0, h // group, 0))
 
   row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h, 0))

@@ -260,6 +260,8 @@ def test_fs_archive_decode_lowers(stacked):
     tokens_k=shape((*lead, 2, 1056, 2, 64), bf16),
     tokens_v=shape((*lead, 2, 1056, 2, 64), bf16),
     tokens_pos=shape((*lead, 2, 1056), i32),
+    mean_keys=shape((*lead, 2, 33, 2, 64), bf16),
+    max_norms=shape((*lead, 2, 33, 2), bf16),
   )
   q, kv = shape((2, 4, 64), f32), shape((2, 2, 64), f32)
   run = lambda q, q_rot, k_rot, k, v, pos, valid, cells, alpha, gain, archive, layer: archive_decode.archive_decode(

@@ -293,8 +293,8 @@ def archive_chunk(
 def archive_token_kernel(cache, q, q_rot, k, k_rot, v, pos, valid, routing: Routing, weights, *, out_dtype, impl):
   """`archive_chunk` for one token per row through `pallas_kernels.archive_decode`: the selection first (FS's
   scoring kernel over the summaries, or FS-B's search of its forests, advanced to the token's block), then one
-  kernel writes the token into the archive and its ring and computes both branches, a second mixes them, and
-  XLA recomputes the summary of the token's cell. `weights`: lam, sigma, tau, alpha, lr_gain as `archive_chunk`
+  kernel writes the token into the archive and its ring, recomputes its cell's summary and computes both
+  branches, and a second mixes them. `weights`: lam, sigma, tau, alpha, lr_gain as `archive_chunk`
   takes them. The selection never reads the token's cell (Eq. 6: only cells of earlier blocks), so it may run
   before the write."""
   streaming = isinstance(cache, ForestCache)
@@ -306,6 +306,7 @@ def archive_token_kernel(cache, q, q_rot, k, k_rot, v, pos, valid, routing: Rout
     cells = archive_select(archive, q, pos, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
   fields = dict(ring_k=archive.ring.k, ring_v=archive.ring.v, ring_pos=archive.ring.pos)
   fields.update(tokens_k=archive.tokens.k, tokens_v=archive.tokens.v, tokens_pos=archive.tokens.pos)
+  fields.update(mean_keys=archive.mean_keys, max_norms=archive.max_norms)
   layer = None
   if isinstance(archive.tokens.k, LayerSlice):
     fields, layer = {name: x.stack for name, x in fields.items()}, archive.tokens.k.layer
@@ -333,8 +334,9 @@ def archive_token_kernel(cache, q, q_rot, k, k_rot, v, pos, valid, routing: Rout
   archive = archive.replace(
     ring=ring.replace(**{f: put(getattr(ring, f), written[f"ring_{f}"]) for f in ("k", "v", "pos")}),
     tokens=tokens.replace(**{f: put(getattr(tokens, f), written[f"tokens_{f}"]) for f in ("k", "v", "pos")}),
+    mean_keys=put(archive.mean_keys, written["mean_keys"]),
+    max_norms=put(archive.max_norms, written["max_norms"]),
   )
-  archive = archive_cache.summarize(archive, pos, valid, routing.cell)
   return o[:, None], cells, cache.replace(archive=archive) if streaming else archive
 
 
