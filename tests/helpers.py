@@ -142,6 +142,34 @@ def tiny_model(kind, scan_layers=False, cell=8):
   return config, Transformer(config), variables
 
 
+def decode_with_both_impls(config, variables, rng, *, steps=12):
+  """The tiny scanned model `config` with its α, readout gain, λ and σ drawn per layer and head (as a trained
+  model's are), prefilled by the reference from one cache (two rows at different positions), then `steps`
+  one-token steps configured "reference" and "pallas": `{impl: [(logits, selected cells) per step]}`."""
+  scaled = lambda tree: jax.tree_util.tree_map(lambda x: x * jnp.asarray(rng.uniform(0.5, 2.0, x.shape), x.dtype), tree)
+  layer = variables["params"]["layers"]["layer"]
+  attention = {**layer["attention"], **scaled({name: layer["attention"][name] for name in ("alpha", "lr_gain")})}
+  params = {**variables["params"], "layers": {"layer": {**layer, "attention": attention}}}
+  variables = {**variables, "params": params, "routing": scaled(variables["routing"])}
+  configs = {
+    impl: dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl))
+    for impl in ("reference", "pallas")
+  }
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 100)), jnp.int32)
+  lengths = jnp.array([86, 75])
+  reference = Transformer(configs["reference"])
+  _, prefilled = prefill(reference, variables, tokens, lengths, init_cache(config, 2, 128), chunk=32)
+  results = {}
+  for impl, step_config in configs.items():
+    cache, results[impl] = jax.tree_util.tree_map(jnp.copy, prefilled), []
+    for t in range(steps):
+      at = lengths[:, None] + t
+      token = jnp.take_along_axis(tokens, at, axis=1)
+      logits, cache, inter = extend(Transformer(step_config), variables, token, cache, at, jnp.ones((2, 1), bool))
+      results[impl].append((logits, inter["layers"]["layer"]["attention"]["selected_cells"][0]))
+  return results
+
+
 def jitted_init(config, seq_len=64):
   """`init_variables(config, PRNGKey(0), seq_len)` compiled as one program: `init` runs the model's forward pass,
   which op by op took several seconds per tiny model, more than compiling it."""

@@ -2,7 +2,6 @@
 reference path of `fsjax.attention.freesolo_step.bounded_segment`: local branch, long-range branch, selected
 cells and the cache it leaves, on fresh random caches (interpreted on CPU, compiled on a GPU)."""
 
-import dataclasses
 import functools
 
 import jax
@@ -11,15 +10,13 @@ import numpy as np
 import pytest
 
 from fsjax.attention import freesolo_step
-from fsjax.cache import bounded, init_cache
+from fsjax.cache import bounded
 from fsjax.cache.layered import LayerSlice, read
-from fsjax.decode import extend, prefill
-from fsjax.model import Transformer
 from fsjax.reference.rope import apply_rope
 from fsjax.reference.routing import Routing
 from pallas_kernels import bounded_decode
 
-from helpers import assert_close, kernel_modes, tiny_model
+from helpers import assert_close, decode_with_both_impls, kernel_modes, tiny_model
 
 
 def _filled_cache(rng, routing, *, batch, kv_heads, dim, prompt, steps, dtype):
@@ -223,30 +220,8 @@ def test_a_scanned_model_decodes_through_the_kernel_as_through_the_reference(rng
   reference's logits and cells at every step. (Only the decode steps differ: the tiny model's 8-token cells are
   below what the compiled training kernels of a Pallas prefill tile.)"""
   config, model, variables = tiny_model("fsl", scan_layers=True)
-  scaled = lambda tree: jax.tree_util.tree_map(lambda x: x * jnp.asarray(rng.uniform(0.5, 2.0, x.shape), x.dtype), tree)
-  # λ, σ, α and the readout gain of every layer and head their own, as a trained model's are
-  attention = variables["params"]["layers"]["layer"]["attention"]
-  attention = {**attention, **scaled({name: attention[name] for name in ("alpha", "lr_gain")})}
-  params = {
-    **variables["params"],
-    "layers": {"layer": {**variables["params"]["layers"]["layer"], "attention": attention}},
-  }
-  variables = {**variables, "params": params, "routing": scaled(variables["routing"])}
-  reference = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl="reference"))
-  kernel = dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl="pallas"))
   _force_interpret(monkeypatch, interpret)
-  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, 100)), jnp.int32)
-  lengths = jnp.array([86, 75])
-  _, prefilled = prefill(Transformer(reference), variables, tokens, lengths, init_cache(config, 2, 128), chunk=32)
-  results = {}
-  for name, step_config in (("reference", reference), ("pallas", kernel)):
-    cache, steps = jax.tree_util.tree_map(jnp.copy, prefilled), []
-    for t in range(12):
-      at = lengths[:, None] + t
-      token = jnp.take_along_axis(tokens, at, axis=1)
-      logits, cache, inter = extend(Transformer(step_config), variables, token, cache, at, jnp.ones((2, 1), bool))
-      steps.append((logits, inter["layers"]["layer"]["attention"]["selected_cells"][0]))
-    results[name] = steps
+  results = decode_with_both_impls(config, variables, rng)
   for (logits, cells), (logits_ref, cells_ref) in zip(results["pallas"], results["reference"]):
     assert_close(logits, logits_ref, np.float32)
     np.testing.assert_array_equal(np.asarray(cells), np.asarray(cells_ref))
