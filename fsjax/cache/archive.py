@@ -47,23 +47,13 @@ def extend(archive: Archive, k, k_rot, v, pos, valid, cell):
   """Writes a chunk (raw keys into the tokens, rotated ones into the ring) and recomputes the summaries of the
   cells it touched.
 
+  A cell's summary is complete once its last token is written; an incomplete one is never eligible (Eq. 6),
+  and is recomputed when its last token arrives.
+
   Args:
     k, k_rot, v: `[batch, C, heads, d]` (k_rot RoPE-rotated at `pos`); pos, valid: `[batch, C]`.
   """
-  archive = archive.replace(
-    tokens=kv.write(archive.tokens, k, v, pos, valid), ring=kv.write(archive.ring, k_rot, v, pos, valid)
-  )
-  return summarize(archive, pos, valid, cell)
-
-
-def summarize(archive: Archive, pos, valid, cell):
-  """The summaries (Eq. 5) of the cells that a chunk at `pos` `[batch, C]` (`valid` `[batch, C]`) touched,
-  recomputed from the tokens, which already hold the chunk.
-
-  A cell's summary is complete once its last token is written; an incomplete one is never eligible (Eq. 6),
-  and is recomputed when its last token arrives.
-  """
-  tokens = archive.tokens
+  tokens = kv.write(archive.tokens, k, v, pos, valid)
   batch, chunk = pos.shape
   first_cell = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max), axis=1) // cell  # [batch]
   num_cells = archive.max_norms.shape[1]
@@ -72,7 +62,9 @@ def summarize(archive: Archive, pos, valid, cell):
   keys = jnp.take_along_axis(read(tokens.k), slots.reshape(batch, -1)[:, :, None, None], axis=1)
   keys = keys.reshape(batch, touched.shape[1], cell, *keys.shape[2:])  # [batch, n, s, heads, d]
   rows = jnp.arange(batch)[:, None]
-  return archive.replace(
+  return Archive(
+    tokens=tokens,
+    ring=kv.write(archive.ring, k_rot, v, pos, valid),
     mean_keys=scatter(archive.mean_keys, (rows, touched), jnp.mean(keys, axis=2)),
     max_norms=scatter(archive.max_norms, (rows, touched), jnp.max(jnp.linalg.norm(keys, axis=-1), axis=2)),
   )
