@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import default_interpret, group_size, layer_stack
-from pallas_kernels.decode_parts import RING_TILE, mix_branches, per_layer, ring_part, softmax_part
+from pallas_kernels.decode_parts import StepParts, ring_part, softmax_part, token_operands
 
 # The archive's arrays the kernel reads and writes in place (summaries: only the token's cell is written).
 FIELDS = ("ring_k", "ring_v", "ring_pos", "tokens_k", "tokens_v", "tokens_pos", "mean_keys", "max_norms")
@@ -196,9 +196,7 @@ def archive_decode(
   group = group_size(heads, kv_heads)
   top_k = cells.shape[-1]
   width = pl.next_power_of_2(top_k)
-  tiles = -(-ring_slots // RING_TILE)
-  parts = tiles + top_k
-  padded_parts = pl.next_power_of_2(parts)  # Triton loads power-of-two tiles: the mix reads them all, masked
+  split = StepParts.of(ring_slots=ring_slots, top_k=top_k, layers=layers)
 
   def spec(name):
     shape = stacks[name].shape
@@ -208,49 +206,27 @@ def archive_decode(
       return pl.BlockSpec((layers, None, shape[2], None), lambda b, h, z: (0, b, 0, h // group))
     return pl.BlockSpec((layers, None, shape[2], None, dim), lambda b, h, z: (0, b, 0, h // group, 0))
 
-  row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h, 0))
-  kv_row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h // group, 0))
-  scalar = lambda index: pl.BlockSpec((1,), index)
-  dtype = stacks["tokens_k"].dtype
+  token, token_specs = token_operands(
+    q, q_rot, k_rot, k, v, pos, valid, ring_dtype=stacks["ring_k"].dtype, dtype=stacks["tokens_k"].dtype, group=group
+  )
   cells = jnp.pad(cells.astype(jnp.int32), ((0, 0), (0, 0), (0, width - top_k)), constant_values=-1)
-  inputs = [
-    q.astype(jnp.float32),
-    q_rot.astype(jnp.float32),
-    k_rot.astype(stacks["ring_k"].dtype),
-    k.astype(dtype),
-    v.astype(dtype),
-    pos.astype(jnp.int32),
-    valid.astype(jnp.int32),
-    cells,
-    layer_index,
-    *(stacks[name] for name in FIELDS),
-  ]
+  inputs = [*token, cells, layer_index, *(stacks[name] for name in FIELDS)]
   first_field = len(inputs) - len(FIELDS)
+  part_specs, part_shapes = split.outputs(batch, heads, dim)
   o, lse, *written = pl.pallas_call(
     functools.partial(
-      _archive_decode_kernel, window=window, cell=cell, ring_slots=ring_slots, group=group, tiles=tiles
+      _archive_decode_kernel, window=window, cell=cell, ring_slots=ring_slots, group=group, tiles=split.tiles
     ),
-    grid=(batch, heads, parts),
+    grid=(batch, heads, split.parts),
     in_specs=[
-      row,
-      row,
-      kv_row,
-      kv_row,
-      kv_row,
-      scalar(lambda b, h, z: (b,)),
-      scalar(lambda b, h, z: (b,)),
+      *token_specs,
       pl.BlockSpec((None, None, width), lambda b, h, z: (b, h, 0)),
-      scalar(lambda b, h, z: (0,)),
+      pl.BlockSpec((1,), lambda b, h, z: (0,)),
       *(spec(name) for name in FIELDS),
     ],
-    out_specs=[
-      pl.BlockSpec((None, None, None, dim), lambda b, h, z: (b, h, z, 0)),
-      pl.BlockSpec((None, None, 1), lambda b, h, z: (b, h, z)),
-      *(spec(name) for name in FIELDS),
-    ],
+    out_specs=[*part_specs, *(spec(name) for name in FIELDS)],
     out_shape=[
-      jax.ShapeDtypeStruct((batch, heads, padded_parts, dim), jnp.float32),
-      jax.ShapeDtypeStruct((batch, heads, padded_parts), jnp.float32),
+      *part_shapes,
       *(jax.ShapeDtypeStruct(stacks[name].shape, stacks[name].dtype) for name in FIELDS),
     ],
     input_output_aliases={first_field + i: 2 + i for i in range(len(FIELDS))},
@@ -258,17 +234,6 @@ def archive_decode(
     interpret=interpret,
     name="fs_archive_decode",
   )(*inputs)
-  mixed = mix_branches(
-    o,
-    lse,
-    per_layer(alpha, layers),
-    per_layer(gain, layers),
-    layer_index,
-    tiles=tiles,
-    parts=parts,
-    eps=eps,
-    out_dtype=out_dtype,
-    interpret=interpret,
-  )
+  mixed = split.mix(o, lse, alpha, gain, layer_index, eps=eps, out_dtype=out_dtype, interpret=interpret)
   unstack = (lambda x: x) if layer is not None else (lambda x: x[0])
   return mixed, {name: unstack(x) for name, x in zip(FIELDS, written)}

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import default_interpret, erf, group_size, layer_stack
-from pallas_kernels.decode_parts import RING_TILE, mix_branches, per_layer, ring_part, softmax_part
+from pallas_kernels.decode_parts import StepParts, per_layer, ring_part, softmax_part, token_operands
 
 NO_CELL = -1
 
@@ -262,10 +262,7 @@ def bounded_decode(
   pool_size, recent_size = stacks["pool_ids"].shape[3], stacks["recent_ids"].shape[2]
   group = group_size(heads, kv_heads)
   width = pl.next_power_of_2(top_k)
-
-  tiles = -(-ring_slots // RING_TILE)
-  parts = tiles + top_k
-  padded_parts = pl.next_power_of_2(parts)  # Triton loads power-of-two tiles: the mix reads them all, masked
+  split = StepParts.of(ring_slots=ring_slots, top_k=top_k, layers=layers)
 
   def spec(name):
     shape = stacks[name].shape
@@ -285,21 +282,17 @@ def bounded_decode(
         x.shape[:2] + (recent,) + x.shape[3:] if name == "recent_ids" else x.shape[:3] + (recent,) + x.shape[4:],
         x.dtype,
       )
-  row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h, 0))
-  kv_row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h // group, 0))
-  scalar = lambda index: pl.BlockSpec((1,), index)
-  token = [k_rot.astype(stacks["ring_k"].dtype), k.astype(stacks["block_k"].dtype), v.astype(stacks["ring_v"].dtype)]
+  token, token_specs = token_operands(
+    q, q_rot, k_rot, k, v, pos, valid, ring_dtype=stacks["ring_k"].dtype, dtype=stacks["block_k"].dtype, group=group
+  )
   inputs = [
-    q.astype(jnp.float32),
-    q_rot.astype(jnp.float32),
     *token,
-    pos.astype(jnp.int32),
-    valid.astype(jnp.int32),
     *(per_layer(x, layers).astype(jnp.float32) for x in (lam, sigma)),
     layer_index,
     *(stacks[name] for name in names),
   ]
   first_cache_input = len(inputs) - len(names)
+  part_specs, part_shapes = split.outputs(batch, heads, dim)
   o, lse, cells, *written = pl.pallas_call(
     functools.partial(
       _bounded_decode_kernel,
@@ -311,31 +304,23 @@ def bounded_decode(
       group=group,
       pool_size=pool_size,
       recent_size=recent_size,
-      tiles=tiles,
+      tiles=split.tiles,
     ),
-    grid=(batch, heads, parts),
+    grid=(batch, heads, split.parts),
     in_specs=[
-      row,
-      row,
-      kv_row,
-      kv_row,
-      kv_row,
-      scalar(lambda b, h, z: (b,)),
-      scalar(lambda b, h, z: (b,)),
+      *token_specs,
       pl.BlockSpec((layers, None), lambda b, h, z: (0, h)),
       pl.BlockSpec((layers, None), lambda b, h, z: (0, h)),
-      scalar(lambda b, h, z: (0,)),
+      pl.BlockSpec((1,), lambda b, h, z: (0,)),
       *(spec(name) for name in names),
     ],
     out_specs=[
-      pl.BlockSpec((None, None, None, dim), lambda b, h, z: (b, h, z, 0)),
-      pl.BlockSpec((None, None, 1), lambda b, h, z: (b, h, z)),
+      *part_specs,
       pl.BlockSpec((None, None, width), lambda b, h, z: (b, h, 0)),
       *(spec(name) for name in WRITTEN),
     ],
     out_shape=[
-      jax.ShapeDtypeStruct((batch, heads, padded_parts, dim), jnp.float32),
-      jax.ShapeDtypeStruct((batch, heads, padded_parts), jnp.float32),
+      *part_shapes,
       jax.ShapeDtypeStruct((batch, heads, width), jnp.int32),
       *(jax.ShapeDtypeStruct(stacks[name].shape, stacks[name].dtype) for name in WRITTEN),
     ],
@@ -344,17 +329,6 @@ def bounded_decode(
     interpret=interpret,
     name="fsl_bounded_decode",
   )(*inputs)
-  mixed = mix_branches(
-    o,
-    lse,
-    per_layer(alpha, layers),
-    per_layer(gain, layers),
-    layer_index,
-    tiles=tiles,
-    parts=parts,
-    eps=eps,
-    out_dtype=out_dtype,
-    interpret=interpret,
-  )
+  mixed = split.mix(o, lse, alpha, gain, layer_index, eps=eps, out_dtype=out_dtype, interpret=interpret)
   unstack = (lambda x: x) if layer is not None else (lambda x: x[0])
   return mixed, cells[..., :top_k], {name: unstack(x) for name, x in zip(WRITTEN, written)}

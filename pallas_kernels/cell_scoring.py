@@ -274,7 +274,7 @@ def select_from_summaries(
   positions = pad_axis(positions.astype(jnp.int32), 1, padded_seq)
   mean_keys = pad_head_dim(mean_keys)
   dim, layers = q.shape[-1], mean_keys.shape[0]
-  per_layer = lambda x: x if x.ndim == 2 else jnp.broadcast_to(jnp.broadcast_to(x, (heads,)), (layers, heads))
+  per_layer = lambda x: x if x.ndim == 2 else jnp.broadcast_to(x, (layers, heads))  # a scalar or `[heads]`
 
   kernel = functools.partial(
     _cell_topk_kernel,

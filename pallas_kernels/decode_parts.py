@@ -10,6 +10,7 @@ slice of the parameter stacks, so each step copied α and the gain out first. No
 (one query), so the dot products are elementwise products and sums in float32.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -79,6 +80,62 @@ def _mix_kernel(o_ref, lse_ref, alpha_ref, gain_ref, layer_ref, out_ref, *, tile
 def compilable(*, cell, head_dim):
   """Whether Triton can tile this geometry: a cell's keys and a head's vectors as power-of-two tiles."""
   return cell >= 1 and cell & (cell - 1) == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def token_operands(q, q_rot, k_rot, k, v, pos, valid, *, ring_dtype, dtype, group):
+  """The token's seven operands of a step's attention launch (grid (row, query head, part)) and their BlockSpecs:
+  q and q_rot `[batch, heads, d]` as float32 rows of the program's query head; k_rot (in `ring_dtype`), k and v
+  (in `dtype`) `[batch, kv_heads, d]` as rows of its key/value head (`group` query heads each); pos and valid
+  `[batch]` as int32 `[1]` of its row."""
+  dim = q.shape[-1]
+  row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h, 0))
+  kv_row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h // group, 0))
+  per_row = pl.BlockSpec((1,), lambda b, h, z: (b,))
+  operands = [q.astype(jnp.float32), q_rot.astype(jnp.float32), k_rot.astype(ring_dtype)]
+  operands += [k.astype(dtype), v.astype(dtype), pos.astype(jnp.int32), valid.astype(jnp.int32)]
+  return operands, [row, row, kv_row, kv_row, kv_row, per_row, per_row]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+  """How a step's attention launch splits each (row, query head)'s softmaxes over programs: parts 0 .. `tiles`-1
+  the local branch's ring tiles, `tiles` .. `parts`-1 one selected cell each; their outputs are padded to
+  `padded` parts (Triton loads power-of-two tiles; the mix masks the rest). `layers`: the stacks' depth, which
+  the mix reads α and the gain at."""
+
+  tiles: int
+  parts: int
+  layers: int
+
+  @classmethod
+  def of(cls, *, ring_slots, top_k, layers):
+    tiles = -(-ring_slots // RING_TILE)
+    return cls(tiles=tiles, parts=tiles + top_k, layers=layers)
+
+  @property
+  def padded(self):
+    return pl.next_power_of_2(self.parts)
+
+  def outputs(self, batch, heads, dim):
+    """The out_specs and out_shapes of the parts' o `[batch, heads, padded, d]` and lse `[batch, heads, padded]`
+    (float32), one part per program."""
+    specs = [
+      pl.BlockSpec((None, None, None, dim), lambda b, h, z: (b, h, z, 0)),
+      pl.BlockSpec((None, None, 1), lambda b, h, z: (b, h, z)),
+    ]
+    shapes = [
+      jax.ShapeDtypeStruct((batch, heads, self.padded, dim), jnp.float32),
+      jax.ShapeDtypeStruct((batch, heads, self.padded), jnp.float32),
+    ]
+    return specs, shapes
+
+  def mix(self, o, lse, alpha, gain, layer_index, *, eps, out_dtype, interpret):
+    """`mix_branches` of the parts, α `[heads]` and the gain `[d]` broadcast to the layers where not stacks."""
+    alpha, gain = (per_layer(x, self.layers) for x in (alpha, gain))
+    tiles, parts = self.tiles, self.parts
+    return mix_branches(
+      o, lse, alpha, gain, layer_index, tiles=tiles, parts=parts, eps=eps, out_dtype=out_dtype, interpret=interpret
+    )
 
 
 def mix_branches(o, lse, alpha, gain, layer_index, *, tiles, parts, eps, out_dtype, interpret):

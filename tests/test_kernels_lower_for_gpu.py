@@ -197,14 +197,27 @@ def test_sparse_readout_and_its_gradient_lower():
   )
 
 
+def _decode_token():
+  """A one-token step's q, q_rot `[2, 4, 64]`, k_rot, k, v `[2, 2, 64]` (two rows, grouped heads), pos and valid."""
+  q, kv = shape((2, 4, 64), f32), shape((2, 2, 64), f32)
+  return q, q, kv, kv, kv, shape((2,), i32), shape((2,), jnp.bool_)
+
+
+def _ring(lead):
+  """The 341M geometry's ring of 513 rotated keys (window 512), as a decode kernel reads it."""
+  return dict(
+    ring_k=shape((*lead, 2, 513, 2, 64), bf16),
+    ring_v=shape((*lead, 2, 513, 2, 64), bf16),
+    ring_pos=shape((*lead, 2, 513), i32),
+  )
+
+
 @pytest.mark.parametrize("stacked", [False, True])
 def test_fsl_bounded_decode_lowers(stacked):
   """The 341M geometry (ring 513, pool 64, recent 8, cell 32, d 64, K 4), grouped heads, a layer stack or not."""
   lead = (3,) if stacked else ()
   cache = dict(
-    ring_k=shape((*lead, 2, 513, 2, 64), bf16),
-    ring_v=shape((*lead, 2, 513, 2, 64), bf16),
-    ring_pos=shape((*lead, 2, 513), i32),
+    **_ring(lead),
     block_k=shape((*lead, 2, 64, 2, 64), bf16),
     block_v=shape((*lead, 2, 64, 2, 64), bf16),
     pool_ids=shape((*lead, 2, 2, 64), i32),
@@ -218,7 +231,6 @@ def test_fsl_bounded_decode_lowers(stacked):
     recent_k=shape((*lead, 2, 2, 8, 32, 64), bf16),
     recent_v=shape((*lead, 2, 2, 8, 32, 64), bf16),
   )
-  q, kv = shape((2, 4, 64), f32), shape((2, 2, 64), f32)
   run = lambda q, q_rot, k_rot, k, v, pos, valid, lam, sigma, alpha, gain, cache, layer: bounded_decode.bounded_decode(
     *(q, q_rot, k_rot, k, v, pos, valid, lam, sigma, alpha, gain, cache),
     window=512,
@@ -231,13 +243,7 @@ def test_fsl_bounded_decode_lowers(stacked):
   )
   _lowers_for_cuda(
     run,
-    q,
-    q,
-    kv,
-    kv,
-    kv,
-    shape((2,), i32),
-    shape((2,), jnp.bool_),
+    *_decode_token(),
     shape((*lead, 4), f32),
     shape((*lead, 4), f32),
     shape((*lead, 4), bf16),
@@ -254,16 +260,13 @@ def test_fs_archive_decode_lowers(stacked):
   stack or not."""
   lead = (3,) if stacked else ()
   archive = dict(
-    ring_k=shape((*lead, 2, 513, 2, 64), bf16),
-    ring_v=shape((*lead, 2, 513, 2, 64), bf16),
-    ring_pos=shape((*lead, 2, 513), i32),
+    **_ring(lead),
     tokens_k=shape((*lead, 2, 1056, 2, 64), bf16),
     tokens_v=shape((*lead, 2, 1056, 2, 64), bf16),
     tokens_pos=shape((*lead, 2, 1056), i32),
     mean_keys=shape((*lead, 2, 33, 2, 64), bf16),
     max_norms=shape((*lead, 2, 33, 2), bf16),
   )
-  q, kv = shape((2, 4, 64), f32), shape((2, 2, 64), f32)
   run = lambda q, q_rot, k_rot, k, v, pos, valid, cells, alpha, gain, archive, layer: archive_decode.archive_decode(
     *(q, q_rot, k_rot, k, v, pos, valid, cells, alpha, gain, archive),
     window=512,
@@ -275,13 +278,7 @@ def test_fs_archive_decode_lowers(stacked):
   )
   _lowers_for_cuda(
     run,
-    q,
-    q,
-    kv,
-    kv,
-    kv,
-    shape((2,), i32),
-    shape((2,), jnp.bool_),
+    *_decode_token(),
     shape((2, 4, 4), i32),
     shape((*lead, 4), bf16),
     shape((*lead, 64), bf16),
