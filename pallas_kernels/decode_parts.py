@@ -1,6 +1,6 @@
 """What the one-token decode kernels share (`pallas_kernels.bounded_decode` for FS-L, `archive_decode` for FS and
-FS-B): a softmax split into parts over programs, the local branch's part over one ring tile (Eq. 3-4), and the
-launch that merges the parts and mixes the branches (Eq. 2, 9).
+FS-B, `store_decode` for the baselines): a softmax split into parts over programs, the local branch's part over
+one ring tile (Eq. 3-4), and the launches that merge the parts (and, for FreeSolo, mix the branches: Eq. 2, 9).
 
 A step's attention launch has a grid (batch row, query head, part) so that a batch of one row still fills the GPU.
 Each part writes its softmax normalized over its own keys and their log-sum-exp; `mix_branches` (one program per
@@ -169,6 +169,42 @@ def mix_branches(o, lse, alpha, gain, layer_index, *, tiles, parts, eps, out_dty
     interpret=interpret,
     name="decode_mix_branches",
   )(o, lse, alpha, gain, layer_index)
+
+
+def _merge_kernel(o_ref, lse_ref, out_ref, *, parts):
+  """One (row, query head): the softmax over every key of parts 0 .. `parts`-1 of o_ref `[P', d]`, lse_ref
+  `[P']` (the rest unwritten), into out_ref `[d]`."""
+  lse = lse_ref[...]
+  part = jax.lax.broadcasted_iota(jnp.int32, lse.shape, 0)
+  out_ref[...] = _merged(o_ref[...], lse, part < parts).astype(out_ref.dtype)
+
+
+def merge_parts(o, lse, *, parts, out_dtype, interpret):
+  """The launch that merges a step's parts into one softmax per (row, head), for an attention with one branch.
+
+  Args:
+    o, lse: `[batch, heads, P', d]` and `[batch, heads, P']` float32: parts 0 .. `parts`-1 written by a step's
+      attention launch, each normalized over its own keys with their log-sum-exp (-inf for none), the rest (to
+      P', a power of two) never written.
+    out_dtype: the output's dtype.
+
+  Returns:
+    `[batch, heads, d]` in `out_dtype`, 0 where no part saw a key.
+  """
+  batch, heads, padded_parts, dim = o.shape
+  return pl.pallas_call(
+    functools.partial(_merge_kernel, parts=parts),
+    grid=(batch, heads),
+    in_specs=[
+      pl.BlockSpec((None, None, padded_parts, dim), lambda b, h: (b, h, 0, 0)),
+      pl.BlockSpec((None, None, padded_parts), lambda b, h: (b, h, 0)),
+    ],
+    out_specs=pl.BlockSpec((None, None, dim), lambda b, h: (b, h, 0)),
+    out_shape=jax.ShapeDtypeStruct((batch, heads, dim), out_dtype),
+    compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+    interpret=interpret,
+    name="decode_merge_parts",
+  )(o, lse)
 
 
 def per_layer(x, layers):

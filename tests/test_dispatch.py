@@ -59,7 +59,9 @@ def test_auto_takes_the_kernels_only_on_a_gpu_and_for_geometries_they_tile():
   assert dispatch.resolve("local_attention", "auto", dtype=jnp.float32) == "reference"
   assert dispatch.resolve("cache_attention", "auto", **FACTS) == ("cudnn" if ON_GPU else "reference")
   assert dispatch.resolve("cache_attention", "auto", **{**FACTS, "cache_dtype": jnp.float32}) == "reference"
-  assert dispatch.resolve("cache_attention", "auto", **{**FACTS, "tokens": 1}) == "one_token"
+  one_token = {**FACTS, "tokens": 1}
+  assert dispatch.resolve("cache_attention", "auto", **one_token) == ("pallas" if ON_GPU else "one_token")
+  assert dispatch.resolve("cache_attention", "auto", **{**one_token, "head_dim": 48}) == "one_token"
   assert dispatch.resolve("matvec", "auto", **FACTS) == ("pallas" if ON_GPU else "reference")
   assert dispatch.resolve("matvec", "auto", **{**FACTS, "rows": 17}) == "reference"
   assert dispatch.resolve("matvec", "auto", **{**FACTS, "ns": (1024, 24)}) == "reference"

@@ -1,6 +1,6 @@
 """`pallas_kernels.decode_parts`, what the one-token decode kernels share: a softmax split into parts over programs
-and merged exactly by the mixing launch, against the softmaxes over all keys at once, the readout RMSNorm and
-Eq. 2's mix of `fsjax.reference.freesolo` (interpreted on CPU, compiled on a GPU)."""
+and merged exactly by the mixing launch (and by the merge of a single branch), against the softmaxes over all keys
+at once, the readout RMSNorm and Eq. 2's mix of `fsjax.reference.freesolo` (interpreted on CPU, compiled on a GPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +70,26 @@ def test_merged_parts_mixed_equal_the_softmaxes_over_all_keys(rng, interpret, lo
   assert_close(got, expected, np.float32)
   if sum(cell_parts) == 0:
     assert_close(got, local, np.float32)
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+@pytest.mark.parametrize("keys_per_part", [[128, 0, 128, 57, 3], [0, 0, 0]], ids=["ragged", "no-key"])
+def test_merged_parts_equal_the_softmax_over_all_keys(rng, interpret, keys_per_part):
+  """`merge_parts` (one branch: the baselines' store attention) equals the softmax over every part's keys at once,
+  zero where no part saw a key; the padding parts hold garbage it must never read."""
+  o, lse, logits, values = _parts(rng, keys_per_part)
+  pad = (1 << (len(keys_per_part) - 1).bit_length()) - len(keys_per_part)  # to a power of two
+  o = np.concatenate([o, np.full((BATCH, HEADS, pad, DIM), 1e30)], axis=2)
+  lse = np.concatenate([lse, np.full((BATCH, HEADS, pad), 50.0)], axis=2)
+  merge = jax.jit(
+    lambda o, lse: decode_parts.merge_parts(
+      o, lse, parts=len(keys_per_part), out_dtype=jnp.float32, interpret=interpret
+    )
+  )
+  got = merge(jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32))
+  assert_close(got, _softmax_readout(logits, values), np.float32)
+  if not sum(keys_per_part):
+    assert np.all(np.asarray(got) == 0)
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())

@@ -18,6 +18,7 @@ from pallas_kernels import (
   forest_search,
   matvec,
   sparse_readout,
+  store_decode,
   zha_routing,
 )
 
@@ -286,6 +287,23 @@ def test_fs_archive_decode_lowers(stacked):
     shape((), i32) if stacked else None,
     kernels=["fs_archive_decode", "decode_mix_branches"],
   )
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_kv_store_decode_lowers(stacked):
+  """TF++'s dense cache of the 341M geometry at 4,160 slots (d 64: 33 tiles of 128), grouped heads, a layer stack
+  or not; and SWA's ring of 513 slots with its window."""
+  lead = (3,) if stacked else ()
+  q_rot, _, k_rot, _, v, pos, valid = _decode_token()
+  for slots, window in ((4160, None), (513, 512)):
+    store = dict(k=shape((*lead, 2, slots, 2, 64), bf16), v=shape((*lead, 2, slots, 2, 64), bf16))
+    store["pos"] = shape((*lead, 2, slots), i32)
+    run = lambda q, k, v, pos, valid, store, layer, window=window: store_decode.store_decode(
+      q, k, v, pos, valid, store, window=window, out_dtype=bf16, layer=layer, interpret=False
+    )
+    layer = shape((), i32) if stacked else None
+    kernels = ["kv_store_decode", "decode_merge_parts"]
+    _lowers_for_cuda(run, q_rot, k_rot, v, pos, valid, store, layer, kernels=kernels)
 
 
 @pytest.mark.parametrize("rows", [1, 4], ids=["elementwise", "dot"])

@@ -13,6 +13,7 @@ from fsjax.ops import dispatch
 from fsjax.reference.common import compute_dtype
 from fsjax.reference.dense import moba_chosen_blocks, moba_mean_keys
 from fsjax.reference.rope import RoPE, apply_rope
+from pallas_kernels import store_decode
 
 KINDS = ("tfpp", "swa", "moba")
 
@@ -52,8 +53,9 @@ class DenseAttention(nn.Module):
   With a `cache` (a `KVStore`: dense for TF++/MoBA, a ring of window + 1 for SWA), `x` is a chunk at
   `positions` `[batch, C]` with `valid` `[batch, C]`, and the call returns `(y, new_cache)`. A prompt's
   `first_chunk` (empty cache, positions from 0) runs the training operator and writes the cache once. Unless
-  `impl="reference"`, TF++ attends a chunk over a half-precision cache on a GPU through cuDNN, and a one-token
-  step through `fsjax.attention.cached.attend_one`, which reads the cache in place.
+  `impl="reference"`, TF++ attends a chunk over a half-precision cache on a GPU through cuDNN; a one-token step of
+  TF++ or SWA runs `pallas_kernels.store_decode` on a GPU (the token's write and its attention in one launch that
+  reads the store in place), and elsewhere TF++'s runs `fsjax.attention.cached.attend_one`.
   """
 
   num_heads: int
@@ -102,20 +104,26 @@ class DenseAttention(nn.Module):
 
   def _extend(self, q, k, v, cache, positions, valid):
     path = "reference"
-    if self.kind == "tfpp":
+    if self.kind in ("tfpp", "swa"):
+      impl = dispatch.for_op("cache_attention", self.impl)
+      if impl == "pallas" and q.shape[1] > 1:  # the kernel steps one token; a chunk takes the fastest other path
+        impl = "auto"
       path = dispatch.resolve(
         "cache_attention",
-        dispatch.for_op("cache_attention", self.impl),
+        impl,
         dtype=q.dtype,
         cache_dtype=cache.k.dtype,
         tokens=q.shape[1],
+        head_dim=q.shape[-1],
       )
-    if path == "cudnn":
+    if path == "cudnn" and self.kind == "tfpp":
       return self._extend_cudnn(q, k, v, cache, positions, valid)
     dtype = compute_dtype(q.dtype)
     q_rot = apply_rope(q.astype(dtype), positions, self.rope_theta)
     k_rot = apply_rope(k.astype(dtype), positions, self.rope_theta)
     v = v.astype(dtype)
+    if path == "pallas":
+      return self._extend_kernel(q_rot, k_rot, v, cache, positions, valid)
     if self.kind == "swa":  # the ring holds only the past window: attend over ring + chunk, then write
       out = attend(q_rot, positions, *kv.concat(cache, k_rot, v, positions, valid), window=self.window)
       return out, kv.write(cache, k_rot, v, after(positions, out), valid)  # in place: after the ring's read
@@ -127,6 +135,28 @@ class DenseAttention(nn.Module):
     if self.kind == "moba":
       extra = moba_block_mask(q_rot, positions, keys[0], moba_block=self.moba_block, moba_top_k=self.moba_top_k)
     return attend(q_rot, positions, *keys, extra_mask=extra), cache
+
+  def _extend_kernel(self, q_rot, k_rot, v, cache, positions, valid):
+    """One token per row through `pallas_kernels.store_decode`: the token's write and its attention over the
+    store (TF++'s dense cache, SWA's ring) in one launch that reads the store where it lies, then the merge of its
+    parts. The same result as the reference path: `attend_one` after `kv.write` (TF++), `attend` over the ring and
+    the token (SWA)."""
+    fields, layer = dict(k=cache.k, v=cache.v, pos=cache.pos), None
+    if isinstance(cache.k, LayerSlice):
+      fields, layer = {name: x.stack for name, x in fields.items()}, cache.k.layer
+    o, written = store_decode.store_decode(
+      q_rot[:, 0],
+      k_rot[:, 0],
+      v[:, 0],
+      positions[:, 0],
+      valid[:, 0],
+      fields,
+      window=self.window if self.kind == "swa" else None,
+      out_dtype=jnp.dtype(q_rot.dtype),
+      layer=layer,
+    )
+    put = lambda old, new: old.replace(stack=new) if isinstance(old, LayerSlice) else new
+    return o[:, None], cache.replace(**{name: put(getattr(cache, name), written[name]) for name in fields})
 
   def _extend_cudnn(self, q, k, v, cache, positions, valid):
     """TF++ prefill/decode on cuDNN's fused kernel: the chunk attends the half-precision dense cache through a

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from fsjax.ops import query_blocks
 from pallas_kernels import common as kernel_common
-from pallas_kernels import decode_parts, matvec, zha_routing
+from pallas_kernels import decode_parts, matvec, store_decode, zha_routing
 
 IMPLS = ("reference", "auto", "pallas")
 HALF_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -87,6 +87,10 @@ def _one_token(*, tokens, **_):
   return tokens == 1
 
 
+def _store_decode_kernel(*, tokens, head_dim, **_):
+  return on_gpu() and tokens == 1 and store_decode.compilable(head_dim=head_dim)
+
+
 def _cudnn_chunk(*, dtype, cache_dtype, tokens, **_):
   return tokens > 1 and _cudnn(dtype=dtype) and _cudnn(dtype=cache_dtype)
 
@@ -112,8 +116,13 @@ TABLE = {
   "swa_attention": (Implementation("cudnn", _cudnn),),
   # MoBA: its training form over blocks of queries (the reference's rows, in bounded memory).
   "moba_attention": (Implementation("blocked", _several_query_blocks),),
-  # Decode: a chunk attending a half-precision dense cache through cuDNN; one token read in place by XLA.
-  "cache_attention": (Implementation("cudnn", _cudnn_chunk), Implementation("one_token", _one_token)),
+  # Decode over a key/value store: a chunk attending a half-precision dense cache through cuDNN (TF++); one token
+  # written and attending the store in one kernel (TF++'s cache, SWA's ring), or read in place by XLA (TF++).
+  "cache_attention": (
+    Implementation("cudnn", _cudnn_chunk),
+    Implementation("pallas", _store_decode_kernel),
+    Implementation("one_token", _one_token),
+  ),
   # ZHA: the training-form operator and the distillation loss run over query blocks in bounded memory; capped
   # decode routing has kernels.
   "zha_attention": (Implementation("blocked", _several_query_blocks),),
