@@ -20,8 +20,9 @@ no key, value or node is copied per query head; routing and attention stay per q
 
 Parallelism at batch 1: scoring runs one program per (batch, head, block of candidates), the selection one per
 (batch, head), and the attention splits each head's leaves over `splits` programs (flash-decoding) whose partial
-softmaxes are merged by log-sum-exp. Each program gathers its rows (a block of nodes `[BK, R, d]`, its leaves'
-keys `[P, C, d]`) in one load instead of a loop of dependent loads; a single query needs no tensor-core dot.
+softmaxes are merged by log-sum-exp in one more launch (`decode_parts.merge_parts`). Each program gathers its rows
+(a block of nodes `[BK, R, d]`, its leaves' keys `[P, C, d]`) in one load instead of a loop of dependent loads; a
+single query needs no tensor-core dot.
 """
 
 import functools
@@ -33,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import check_power_of_two, default_interpret, layer_stack, pad_axis, pad_head_dim
+from pallas_kernels.decode_parts import merge_parts
 
 NO_NODE = -1
 
@@ -406,13 +408,15 @@ def _attention_kernel(q_ref, k_ref, v_ref, leaves_ref, position_ref, layer_ref, 
   carry = absorb(carry, key, (key >= current) & (key <= position) & (split == 0))
   acc, row_max, row_sum = carry
   out_ref[...] = (acc / jnp.where(row_sum > 0, row_sum, 1.0)).astype(out_ref.dtype)
-  lse_ref[...] = jnp.where(row_sum > 0, row_max + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)), -jnp.inf)[None]
+  lse_ref[...] = jnp.full(
+    lse_ref.shape, jnp.where(row_sum > 0, row_max + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)), -jnp.inf)
+  )
 
 
 # Keys (and values) one split of the leaf attention gathers at most, so that they stay in registers at 4 warps.
-# One program per (batch, head) looping over tiles of this many keys saves the merge's three XLA kernels, but its
-# dependent tiles took 12.2 µs for 64 leaves at C=8 and 33 µs at C=16 on an H200, against 5.1 and 7.1 µs for the
-# split kernel plus about 3 µs for the merge.
+# One program per (batch, head) looping over tiles of this many keys needs no merge, but its dependent tiles took
+# 12.2 µs for 64 leaves at C=8 and 33 µs at C=16 on an H200, against 5.1 and 7.1 µs for the split kernel plus
+# about 3 µs for the merge (then XLA's softmax over the splits: three kernels).
 _SPLIT_KEYS = 128
 
 
@@ -428,7 +432,8 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=None,
     layer: None, or an int32 scalar when `k` and `v` are a scanned model's stacks `[layers, batch, S, heads, d]`:
       the kernel reads that layer where it lies.
     splits: programs per (batch, head), each over a power-of-two share of the leaves, their partial softmaxes
-      merged by log-sum-exp (flash-decoding; default: enough that a split reads at most `_SPLIT_KEYS` keys).
+      merged by log-sum-exp in a second launch (flash-decoding; default: enough that a split reads at most
+      `_SPLIT_KEYS` keys).
 
   Returns:
     `[batch, heads, d]` float32.
@@ -459,16 +464,14 @@ def leaf_attention(q, k, v, leaves, position, *, chunk, layer=None, splits=None,
     ],
     out_specs=[
       pl.BlockSpec((None, None, None, width), lambda b, h, s: (b, h, s, 0)),
-      pl.BlockSpec((None, None, None, 1), lambda b, h, s: (b, h, s, 0)),
+      pl.BlockSpec((None, None, 1), lambda b, h, s: (b, h, s)),
     ],
-    out_shape=[
-      jax.ShapeDtypeStruct((batch, heads, splits, width), jnp.float32),
-      jax.ShapeDtypeStruct((batch, heads, splits, 1), jnp.float32),
+    out_shape=[  # to a power of two of splits, which the merge loads whole (and masks)
+      jax.ShapeDtypeStruct((batch, heads, pl.next_power_of_2(splits), width), jnp.float32),
+      jax.ShapeDtypeStruct((batch, heads, pl.next_power_of_2(splits)), jnp.float32),
     ],
     compiler_params=plgpu.CompilerParams(num_warps=4 if per_split * chunk * width >= 4096 else 1, num_stages=1),
     interpret=interpret,
     name="zha_leaf_attention",
   )(pad_head_dim(q), pad_head_dim(k), pad_head_dim(v), leaves, position.astype(jnp.int32), layer_index)
-  weights = jax.nn.softmax(lse, axis=2)  # merge the splits' partial softmaxes
-  weights = jnp.where(jnp.isfinite(lse), weights, 0.0)
-  return jnp.sum(weights * out, axis=2)[..., :dim]
+  return merge_parts(out, lse, parts=splits, out_dtype=jnp.float32, interpret=interpret)[..., :dim]

@@ -261,10 +261,12 @@ def test_keep_top_p_rejects_a_threshold_outside_0_1_and_an_empty_cap():
 
 @pytest.mark.parametrize("interpret", kernel_modes())
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("chunk,dim,leaves,splits", [(8, 64, 6, 4), (4, 96, 9, 2), (16, 32, 1, 1), (8, 64, 64, None)])
+@pytest.mark.parametrize(
+  "chunk,dim,leaves,splits", [(8, 64, 6, 4), (4, 96, 9, 2), (16, 32, 1, 1), (8, 64, 64, None), (4, 32, 17, 3)]
+)
 def test_leaf_attention(rng, interpret, dtype, chunk, dim, leaves, splits):
-  """Splits with padded shares, one split, and the default (a 64-slot list at C=8: four splits of 16), against a
-  loop over the attended keys; unused slots hold NO_NODE."""
+  """Splits with padded shares, one split, three splits (merged as four, the last never written), and the default
+  (a 64-slot list at C=8: four splits of 16), against a loop over the attended keys; unused slots hold NO_NODE."""
   batch, heads, capacity = 2, 2, 160
   q = rng.standard_normal((batch, heads, dim))
   k, v = (rng.standard_normal((batch, capacity, heads, dim)) for _ in range(2))

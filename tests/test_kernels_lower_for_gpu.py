@@ -120,7 +120,7 @@ def test_zha_leaf_attention_lowers(stacked):
     shape((1, 2, 64), i32),
     shape((1,), i32),
     shape((), i32),
-    kernels=["zha_leaf_attention"],
+    kernels=["zha_leaf_attention", "decode_merge_parts"],
   )
 
 
