@@ -10,7 +10,9 @@ A case:
    then one decode step, timed on a second run (compiles excluded): what a request that arrives alone waits.
 2. The largest batch: the cache bytes per sequence from `init_cache`'s shapes (nothing allocated), and the batch
    whose caches plus the decode loop's own buffers (XLA's buffer assignment of the loop compiled for that batch)
-   fit in 90% of the memory free beside the parameters, at most `--max-batch`.
+   fit in 90% of the memory free beside the parameters, at most `--max-batch`, less the largest array of one row's
+   cache: the prefilled row waits on the host while the batch is sized and copied in one array at a time, so a
+   kind whose row is large (TF++'s 12 GiB at 128k) is not sized with that row still on the device.
 3. Decode tokens/s over all rows at that batch: `decode_loop` for `--decode-tokens` steps, every row running all of
    them, timed on its second call (the first compiles; the second continues from the cache the first left).
    Every row's cache is a copy of the prefilled row's: prefilling 64 rows of 1M tokens would take half an hour,
@@ -88,12 +90,15 @@ def run_case(kind, length, preset, decode_tokens, max_batch, zha_max_nodes):
   ttft_s = time.perf_counter() - start
 
   per_sequence, fixed = sequence_bytes(config, max_len)
+  row_cache = jax.device_get(row_cache)  # on the host while the batch is sized and built
+  largest_array = max(x.nbytes for x in jax.tree_util.tree_leaves(row_cache))
   clock = time.perf_counter()
   batch, loop, loop_bytes = largest_batch(
-    model, variables, config, max_len, per_sequence, fixed, decode_tokens, max_batch
+    model, variables, config, max_len, per_sequence, fixed + largest_array, decode_tokens, max_batch
   )
   progress(f"{kind} at {length:,}: batch {batch}, decode loop compiled in {time.perf_counter() - clock:.0f} s")
-  cache = cache_rows(row_cache, jnp.zeros((batch,), jnp.int32))  # the prefilled row, `batch` times
+  # The prefilled row, `batch` times: `jnp.take` moves one host array at a time to the device.
+  cache = cache_rows(row_cache, jnp.zeros((batch,), jnp.int32))
   del row_cache
   first = jnp.repeat(token, batch)
   limits = jnp.full((batch,), decode_tokens, jnp.int32)
