@@ -10,9 +10,9 @@ A case:
    then one decode step, timed on a second run (compiles excluded): what a request that arrives alone waits.
 2. The largest batch: the cache bytes per sequence from `init_cache`'s shapes (nothing allocated), and the batch
    whose caches plus the decode loop's own buffers (XLA's buffer assignment of the loop compiled for that batch)
-   fit in 90% of the memory free beside the parameters, at most `--max-batch`, less the largest array of one row's
-   cache: the prefilled row waits on the host while the batch is sized and copied in one array at a time, so a
-   kind whose row is large (TF++'s 12 GiB at 128k) is not sized with that row still on the device.
+   fit in 90% of the memory free beside the parameters, at most `--max-batch`. The prefilled row waits on the host
+   while the batch is sized and copied in one array at a time (so the caches must also fit beside the row's largest
+   array): a kind whose row is large (TF++'s 12 GiB at 128k) is not sized with that row still on the device.
 3. Decode tokens/s over all rows at that batch: `decode_loop` for `--decode-tokens` steps, every row running all of
    them, timed on its second call (the first compiles; the second continues from the cache the first left).
    Every row's cache is a copy of the prefilled row's: prefilling 64 rows of 1M tokens would take half an hour,
@@ -54,10 +54,13 @@ def sequence_bytes(config, max_len):
   return two - one, 2 * one - two
 
 
-def largest_batch(model, variables, config, max_len, per_sequence, fixed, decode_tokens, max_batch):
-  """The largest batch whose caches and compiled decode loop fit `FIT` of the free memory, and that loop:
-  `(batch, compiled, loop bytes)`. Where the platform reports no memory size (CPU), `max_batch`."""
+def largest_batch(model, variables, config, max_len, per_sequence, fixed, decode_tokens, max_batch, transient=0):
+  """The largest batch whose caches and compiled decode loop fit `FIT` of the free memory, and whose caches fit
+  beside `transient` bytes (one array of the row they are copied from), and that loop: `(batch, compiled, loop
+  bytes)`. Where the platform reports no memory size (CPU), `max_batch`."""
   free = memory.free_bytes()
+  if free is not None:
+    max_batch = min(max_batch, int((free - fixed - transient) // per_sequence))
   batch = max_batch if free is None else max(1, min(max_batch, int((FIT * free - fixed) // per_sequence)))
   for _ in range(SEARCH_STEPS):
     shapes = jax.eval_shape(lambda: init_cache(config, batch, max_len, dtype=jnp.bfloat16))
@@ -94,7 +97,7 @@ def run_case(kind, length, preset, decode_tokens, max_batch, zha_max_nodes):
   largest_array = max(x.nbytes for x in jax.tree_util.tree_leaves(row_cache))
   clock = time.perf_counter()
   batch, loop, loop_bytes = largest_batch(
-    model, variables, config, max_len, per_sequence, fixed + largest_array, decode_tokens, max_batch
+    model, variables, config, max_len, per_sequence, fixed, decode_tokens, max_batch, transient=largest_array
   )
   progress(f"{kind} at {length:,}: batch {batch}, decode loop compiled in {time.perf_counter() - clock:.0f} s")
   # The prefilled row, `batch` times: `jnp.take` moves one host array at a time to the device.
