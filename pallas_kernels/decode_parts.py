@@ -82,15 +82,22 @@ def compilable(*, cell, head_dim):
   return cell >= 1 and cell & (cell - 1) == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
+def token_specs(dim, group):
+  """The BlockSpecs of a step launch's (grid (row, query head, part)) per-token operands: a `[batch, heads, d]`
+  array as the program's query head's row, a `[batch, kv_heads, d]` one as its key/value head's (`group` query
+  heads each), and a `[batch]` one as `[1]` of its row."""
+  row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h, 0))
+  kv_row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h // group, 0))
+  per_row = pl.BlockSpec((1,), lambda b, h, z: (b,))
+  return row, kv_row, per_row
+
+
 def token_operands(q, q_rot, k_rot, k, v, pos, valid, *, ring_dtype, dtype, group):
   """The token's seven operands of a step's attention launch (grid (row, query head, part)) and their BlockSpecs:
   q and q_rot `[batch, heads, d]` as float32 rows of the program's query head; k_rot (in `ring_dtype`), k and v
   (in `dtype`) `[batch, kv_heads, d]` as rows of its key/value head (`group` query heads each); pos and valid
   `[batch]` as int32 `[1]` of its row."""
-  dim = q.shape[-1]
-  row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h, 0))
-  kv_row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h // group, 0))
-  per_row = pl.BlockSpec((1,), lambda b, h, z: (b,))
+  row, kv_row, per_row = token_specs(q.shape[-1], group)
   operands = [q.astype(jnp.float32), q_rot.astype(jnp.float32), k_rot.astype(ring_dtype)]
   operands += [k.astype(dtype), v.astype(dtype), pos.astype(jnp.int32), valid.astype(jnp.int32)]
   return operands, [row, row, kv_row, kv_row, kv_row, per_row, per_row]

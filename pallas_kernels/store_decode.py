@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import default_interpret, group_size, layer_stack
-from pallas_kernels.decode_parts import merge_parts
+from pallas_kernels.decode_parts import merge_parts, token_specs
 
 TILE_ELEMENTS = 8192  # keys × head dims loaded per tile: 128 slots at d = 64, 64 at d = 128
 TARGET_PARTS = 64  # parts per (row, head): enough programs to fill the GPU at batch 1, few to merge
@@ -172,9 +172,7 @@ def store_decode(
   padded = pl.next_power_of_2(parts)
   dtype = stacks["k"].dtype
 
-  row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h, 0))
-  kv_row = pl.BlockSpec((None, None, dim), lambda b, h, z: (b, h // group, 0))
-  per_row = pl.BlockSpec((1,), lambda b, h, z: (b,))
+  row, kv_row, per_row = token_specs(dim, group)
   store_specs = [
     pl.BlockSpec((layers, None, slots, None, dim), lambda b, h, z: (0, b, 0, h // group, 0)),
     pl.BlockSpec((layers, None, slots, None, dim), lambda b, h, z: (0, b, 0, h // group, 0)),

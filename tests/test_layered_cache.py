@@ -8,7 +8,7 @@ import numpy as np
 from fsjax.attention.cached import attend, attend_one
 from fsjax.cache import layer_of, write_back
 from fsjax.cache import store as kv
-from fsjax.cache.layered import LayerSlice, read, row_major, scatter
+from fsjax.cache.layered import LayerSlice, kernel_arrays, read, rewritten, row_major, scatter
 from fsjax.cache.store import KVStore
 
 from helpers import assert_close
@@ -50,6 +50,22 @@ def test_a_layer_view_writes_its_layer_in_place_and_slices_the_rest(rng):
 def test_scatter_on_a_plain_array_is_at_set(rng):
   x = jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)
   np.testing.assert_array_equal(scatter(x, (jnp.asarray([0, 9]),), jnp.ones((2, 3)), mode="drop"), x.at[0].set(1.0))
+
+
+def test_a_kernel_is_handed_whole_stacks_and_their_layer_and_its_outputs_keep_the_view():
+  """`kernel_arrays` hands views' stacks with their layer (arrays as they are, with no layer), and `rewritten`
+  puts a kernel's new stack back under the same layer."""
+  stack, layer = jnp.arange(24.0).reshape(3, 2, 4), jnp.int32(2)
+  arrays, at = kernel_arrays(dict(a=LayerSlice(stack, layer), b=LayerSlice(stack + 1, layer)))
+  assert at is layer and arrays["a"] is stack and arrays["b"].shape == (3, 2, 4)
+  first = stack[0]
+  plain, none = kernel_arrays(dict(a=first))
+  assert none is None and plain["a"] is first
+  view = rewritten(LayerSlice(stack, layer), stack * 2)
+  assert isinstance(view, LayerSlice) and view.layer is layer
+  np.testing.assert_array_equal(np.asarray(read(view)), np.asarray(stack[2] * 2))
+  replacement = stack[1]
+  assert rewritten(first, replacement) is replacement
 
 
 def test_one_query_attention_equals_the_chunk_attention(rng):

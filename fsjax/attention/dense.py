@@ -8,7 +8,7 @@ from fsjax import ops
 from fsjax.attention.cached import attend, attend_one, by_head_groups, visible
 from fsjax.attention.projections import Projection, project_out, project_qkv
 from fsjax.cache import store as kv
-from fsjax.cache.layered import LayerSlice, after, read
+from fsjax.cache.layered import LayerSlice, after, kernel_arrays, read, rewritten
 from fsjax.ops import dispatch
 from fsjax.reference.common import compute_dtype
 from fsjax.reference.dense import moba_chosen_blocks, moba_mean_keys
@@ -141,9 +141,7 @@ class DenseAttention(nn.Module):
     store (TF++'s dense cache, SWA's ring) in one launch that reads the store where it lies, then the merge of its
     parts. The same result as the reference path: `attend_one` after `kv.write` (TF++), `attend` over the ring and
     the token (SWA)."""
-    fields, layer = dict(k=cache.k, v=cache.v, pos=cache.pos), None
-    if isinstance(cache.k, LayerSlice):
-      fields, layer = {name: x.stack for name, x in fields.items()}, cache.k.layer
+    fields, layer = kernel_arrays(dict(k=cache.k, v=cache.v, pos=cache.pos))
     o, written = store_decode.store_decode(
       q_rot[:, 0],
       k_rot[:, 0],
@@ -155,8 +153,7 @@ class DenseAttention(nn.Module):
       out_dtype=jnp.dtype(q_rot.dtype),
       layer=layer,
     )
-    put = lambda old, new: old.replace(stack=new) if isinstance(old, LayerSlice) else new
-    return o[:, None], cache.replace(**{name: put(getattr(cache, name), written[name]) for name in fields})
+    return o[:, None], cache.replace(**{name: rewritten(getattr(cache, name), written[name]) for name in fields})
 
   def _extend_cudnn(self, q, k, v, cache, positions, valid):
     """TF++ prefill/decode on cuDNN's fused kernel: the chunk attends the half-precision dense cache through a

@@ -30,7 +30,7 @@ from fsjax.cache import bounded, forest
 from fsjax.cache import store as kv_store
 from fsjax.cache.archive import Archive
 from fsjax.cache.forest import ForestCache
-from fsjax.cache.layered import LayerSlice, after, read
+from fsjax.cache.layered import LayerSlice, after, kernel_arrays, read, rewritten
 from fsjax.ops import dispatch
 from fsjax.ops.freesolo import cached_readout, cached_readout_runs_kernel
 from fsjax.reference import cells as cells_ref
@@ -307,9 +307,7 @@ def archive_token_kernel(cache, q, q_rot, k, k_rot, v, pos, valid, routing: Rout
   fields = dict(ring_k=archive.ring.k, ring_v=archive.ring.v, ring_pos=archive.ring.pos)
   fields.update(tokens_k=archive.tokens.k, tokens_v=archive.tokens.v, tokens_pos=archive.tokens.pos)
   fields.update(mean_keys=archive.mean_keys, max_norms=archive.max_norms)
-  layer = None
-  if isinstance(archive.tokens.k, LayerSlice):
-    fields, layer = {name: x.stack for name, x in fields.items()}, archive.tokens.k.layer
+  fields, layer = kernel_arrays(fields)
   alpha, lr_gain = (_at_layer(weights[name], layer) for name in ("alpha", "lr_gain"))
   o, written = archive_decode.archive_decode(
     q[:, 0],
@@ -329,13 +327,12 @@ def archive_token_kernel(cache, q, q_rot, k, k_rot, v, pos, valid, routing: Rout
     out_dtype=jnp.dtype(out_dtype),
     layer=layer,
   )
-  put = lambda old, new: old.replace(stack=new) if isinstance(old, LayerSlice) else new
   ring, tokens = archive.ring, archive.tokens
   archive = archive.replace(
-    ring=ring.replace(**{f: put(getattr(ring, f), written[f"ring_{f}"]) for f in ("k", "v", "pos")}),
-    tokens=tokens.replace(**{f: put(getattr(tokens, f), written[f"tokens_{f}"]) for f in ("k", "v", "pos")}),
-    mean_keys=put(archive.mean_keys, written["mean_keys"]),
-    max_norms=put(archive.max_norms, written["max_norms"]),
+    ring=ring.replace(**{f: rewritten(getattr(ring, f), written[f"ring_{f}"]) for f in ("k", "v", "pos")}),
+    tokens=tokens.replace(**{f: rewritten(getattr(tokens, f), written[f"tokens_{f}"]) for f in ("k", "v", "pos")}),
+    mean_keys=rewritten(archive.mean_keys, written["mean_keys"]),
+    max_norms=rewritten(archive.max_norms, written["max_norms"]),
   )
   return o[:, None], cells, cache.replace(archive=archive) if streaming else archive
 
@@ -392,9 +389,7 @@ def _kernel_fields(cache: bounded.BoundedCache):
   fields.update(block_k=cache.block_k, block_v=cache.block_v)
   for name in ("ids", "mean", "norm", "k", "v"):
     fields[f"pool_{name}"], fields[f"recent_{name}"] = getattr(cache, f"pool_{name}"), getattr(cache, f"recent_{name}")
-  if isinstance(cache.pool_ids, LayerSlice):
-    return {name: x.stack for name, x in fields.items()}, cache.pool_ids.layer
-  return fields, None
+  return kernel_arrays(fields)
 
 
 def _at_layer(x, layer):
@@ -407,13 +402,12 @@ def _at_layer(x, layer):
 
 def _with_written(cache: bounded.BoundedCache, written):
   """`cache` holding the arrays the kernel wrote (`bounded_decode.WRITTEN`; stacks where the cache holds views)."""
-  put = lambda old, new: old.replace(stack=new) if isinstance(old, LayerSlice) else new
   ring = cache.ring
-  ring = ring.replace(
-    k=put(ring.k, written["ring_k"]), v=put(ring.v, written["ring_v"]), pos=put(ring.pos, written["ring_pos"])
-  )
+  ring = ring.replace(**{f: rewritten(getattr(ring, f), written[f"ring_{f}"]) for f in ("k", "v", "pos")})
   return cache.replace(
-    ring=ring, block_k=put(cache.block_k, written["block_k"]), block_v=put(cache.block_v, written["block_v"])
+    ring=ring,
+    block_k=rewritten(cache.block_k, written["block_k"]),
+    block_v=rewritten(cache.block_v, written["block_v"]),
   )
 
 

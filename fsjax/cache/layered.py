@@ -83,6 +83,21 @@ def after(index, *reads):
   return index + never.astype(index.dtype)
 
 
+def kernel_arrays(fields):
+  """What a kernel reading a layer in place is handed for `fields` (name → array, or `LayerSlice`s of one layer):
+  `(arrays, layer)`, the whole stacks and their layer index where the fields are views, else the arrays and None."""
+  first = next(iter(fields.values()))
+  if isinstance(first, LayerSlice):
+    return {name: x.stack for name, x in fields.items()}, first.layer
+  return dict(fields), None
+
+
+def rewritten(old, new):
+  """`old` (an array or a `LayerSlice`) after a kernel returned `new` for it: the new stack viewed at the same
+  layer, or the new array."""
+  return old.replace(stack=new) if isinstance(old, LayerSlice) else new
+
+
 def layer_view(stacked, layer, viewed):
   """Layer `layer` of a stacked cache: the arrays of nodes of the types in `viewed` as `LayerSlice`s, every
   other array sliced out."""
