@@ -3,7 +3,9 @@
     python benchmarks/matvec.py [--preset fs_341m] [--rows 1] [--sweep [SECONDS]]
 
 The preset's layers run as one `lax.scan` over stacked bf16 weights, as a scanned model's decode step reads them.
-The rows are W_q/W_k/W_v (one launch), W_o, W_gate/W_up (one launch), W_down, then all four together. Each time
+The rows are W_q/W_k/W_v (one launch), W_o, W_gate/W_up (one launch), W_down, then all four together. As in a
+decode step, W_q/W_k/W_v and W_gate/W_up RMS-norm their input first (the kernel in its prologue, XLA before the
+dot). Each time
 is µs per layer: the wall time of 30 calls of the scanned loop, divided by the layers. GB/s is the weights' bytes
 over that time. Before timing, the kernel's sums are checked against XLA's (float32 sums of bf16 products, so
 only the order of the additions differs).
@@ -36,6 +38,9 @@ def scanned(product, layers):
   return jax.jit(lambda xs, ws: jax.lax.scan(lambda _, i: (None, product(xs, ws, i)), None, jnp.arange(layers))[1])
 
 
+NORMED = ("q, k, v", "gate, up")  # the products whose input a decode step RMS-norms in the kernel's prologue
+
+
 def products(config):
   """name → (K, [N_j]): a layer's matrix products, those sharing an input together."""
   d, hidden = config.d_model, config.ffn_hidden_size
@@ -54,12 +59,17 @@ def main():
   groups = products(config)
   weights, inputs = {}, {}
   for g, (name, (k, ns)) in enumerate(groups.items()):
-    keys = jax.random.split(jax.random.fold_in(key, g), len(ns) + 1)
-    weights[name] = [jax.random.normal(kj, (layers, k, n), jnp.bfloat16) * k**-0.5 for kj, n in zip(keys[1:], ns)]
-    inputs[name] = jax.random.normal(keys[0], (args.rows, k), jnp.bfloat16)
+    keys = jax.random.split(jax.random.fold_in(key, g), len(ns) + 2)
+    weights[name] = [jax.random.normal(kj, (layers, k, n), jnp.bfloat16) * k**-0.5 for kj, n in zip(keys[2:], ns)]
+    scale = jax.random.uniform(keys[1], (layers, k), jnp.float32, 0.5, 1.5) if name in NORMED else None
+    inputs[name] = (jax.random.normal(keys[0], (args.rows, k), jnp.bfloat16), scale)
 
-  xla = lambda x, ws, i: tuple(jnp.matmul(x, w[i], preferred_element_type=jnp.float32) for w in ws)
-  kernel = lambda x, ws, i: matvec.matvec(x, ws, layer=i)
+  def xla(x, ws, i):
+    x, scale = x
+    x = x if scale is None else matvec.rms_normed(x, scale[i], 1e-6, jnp.bfloat16)
+    return tuple(jnp.matmul(x, w[i], preferred_element_type=jnp.float32) for w in ws)
+
+  kernel = lambda x, ws, i: matvec.matvec(x[0], ws, layer=i, norm_scale=x[1])
   every = lambda product: lambda xs, ws, i: [product(xs[name], ws[name], i) for name in groups]
   print(f"{jax.devices()[0].device_kind}, {args.preset}: {layers} layers, {args.rows} row(s), bf16, µs per layer")
   print("| product | XLA µs | XLA GB/s | kernel µs | kernel GB/s | kernel ÷ XLA | tiles (BK, BN, splits) |")
@@ -103,7 +113,14 @@ def sweep(groups, inputs, weights, layers, rows, *, seconds):
     def time_us(tiles, warps, stages, reduce_once):
       run = scanned(
         lambda x, ws, i: matvec.matvec(
-          x, ws, layer=i, tiles=tiles, num_warps=warps, num_stages=stages, reduce_once=reduce_once
+          x[0],
+          ws,
+          layer=i,
+          norm_scale=x[1],
+          tiles=tiles,
+          num_warps=warps,
+          num_stages=stages,
+          reduce_once=reduce_once,
         ),
         layers,
       )

@@ -9,7 +9,8 @@ the matrix-vector kernel does not apply. The layer's `nn.Dense` modules then run
 A module's input that still needs its RMSNorm reaches the products as it is, with the norm's scale beside the
 weights (`LayerWeights.prenorm`): the kernel normalizes it in its prologue, which in XLA were two launches per
 norm (a reduction, then the scaling). `DecoderLayer` decides this with `runs_kernel`, the same rule
-`dense_products` follows.
+`dense_products` follows. SwiGLU's three products are two launches (`gated_products`): the down projection forms
+`silu(gate) * up` in its prologue from the gate/up launch's partial sums, which in XLA was a launch between them.
 
 The parameters, their tree and their shapes are the same either way: this is how a step reads them, not how they
 are stored.
@@ -120,3 +121,32 @@ def dense_products(weights, x, names, contracted, dtype, normed_input=False):
       y = y + (bias[weights.layer] if stacked else bias).astype(jnp.float32)
     outputs.append(y.astype(dtype))
   return outputs
+
+
+def gated_products(weights, x, gate_up, down, dtype):
+  """SwiGLU's `W_down(silu(W_gate x) * W_up x)` for `x [..., K]` in `dtype`, as `nn.Dense(dtype=dtype)` modules
+  and `nn.silu(gate) * up` give it, in two launches of the matrix-vector kernel: the gate/up launch returns its
+  partial sums, and the down launch forms the hidden vector from them in its prologue. `gate_up`: the names of
+  the gate and up modules; `down`: the down module's. `x` is the MLP's input, which `weights.prenorm` (if set)
+  normalizes first.
+
+  Returns None where the kernel does not apply to both launches (`runs_kernel`) or a module has a bias: the
+  caller then runs the products one by one (`dense_products`).
+  """
+  if weights is None:
+    return None
+  hidden = weights.params[gate_up[0]]["kernel"].shape[-1]
+  if not runs_kernel(weights, x.shape, gate_up) or not runs_kernel(weights, (*x.shape[:-1], hidden), (down,)):
+    return None
+  if any(weights.params[name].get("bias") is not None for name in (*gate_up, down)):
+    return None
+  lead, k = x.shape[:-1], x.shape[-1]
+  prenorm = weights.prenorm
+  norm = {} if prenorm is None else dict(norm_scale=prenorm.scale, norm_eps=prenorm.eps)
+  kernel = lambda name: weights.params[name]["kernel"]
+  common = dict(layer=weights.layer, dtype=dtype)
+  partials = matvec.matvec(
+    x.reshape(math.prod(lead), k), [kernel(name) for name in gate_up], partial_sums=True, **norm, **common
+  )
+  (y,) = matvec.matvec(partials, [kernel(down)], gated=True, **common)
+  return y.reshape(*lead, y.shape[-1]).astype(dtype)

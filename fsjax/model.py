@@ -13,7 +13,7 @@ from fsjax.attention.freesolo import ROUTING
 from fsjax.attention.projections import QKV, Projection
 from fsjax.cache import defer_block_merges, layer_of, merge_deferred_blocks, write_back
 from fsjax.config import ModelConfig
-from fsjax.layer_weights import LayerWeights, Prenorm, child, dense_products, runs_kernel
+from fsjax.layer_weights import LayerWeights, Prenorm, child, dense_products, gated_products, runs_kernel
 
 EMBED_INIT_STD = 0.02  # keeps tied-embedding logits O(1) at init (LLaMA's choice)
 
@@ -53,6 +53,9 @@ class SwiGLU(nn.Module):
     dense = lambda features, name: nn.Dense(
       features, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name
     )
+    fused = gated_products(weights, x, GATE_UP, "down", self.dtype)
+    if fused is not None:
+      return fused
     gate_up = dense_products(weights, x, GATE_UP, 1, self.dtype, normed_input=True)
     gate, up = gate_up if gate_up is not None else (dense(self.hidden, "gate")(x), dense(self.hidden, "up")(x))
     h = nn.silu(gate) * up

@@ -38,6 +38,7 @@ from pallas_kernels.common import MIN_DOT_DIM, default_interpret, layer_stack
 MAX_ROWS = 16  # the kernel's rows: a batch-1 step's 1, up to a small batch's 16
 DOT_ROWS = 4  # from this many rows on, each tile is one tl.dot over 16 padded rows
 TARGET_PROGRAMS = 264  # two programs per SM of an H100 / H200 (132 SMs)
+NORM_CHUNK = 4096  # features of x per load when a program forms its rows' norms
 ACCUMULATOR_PER_THREAD = 64  # float32 registers per thread for `reduce_once`'s running products
 
 
@@ -67,36 +68,49 @@ def tiling(rows, k, ns):
   return block_k, block_n, splits
 
 
-def _matvec_kernel(layer_ref, x_ref, *refs, starts, block_k, steps, rows, dot_precision, dtype, norm_eps, reduce_once):
+def _matvec_kernel(
+  layer_ref, x_ref, *refs, starts, block_k, steps, rows, dot_precision, dtype, norm_eps, reduce_once, gated
+):
   """Program (c, s): its weight is the one whose column blocks `[starts[j], starts[j+1])` hold c. layer_ref
   `[1]`; x_ref `[rows', K/S]` in the products' `dtype` (rows' = 16 on the tl.dot path), or with a norm (`norm_eps`
   set) `[rows', K]` in x's own dtype, and then scale_ref `[layers, K]` first among `refs`; each weight ref
   `[layers, K/S, BN]` read at layer `layer_ref[0]`; o_ref `[rows', BN]` float32, this split's partial sums.
-  `reduce_once` (elementwise rows only): keep each row's products as a `[BK, BN]` tile summed over the steps and
-  reduce its BK rows once at the end, in place of a reduction across the program's threads per step."""
+  `gated`: x_ref is `[S', rows', 2K]` float32, a gate/up launch's partial sums, and x is SwiGLU's hidden vector
+  formed from them (`_swiglu`). `reduce_once` (elementwise rows only): keep each row's products as a `[BK, BN]`
+  tile summed over the steps and reduce its BK rows once at the end, in place of a reduction across the
+  program's threads per step."""
   normed = norm_eps is not None
   scale_ref, *w_refs, o_ref = refs if normed else (None, *refs)
   layer = layer_ref[0]
   column = pl.program_id(0)
-  if normed:  # each program forms the norms of its rows from the whole rows (a few KB), block_k at a time
+  if normed:
+    # Each program forms the norms of its rows from the whole rows (a few KB), in a few wide loads written out
+    # one after another rather than a loop: the loads of a loop run one at a time, and their latency, not their
+    # bytes, dominated a program whose weights are one tile.
+    width = x_ref.shape[1]
+    norm_chunk = _power_of_two_divisor(width, NORM_CHUNK)
 
     def inverse(row=None):  # 1 / RMS of one row (a scalar) or of all (`[16]`)
-      def add(i, total):
-        at = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+      total = 0.0
+      for start in range(0, width, norm_chunk):
+        at = pl.ds(start, norm_chunk)
         x = (x_ref[:, at] if row is None else x_ref[row, at]).astype(jnp.float32)
-        return total + jnp.sum(x * x, axis=-1)
+        total = total + jnp.sum(x * x, axis=-1)
+      return jax.lax.rsqrt(total / width + norm_eps)
 
-      width = x_ref.shape[1]
-      zero = jnp.zeros((x_ref.shape[0],), jnp.float32) if row is None else jnp.float32(0.0)
-      return jax.lax.rsqrt(jax.lax.fori_loop(0, width // block_k, add, zero) / width + norm_eps)
-
-    first = pl.program_id(1) * (steps * block_k)
     inverses = inverse() if dot_precision is not None else [inverse(r) for r in range(rows)]
+  first = pl.program_id(1) * (steps * block_k)  # this split's first feature of x
 
   def x_at(k):
     """x at contraction slice `k` of this split, in the products' dtype (normed first): `[rows', BK]` on the
     tl.dot path, else a list of the rows `[BK]`."""
     rows_at = lambda at: x_ref[:, at] if dot_precision is not None else [x_ref[r, at] for r in range(rows)]
+    if gated:
+      at, width = first + k.start, x_ref.shape[2] // 2
+      summed = lambda row, at: sum(x_ref[s, row, pl.ds(at, k.size)] for s in range(x_ref.shape[0]))
+      if dot_precision is not None:  # `[16, BK]`
+        return _swiglu(summed(slice(None), at), summed(slice(None), width + at), dtype)
+      return [_swiglu(summed(r, at), summed(r, width + at), dtype) for r in range(rows)]
     if not normed:
       return rows_at(k)
     at = pl.ds(first + k.start, k.size)
@@ -134,7 +148,18 @@ def _matvec_kernel(layer_ref, x_ref, *refs, starts, block_k, steps, rows, dot_pr
 
 
 @functools.partial(
-  jax.jit, static_argnames=("dtype", "norm_eps", "tiles", "num_warps", "num_stages", "reduce_once", "interpret")
+  jax.jit,
+  static_argnames=(
+    "dtype",
+    "norm_eps",
+    "gated",
+    "partial_sums",
+    "tiles",
+    "num_warps",
+    "num_stages",
+    "reduce_once",
+    "interpret",
+  ),
 )
 def matvec(
   x,
@@ -144,6 +169,8 @@ def matvec(
   dtype=None,
   norm_scale=None,
   norm_eps=1e-6,
+  gated=False,
+  partial_sums=False,
   tiles=None,
   num_warps=4,
   num_stages=2,
@@ -154,7 +181,9 @@ def matvec(
   sums, the products in `dtype`.
 
   Args:
-    x: `[rows, K]`, rows ≤ `MAX_ROWS`.
+    x: `[rows, K]`, rows ≤ `MAX_ROWS`; with `gated`, the partial sums `[S, rows, 2K]` float32 of a SwiGLU's
+      gate and up products (a launch with `partial_sums`, the gate's columns first), from which each program
+      forms its part of the hidden vector `silu(gate) · up` (rounded as `nn.silu(gate) * up` in `dtype`).
     weights: a sequence of `[K, N_j]` matrices, or with `layer`, of a scanned model's stacks `[layers, K, N_j]`
       (read at `layer` where they lie).
     layer: int32 scalar, the layer of the stacks; None for plain matrices.
@@ -163,6 +192,10 @@ def matvec(
     norm_scale: None, or the scale `[K]` (with `layer`, a stack `[layers, K]` read there) of an RMSNorm of each
       row of `x` before the products, as flax's `nn.RMSNorm(epsilon=norm_eps)` computes it (float32, then
       rounded to `dtype`); norm_eps: its ε.
+    gated: see x. SwiGLU's down projection then takes its input straight from the gate/up launch, without a
+      launch of XLA's between them to sum the partial sums and form the product.
+    partial_sums: return the launch's partial sums `[splits, rows, ΣN_j]` float32 (the weights' columns one
+      after another; their sum over axis 0 is the products), unsummed, for a `gated` launch to read.
     tiles: (block_k, block_n, splits) overriding `tiling`'s choice (powers of two dividing K and every N_j;
       splits dividing K / block_k).
     num_warps, num_stages: Triton's launch parameters.
@@ -178,7 +211,12 @@ def matvec(
   """
   interpret = default_interpret() if interpret is None else interpret
   dtype = jnp.dtype(dtype or x.dtype)
-  rows, k = x.shape
+  if gated:
+    if norm_scale is not None or x.ndim != 3 or x.shape[2] % 2:
+      raise ValueError(f"a gated input is a gate/up launch's partial sums [S, rows, 2K], without a norm; got {x.shape}")
+    rows, k = x.shape[1], x.shape[2] // 2
+  else:
+    rows, k = x.shape
   stacks, layer_index = zip(*(layer_stack(w, layer, 2) for w in weights))
   layer_index = layer_index[0]
   ns = [w.shape[2] for w in stacks]
@@ -202,7 +240,10 @@ def matvec(
     if scale.shape[1] != k:
       raise ValueError(f"norm_scale must hold x's {k} features, got shape {norm_scale.shape}")
   # The norm reads x as it is (flax's RMSNorm forms it in float32 from the unrounded input); padded rows are 0.
-  x = jnp.pad(x if normed else x.astype(dtype), ((0, x_rows - rows), (0, 0)))
+  if gated:
+    x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, x_rows - rows), (0, 0)))
+  else:
+    x = jnp.pad(x if normed else x.astype(dtype), ((0, x_rows - rows), (0, 0)))
   dot_precision = None
   if on_dot:
     dot_precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
@@ -215,6 +256,12 @@ def matvec(
     last = starts[j + 1] - starts[j] - 1
     return pl.BlockSpec((stacks[j].shape[0], chunk, block_n), lambda c, s: (0, s, jnp.clip(c - starts[j], 0, last)))
 
+  if gated:  # every program sums its features of the gate and the up from all of the input's partial sums
+    x_spec = pl.BlockSpec(x.shape, lambda c, s: (0, 0, 0))
+  elif normed:  # every program reads the rows whole to form their norms
+    x_spec = pl.BlockSpec((x_rows, k), lambda c, s: (0, 0))
+  else:
+    x_spec = pl.BlockSpec((x_rows, chunk), lambda c, s: (0, s))
   partials = pl.pallas_call(
     functools.partial(
       _matvec_kernel,
@@ -226,11 +273,12 @@ def matvec(
       dtype=dtype,
       norm_eps=norm_eps if normed else None,
       reduce_once=reduce_once and not on_dot,
+      gated=gated,
     ),
     grid=(starts[-1], splits),
     in_specs=[
       pl.BlockSpec((1,), lambda c, s: (0,)),
-      pl.BlockSpec((x_rows, k), lambda c, s: (0, 0)) if normed else pl.BlockSpec((x_rows, chunk), lambda c, s: (0, s)),
+      x_spec,
       *([pl.BlockSpec((scale.shape[0], k), lambda c, s: (0, 0))] if normed else []),
       *(weight_spec(j) for j in range(len(stacks))),
     ],
@@ -240,9 +288,20 @@ def matvec(
     interpret=interpret,
     name="matvec",
   )(layer_index, x, *([scale] if normed else []), *stacks)
+  if partial_sums:
+    return partials[:, :rows]
   sums = jnp.sum(partials[:, :rows], axis=0)
   offsets = [start * block_n for start in starts]
   return tuple(sums[:, offsets[j] : offsets[j + 1]] for j in range(len(stacks)))
+
+
+def _swiglu(gate, up, dtype):
+  """SwiGLU's hidden vector from float32 sums as `nn.silu(gate) * up` forms it from the products' outputs in
+  `dtype`: each input rounded to `dtype`, and each operation's result (the sigmoid, its product with the gate, the
+  product with up)."""
+  rounded = lambda v: v.astype(dtype).astype(jnp.float32)
+  gate, up = rounded(gate), rounded(up)
+  return rounded(rounded(gate * rounded(jax.nn.sigmoid(gate))) * up).astype(dtype)
 
 
 def rms_normed(x, scale, eps, dtype):
@@ -253,10 +312,15 @@ def rms_normed(x, scale, eps, dtype):
   return (x * multiplier).astype(dtype)
 
 
-def matvec_reference(x, weights, *, layer=None, dtype=None, norm_scale=None, norm_eps=1e-6):
+def matvec_reference(x, weights, *, layer=None, dtype=None, norm_scale=None, norm_eps=1e-6, gated=False):
   """The specification of `matvec`: `x @ W_j` (or `x @ W_j[layer]`) in `dtype` with float32 sums, per weight;
-  with `norm_scale` (`[K]`, or a stack read at `layer`), `rms_normed(x)` in place of x."""
+  with `norm_scale` (`[K]`, or a stack read at `layer`), `rms_normed(x)` in place of x; `gated`: x is a gate/up
+  launch's partial sums `[S, rows, 2K]`, and what is multiplied is `nn.silu(gate) * up` of their sums, each
+  rounded to `dtype`, as SwiGLU forms it."""
   dtype = jnp.dtype(dtype or x.dtype)
+  if gated:
+    gate, up = jnp.split(jnp.sum(x.astype(jnp.float32), axis=0).astype(dtype), 2, axis=-1)
+    x = jax.nn.silu(gate) * up
   pick = (lambda w: w) if layer is None else (lambda w: w[layer])
   if norm_scale is not None:
     x = rms_normed(x, pick(norm_scale), norm_eps, dtype)

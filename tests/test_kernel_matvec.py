@@ -85,6 +85,36 @@ def test_an_rms_norm_in_the_prologue_equals_flaxs_before_the_products(rng, inter
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_swiglus_down_projection_reads_the_gate_up_launchs_partial_sums(rng, interpret, rows, dtype):
+  """A gate/up launch with `partial_sums` returns the unsummed splits (their sum is its products), and a `gated`
+  down launch multiplies `nn.silu(gate) * up` formed from them: the MLP of a decode step in two launches. The
+  gate/up contraction is split in 4 and the down one in 3 (splits of 2 steps), so each down program reads its own
+  features of the hidden vector from every split; 1 and 3 rows take the elementwise path, 5 the tl.dot one."""
+  d, hidden = 64, 96
+  x, (gate, up) = _inputs(rng, rows, d, (hidden, hidden), dtype)
+  (down,) = _inputs(rng, rows, hidden, (d,), dtype)[1]
+  scale = jnp.asarray(rng.uniform(0.5, 1.5, (3, d)), jnp.bfloat16)
+  layer = jnp.int32(rng.integers(0, 3))
+
+  def mlp(x, gate, up, down, scale, layer):
+    common = dict(layer=layer, dtype=dtype, interpret=interpret)
+    partials = matvec.matvec(x, [gate, up], norm_scale=scale, tiles=(16, 32, 4), partial_sums=True, **common)
+    return partials, matvec.matvec(partials, [down], gated=True, tiles=(16, 16, 3), **common)[0]
+
+  partials, got = jax.jit(mlp)(x, gate, up, down, scale, layer)
+  assert partials.shape == (4, rows, 2 * hidden) and partials.dtype == jnp.float32
+  sums = matvec.matvec_reference(x, [gate, up], layer=layer, dtype=dtype, norm_scale=scale)
+  assert_close(jnp.sum(partials, axis=0), jnp.concatenate(sums, axis=-1), dtype)
+  gate_sum, up_sum = (s.astype(dtype) for s in sums)
+  (want,) = matvec.matvec_reference(jax.nn.silu(gate_sum) * up_sum, [down], layer=layer, dtype=dtype)
+  assert_close(got, want, dtype)
+  (spec,) = matvec.matvec_reference(partials, [down], layer=layer, dtype=dtype, gated=True)
+  assert_close(got, spec, dtype)
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
 def test_plain_matrices_and_a_product_dtype_below_the_inputs(rng, interpret):
   """Without a layer the weights are plain matrices; `dtype` rounds float32 inputs to bfloat16 first, as
   `nn.Dense(dtype=bfloat16)` does with float32 parameters."""
@@ -175,7 +205,8 @@ def test_decode_steps_through_the_kernel_equal_those_through_dense(rng, monkeypa
   calls, original = [], matvec.matvec
 
   def record(x, w, **kw):
-    calls.append((x.shape[0], tuple(m.shape for m in w), kw["layer"], kw.get("norm_scale") is not None))
+    rows = x.shape[1] if kw.get("gated") else x.shape[0]
+    calls.append((rows, tuple(m.shape for m in w), kw["layer"], kw.get("norm_scale") is not None, kw.get("gated")))
     return original(x, w, **kw)
 
   monkeypatch.setattr(matvec, "matvec", record)
@@ -197,14 +228,14 @@ def test_decode_steps_through_the_kernel_equal_those_through_dense(rng, monkeypa
   d, hidden, heads = config.d_model, config.ffn_hidden_size, config.num_heads * config.head_dim
   kv = (config.num_kv_heads or config.num_heads) * config.head_dim
   qkv = ((d, heads), (d, kv), (d, kv))
-  products = {
-    (qkv, options != "short-conv"),
-    (((heads, d),), False),
-    (((d, hidden), (d, hidden)), True),
-    (((hidden, d),), False),
+  products = {  # SwiGLU's down projection reads the gate/up launch's partial sums
+    (qkv, options != "short-conv", None),
+    (((heads, d),), False, None),
+    (((d, hidden), (d, hidden)), True, None),
+    (((hidden, d),), False, True),
   }
   assert {rows for rows, *_ in calls} == {2, 4}  # the elementwise path and the tl.dot one
-  assert {(tuple(shape[-2:] for shape in shapes), normed) for _, shapes, _, normed in calls} == products
-  for _, shapes, layer, _ in calls:  # a scanned model's weights as whole stacks, read at the layer index
+  assert {(tuple(shape[-2:] for shape in shapes), normed, gated) for _, shapes, _, normed, gated in calls} == products
+  for _, shapes, layer, *_ in calls:  # a scanned model's weights as whole stacks, read at the layer index
     assert (layer is not None) == scan_layers
     assert all(len(shape) == 3 and shape[0] == config.num_layers for shape in shapes) == scan_layers

@@ -322,3 +322,17 @@ def test_matvec_lowers(rows, normed):
     shape((), i32),
     kernels=["matvec"],
   )
+
+
+@pytest.mark.parametrize("rows", [1, 4], ids=["elementwise", "dot"])
+def test_swiglus_two_matvec_launches_lower(rows):
+  """The 341M shape's MLP as a decode step runs it: the gate/up launch's partial sums into the down launch, which
+  forms `silu(gate) * up` in its prologue."""
+
+  def mlp(x, gate, up, down, layer):
+    partials = matvec.matvec(x, [gate, up], layer=layer, dtype=bf16, partial_sums=True, interpret=False)
+    return matvec.matvec(partials, [down], layer=layer, dtype=bf16, gated=True, interpret=False)
+
+  stack = lambda k, n: shape((24, k, n), bf16)
+  x = shape((rows, 1024), bf16)
+  _lowers_for_cuda(mlp, x, stack(1024, 2816), stack(1024, 2816), stack(2816, 1024), shape((), i32), kernels=["matvec"])
