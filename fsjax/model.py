@@ -11,7 +11,14 @@ import jax.numpy as jnp
 from fsjax import kinds, short_conv
 from fsjax.attention.freesolo import ROUTING
 from fsjax.attention.projections import QKV, Projection
-from fsjax.cache import defer_block_merges, layer_of, merge_deferred_blocks, write_back
+from fsjax.cache import (
+  advance_forests,
+  defer_block_merges,
+  layer_of,
+  merge_deferred_blocks,
+  release_forests,
+  write_back,
+)
 from fsjax.config import ModelConfig
 from fsjax.layer_weights import LayerWeights, Prenorm, child, dense_products, gated_products, runs_kernel
 
@@ -187,13 +194,17 @@ class Transformer(nn.Module):
     x = embed(tokens)
     new_cache = {}
     history = None if cache is None else cache.get(short_conv.STATE_KEY)
-    # A one-token step merges FS-L's completed blocks after the last layer, for all layers at once.
+    # A one-token step merges FS-L's completed blocks after the last layer, and advances FS-B's forests before the
+    # first, for all layers at once.
     one_token = cache is not None and tokens.shape[1] == 1 and not first_chunk
-    if one_token:
-      cache = defer_block_merges(cache)
     # A step reads each layer's projection weights where they lie (`fsjax.layer_weights`); at init there are none.
     params = self.variables.get("params", {}) if cache is not None else {}
     routing = self.variables.get(ROUTING, {}) if cache is not None else {}
+    if one_token:
+      cache = defer_block_merges(cache)
+      if c.attention.kind == "fsb":
+        tau = {name: _attention_routing(routing, name)["tau"] for name in cache if name != short_conv.STATE_KEY}
+        cache = advance_forests(cache, positions, valid, tau, cell=c.attention.cell, block=c.attention.block)
     if c.scan_layers:
       stacks = None
       if "layers" in params:
@@ -222,7 +233,7 @@ class Transformer(nn.Module):
     if c.short_conv and cache is not None:
       new_cache[short_conv.STATE_KEY] = history
     if one_token:
-      new_cache = merge_deferred_blocks(new_cache, positions, valid)
+      new_cache = release_forests(merge_deferred_blocks(new_cache, positions, valid))
     if logits_at is not None:
       at = jnp.asarray(logits_at)
       x = jnp.take_along_axis(x, (at[:, None] if at.ndim == 1 else at)[..., None], axis=1)
@@ -234,6 +245,11 @@ class Transformer(nn.Module):
       logits = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype, name="lm_head")(x)
     logits = logits.astype(jnp.float32)
     return logits if cache is None else (logits, new_cache)
+
+
+def _attention_routing(routing, cache_key):
+  """The attention's "routing" variables of the layers whose cache is `cache[cache_key]` ("layers": stacked)."""
+  return (routing["layers"]["layer"] if cache_key == "layers" else routing[cache_key])["attention"]
 
 
 def init_variables(config: ModelConfig, rng, seq_len=None):

@@ -4,6 +4,7 @@ import collections
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,6 +66,34 @@ def test_prefill_and_decode_equal_the_full_forward(rng, kind, scan_layers):
   tokens = _distinct_tokens(rng, config.vocab_size, 2, SEQ)
   full = np.asarray(jax.jit(model.apply)(variables, tokens))
   assert_close(_teacher_forced(model, variables, tokens, PROMPT, chunk=32), full, np.float32, scale=5)
+
+
+def _primitives(jaxpr):
+  """Every primitive's name in `jaxpr` and the jaxprs in its equations' parameters, recursively."""
+  names = []
+  for eqn in jaxpr.eqns:
+    names.append(eqn.primitive.name)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else [value]:
+        if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+          names += _primitives(getattr(sub, "jaxpr", sub))
+  return names
+
+
+def test_an_fsb_token_steps_layers_hold_no_data_dependent_control_flow():
+  """A one-token FS-B step advances every layer's forests before the layers (`fsjax.cache.advance_forests`), so
+  the scan over the layers holds no loop or conditional on data: on a GPU each one's predicate is read back to
+  the host, a round trip per layer at every token. The advance itself sits under one conditional (and the
+  equality of decode with the full forward above fails if it is skipped)."""
+  config, model, variables = tiny_model("fsb", scan_layers=True)
+  cache = init_cache(config, 2, SEQ)
+  token, positions = jnp.zeros((2, 1), jnp.int32), jnp.full((2, 1), 96)
+  jaxpr = jax.make_jaxpr(lambda v, c: model.apply(v, token, c, positions, positions >= 0))(variables, cache).jaxpr
+  top = [eqn for eqn in jaxpr.eqns if eqn.primitive.name in ("scan", "cond", "while")]
+  layers = [eqn for eqn in top if eqn.primitive.name == "scan" and eqn.params["length"] == config.num_layers]
+  assert len(layers) == 1 and [eqn.primitive.name for eqn in top].count("cond") == 1
+  body = _primitives(layers[0].params["jaxpr"].jaxpr)
+  assert "while" not in body and "cond" not in body
 
 
 def _with_impl(config, impl):

@@ -180,13 +180,14 @@ def forest_select(cache: ForestCache, q, pos, routing: Routing, *, lam, sigma, i
 
 def streaming_select(cache: ForestCache, q, positions, valid, routing: Routing, *, lam, sigma, tau, impl="reference"):
   """FS-B through the forest cache: `(cache advanced past the chunk's complete blocks, cells [batch, C, heads,
-  K])`. A one-token step advances the forests to its own block and beam-searches them; a longer chunk (its
-  queries consecutive in each row) goes block by block (`blockwise_select`)."""
+  K])`. A one-token step advances the forests to its own block (unless the cache says the model did so already,
+  `ForestCache.advanced`) and beam-searches them; a longer chunk (its queries consecutive in each row) goes
+  block by block (`blockwise_select`)."""
   cell, block = routing.cell, routing.block
   if q.shape[1] > 1:
     return blockwise_select(cache, q, positions, valid, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
-  target = forest.eligible_target(positions, valid, cache.admitted, cell=cell, block=block)
-  cache = forest.advance(cache, target, tau, cell=cell, block=block)
+  if not cache.advanced:  # else the model advanced every layer's forests before the layers (`advance_forests`)
+    cache = forest.advance_for_token(cache, positions, valid, tau, cell=cell, block=block).replace(advanced=False)
   return cache, forest_select(cache, q, positions, routing, lam=lam, sigma=sigma, impl=impl)
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from fsjax import short_conv
 from fsjax.cache.archive import Archive
 from fsjax.cache.bounded import BoundedCache, merge_completed
-from fsjax.cache.forest import Forest, ForestCache
+from fsjax.cache.forest import Forest, ForestCache, advance_for_token, eligible_target
 from fsjax.cache.layered import layer_view, write_back
 from fsjax.cache.store import KVStore
 from fsjax.cache.zha import ZHACache
@@ -55,6 +55,49 @@ def merge_deferred_blocks(cache, positions, valid):
     return merge_completed(node, positions, valid)
 
   return _map_bounded(cache, merge)
+
+
+def advance_forests(cache, positions, valid, tau, *, cell, block):
+  """A one-token step's FS-B forests advanced to its block for every layer before the layers run
+  (`forest.advance_for_token`), under one conditional on whether any layer admits a cell; the layers then search
+  the forests as they are (`ForestCache.advanced`). Each layer's own advance is a data-dependent loop, whose
+  predicate XLA's GPU runtime reads back to the host: a round trip per layer at every token, where this is one
+  per token. `tau`: each forest cache's τ `[kv_heads]` by its key in `cache` (`"layers"`: stacked `[layers,
+  kv_heads]`). Other caches pass unchanged; `release_forests` ends the step."""
+  names = [name for name, node in cache.items() if isinstance(node, ForestCache)]
+  if not names:
+    return cache
+  forests = {name: cache[name] for name in names}
+
+  def advance_all(forests):
+    out = {}
+    for name, node in forests.items():
+      if name != "layers":
+        out[name] = advance_for_token(node, positions, valid, tau[name], cell=cell, block=block)
+        continue
+
+      def one_layer(i, node, name=name):
+        view = advance_for_token(layer_of(node, i), positions, valid, tau[name][i], cell=cell, block=block)
+        return write_back(node, view, i)
+
+      out[name] = jax.lax.fori_loop(0, node.admitted.shape[0], one_layer, node.replace(advanced=True))
+    return out
+
+  due = jnp.any(
+    jnp.stack(
+      [
+        jnp.any(eligible_target(positions, valid, node.admitted, cell=cell, block=block) > node.admitted)
+        for node in forests.values()
+      ]
+    )
+  )
+  marked = lambda forests: {name: node.replace(advanced=True) for name, node in forests.items()}
+  return {**cache, **jax.lax.cond(due, advance_all, marked, forests)}
+
+
+def release_forests(cache):
+  """`cache` after a step that `advance_forests` began: its forest caches advance themselves again."""
+  return {name: node.replace(advanced=False) if isinstance(node, ForestCache) else node for name, node in cache.items()}
 
 
 def cache_rows(cache, rows):
@@ -106,11 +149,13 @@ __all__ = [
   "ForestCache",
   "KVStore",
   "ZHACache",
+  "advance_forests",
   "cache_capacity",
   "cache_rows",
   "defer_block_merges",
   "init_cache",
   "layer_of",
   "merge_deferred_blocks",
+  "release_forests",
   "write_back",
 ]

@@ -84,6 +84,9 @@ class ForestCache:
   archive: archive_lib.Archive
   forests: Forest
   admitted: jax.Array
+  # Static: the forests are already current for this one-token step's block (`advance_for_token`, run for every
+  # layer before the layers), so the step beam-searches them as they are.
+  advanced: bool = flax.struct.field(pytree_node=False, default=False)
 
   def forest(self, which):
     """Forest 0 (`which=0`) or forest τ (`which=1`) of every head, as a `Forest` of `heads` entries."""
@@ -337,6 +340,13 @@ def advance(cache: ForestCache, target, tau, *, cell, block, looped_from=LOOPED_
     lambda state: jnp.any(state[1] < target), one_block, (cache.forests, cache.admitted)
   )
   return cache.replace(forests=forests, admitted=admitted)
+
+
+def advance_for_token(cache: ForestCache, positions, valid, tau, *, cell, block):
+  """A one-token step's advance (`eligible_target`) of a layer's forests, done before its layer runs; the result
+  says so (`advanced`), and the step then leaves the forests as they are."""
+  target = eligible_target(positions, valid, read(cache.admitted), cell=cell, block=block)
+  return advance(cache, target, tau, cell=cell, block=block).replace(advanced=True)
 
 
 def eligible_target(pos, valid, admitted, *, cell, block):
