@@ -11,9 +11,8 @@ over that time. Before timing, the kernel's sums are checked against XLA's (floa
 only the order of the additions differs).
 
 `--sweep` then times the kernel per product over other tilings and launch parameters (column and contraction
-tiles, contraction splits, warps, pipeline stages, and for fewer than `DOT_ROWS` rows whether the products are
-reduced per step or once), first the tiles at the default launch parameters, then the others for the three best
-tiles, and prints each product's default against the five fastest others. It stops adding
+tiles, contraction splits, warps, pipeline stages), first the tiles at `tiling`'s warps and stages, then warps and
+stages for the three best tiles, and prints each product's default against the five fastest others. It stops adding
 candidates after SECONDS (default 300); a candidate Triton cannot compile is reported, not fatal.
 """
 
@@ -100,54 +99,44 @@ def candidate_tiles(rows, k, ns):
 
 
 def sweep(groups, inputs, weights, layers, rows, *, seconds):
-  """Each product's kernel time per layer over `candidate_tiles` (4 warps, 2 stages, `reduce_once` by default),
-  then over warps, stages and both reductions for its three fastest tiles, for at most `seconds` per product: the
-  default's time and the five fastest, as a table."""
-  print("\n| product | tiles (BK, BN, splits) | warps | stages | reduce once | kernel µs | kernel GB/s | vs default |")
-  print("|---|---|---|---|---|---|---|---|")
-  elementwise = rows < matvec.DOT_ROWS
+  """Each product's kernel time per layer over `candidate_tiles` (4 warps, 2 stages), then over warps and stages
+  for its three fastest tiles, for at most `seconds` per product: the default's time and the five fastest, as a
+  table."""
+  print("\n| product | tiles (BK, BN, splits) | warps | stages | kernel µs | kernel GB/s | vs default |")
+  print("|---|---|---|---|---|---|---|")
   for name, (k, ns) in groups.items():
     x, ws = inputs[name], weights[name]
     nbytes = sum(w.nbytes for w in ws) / layers
 
-    def time_us(tiles, warps, stages, reduce_once):
+    def time_us(tiles, warps, stages):
       run = scanned(
         lambda x, ws, i: matvec.matvec(
-          x[0],
-          ws,
-          layer=i,
-          norm_scale=x[1],
-          tiles=tiles,
-          num_warps=warps,
-          num_stages=stages,
-          reduce_once=reduce_once,
+          x[0], ws, layer=i, norm_scale=x[1], tiles=tiles, num_warps=warps, num_stages=stages
         ),
         layers,
       )
       try:
         return queued_ms(run, x, ws, calls=CALLS) / layers * 1e3
       except Exception as error:  # noqa: BLE001 - a tiling Triton rejects is a result of the sweep
-        print(f"| {name} | {tiles} | {warps} | {stages} | {reduce_once} | failed: {type(error).__name__} | | |")
+        print(f"| {name} | {tiles} | {warps} | {stages} | failed: {type(error).__name__} | | |", flush=True)
         return float("inf")
 
     deadline = time.perf_counter() + seconds
-    default = (matvec.tiling(rows, k, ns), 4, 2, None)
+    default = (matvec.tiling(rows, k, ns), 4, 2)
     timed = {default: time_us(*default)}
     for tiles in candidate_tiles(rows, k, ns):
       if time.perf_counter() > deadline:
         break
-      timed.setdefault((tiles, 4, 2, None), time_us(tiles, 4, 2, None))
+      timed.setdefault((tiles, 4, 2), time_us(tiles, 4, 2))
     best = sorted(timed, key=timed.get)[:3]
-    reductions = (None, False, True) if elementwise else (None,)
-    for (tiles, *_), warps, stages, once in itertools.product(best, (2, 4, 8), (1, 2, 3, 4), reductions):
+    for (tiles, _, _), warps, stages in itertools.product(best, (2, 4, 8), (1, 2, 3, 4)):
       if time.perf_counter() > deadline:
         break
-      timed.setdefault((tiles, warps, stages, once), time_us(tiles, warps, stages, once))
+      timed.setdefault((tiles, warps, stages), time_us(tiles, warps, stages))
     for config in [default, *[c for c in sorted(timed, key=timed.get) if c != default][:5]]:
       us = timed[config]
-      once = "default" if config[3] is None else config[3]
       print(
-        f"| {name}{' (default)' if config == default else ''} | {config[0]} | {config[1]} | {config[2]} | {once} | "
+        f"| {name}{' (default)' if config == default else ''} | {config[0]} | {config[1]} | {config[2]} | "
         f"{us:.2f} | {nbytes / us / 1e3:,.0f} | {us / timed[default]:.2f} |",
         flush=True,
       )

@@ -15,10 +15,8 @@ the S partials; XLA fuses that sum into the consumer. Weights that share the inp
 go in one launch: their column blocks follow one another on the grid's first axis, so the grid is as wide as
 their columns together. The jnp specification is `matvec_reference`.
 
-Rows: below `DOT_ROWS`, float32 elementwise products and sums per row, since `tl.dot` needs 16 rows; where the
-registers allow (`reduce_once`), each row's products accumulate as a whole tile and are reduced across the
-program's threads once, after the last step, instead of once per step. From `DOT_ROWS` on, the rows are padded to
-16 and each tile is one `tl.dot`.
+Rows: below `DOT_ROWS`, float32 elementwise products and sums per row, since `tl.dot` needs 16 rows. From
+`DOT_ROWS` on, the rows are padded to 16 and each tile is one `tl.dot`.
 
 An RMSNorm of `x` (`norm_scale`, flax's `nn.RMSNorm`: `x * (rsqrt(mean(x²) + ε) · scale)` in float32, rounded to
 the products' dtype) can run in the prologue: each program reads its rows whole (a few KB), forms their norms and
@@ -39,7 +37,6 @@ MAX_ROWS = 16  # the kernel's rows: a batch-1 step's 1, up to a small batch's 16
 DOT_ROWS = 4  # from this many rows on, each tile is one tl.dot over 16 padded rows
 TARGET_PROGRAMS = 264  # two programs per SM of an H100 / H200 (132 SMs)
 NORM_CHUNK = 4096  # features of x per load when a program forms its rows' norms
-ACCUMULATOR_PER_THREAD = 64  # float32 registers per thread for `reduce_once`'s running products
 
 
 def compilable(*, rows, k, ns):
@@ -68,17 +65,13 @@ def tiling(rows, k, ns):
   return block_k, block_n, splits
 
 
-def _matvec_kernel(
-  layer_ref, x_ref, *refs, starts, block_k, steps, rows, dot_precision, dtype, norm_eps, reduce_once, gated
-):
+def _matvec_kernel(layer_ref, x_ref, *refs, starts, block_k, steps, rows, dot_precision, dtype, norm_eps, gated):
   """Program (c, s): its weight is the one whose column blocks `[starts[j], starts[j+1])` hold c. layer_ref
   `[1]`; x_ref `[rows', K/S]` in the products' `dtype` (rows' = 16 on the tl.dot path), or with a norm (`norm_eps`
   set) `[rows', K]` in x's own dtype, and then scale_ref `[layers, K]` first among `refs`; each weight ref
   `[layers, K/S, BN]` read at layer `layer_ref[0]`; o_ref `[rows', BN]` float32, this split's partial sums.
   `gated`: x_ref is `[S', rows', 2K]` float32, a gate/up launch's partial sums, and x is SwiGLU's hidden vector
-  formed from them (`_swiglu`). `reduce_once` (elementwise rows only): keep each row's products as a `[BK, BN]`
-  tile summed over the steps and reduce its BK rows once at the end, in place of a reduction across the
-  program's threads per step."""
+  formed from them (`_swiglu`)."""
   normed = norm_eps is not None
   scale_ref, *w_refs, o_ref = refs if normed else (None, *refs)
   layer = layer_ref[0]
@@ -126,19 +119,15 @@ def _matvec_kernel(
       if dot_precision is not None:
         return acc + jax.lax.dot(x_at(k), w, precision=dot_precision, preferred_element_type=jnp.float32)
       w = w.astype(jnp.float32)
-      terms = [x.astype(jnp.float32)[:, None] * w for x in x_at(k)]
-      if reduce_once:  # `[BK, BN]` running products per row: no reduction across threads inside the loop
-        return tuple(a + t for t, a in zip(terms, acc))
-      return tuple(a + jnp.sum(t, axis=0) for t, a in zip(terms, acc))
+      return tuple(a + jnp.sum(x.astype(jnp.float32)[:, None] * w, axis=0) for x, a in zip(x_at(k), acc))
 
     block_n = o_ref.shape[-1]
     if dot_precision is not None:
       o_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((MIN_DOT_DIM, block_n), jnp.float32))
       return
-    shape = (block_k, block_n) if reduce_once else (block_n,)
-    sums = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros(shape, jnp.float32) for _ in range(rows)))
+    sums = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(rows)))
     for r, total in enumerate(sums):
-      o_ref[r, :] = jnp.sum(total, axis=0) if reduce_once else total
+      o_ref[r, :] = total
 
   if len(w_refs) == 1:
     product(w_refs[0])
@@ -157,7 +146,6 @@ def _matvec_kernel(
     "tiles",
     "num_warps",
     "num_stages",
-    "reduce_once",
     "interpret",
   ),
 )
@@ -174,7 +162,6 @@ def matvec(
   tiles=None,
   num_warps=4,
   num_stages=2,
-  reduce_once=None,
   interpret=None,
 ):
   """`x [rows, K]` (RMS-normed first with `norm_scale`) times each of `weights` → a tuple of `[rows, N_j]` float32
@@ -199,9 +186,6 @@ def matvec(
     tiles: (block_k, block_n, splits) overriding `tiling`'s choice (powers of two dividing K and every N_j;
       splits dividing K / block_k).
     num_warps, num_stages: Triton's launch parameters.
-    reduce_once: on the elementwise path (rows < `DOT_ROWS`), sum each row's products over the contraction
-      steps as a `[BK, BN]` tile and reduce it once at the end; default: where those tiles fit in
-      `ACCUMULATOR_PER_THREAD` float32 registers per thread.
     interpret: Pallas interpret mode; default: compiled on a GPU only.
 
   Jitted, like the other kernels' launchers: a bare `pallas_call` is never dead-code eliminated (JAX's rule for
@@ -231,8 +215,6 @@ def matvec(
   if k % (block_k * splits) or any(n % block_n for n in ns):
     raise ValueError(f"tiles {(block_k, block_n, splits)} must divide K = {k} and every N in {ns}")
   on_dot = rows >= DOT_ROWS
-  if reduce_once is None:
-    reduce_once = rows * block_k * block_n <= ACCUMULATOR_PER_THREAD * 32 * num_warps
   x_rows = MIN_DOT_DIM if on_dot else rows
   normed = norm_scale is not None
   if normed:
@@ -272,7 +254,6 @@ def matvec(
       dot_precision=dot_precision,
       dtype=dtype,
       norm_eps=norm_eps if normed else None,
-      reduce_once=reduce_once and not on_dot,
       gated=gated,
     ),
     grid=(starts[-1], splits),

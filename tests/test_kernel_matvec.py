@@ -52,19 +52,6 @@ def test_products_equal_the_reference_at_a_layer_of_the_stacks(rng, interpret, r
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())
-@pytest.mark.parametrize("rows,k,widths,tiles", CASES[:3])
-@pytest.mark.parametrize("reduce_once", [False, True])
-def test_elementwise_rows_reduce_per_step_or_once_alike(rng, interpret, rows, k, widths, tiles, reduce_once):
-  """Both forms of the elementwise path (a reduction across threads per step, or one at the end of the running
-  products) equal the reference."""
-  x, stacks = _inputs(rng, rows, k, widths, np.float32)
-  layer = jnp.int32(rng.integers(0, 3))
-  run = lambda x, w, i: matvec.matvec(x, w, layer=i, tiles=tiles, reduce_once=reduce_once, interpret=interpret)
-  for g, w in zip(jax.jit(run)(x, stacks, layer), matvec.matvec_reference(x, stacks, layer=layer)):
-    assert_close(g, w, np.float32)
-
-
-@pytest.mark.parametrize("interpret", kernel_modes())
 @pytest.mark.parametrize("rows,k,widths,tiles", [CASES[0], CASES[1], CASES[3], CASES[5]])
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_an_rms_norm_in_the_prologue_equals_flaxs_before_the_products(rng, interpret, rows, k, widths, tiles, dtype):
