@@ -135,6 +135,15 @@ def test_rejects_what_it_cannot_tile(rng, rows, k, widths, tiles, message):
     matvec.matvec(x, stacks, layer=0, tiles=tiles, interpret=True)
 
 
+def test_a_gated_input_is_a_gate_up_launchs_partial_sums(rng):
+  x, stacks = _inputs(rng, 1, 64, (32,), np.float32)
+  with pytest.raises(ValueError, match="partial sums"):
+    matvec.matvec(x, stacks, layer=0, gated=True, interpret=True)  # [rows, K], not [S, rows, 2K]
+  partials = jnp.zeros((2, 1, 128), jnp.float32)
+  with pytest.raises(ValueError, match="without a norm"):
+    matvec.matvec(partials, stacks, layer=0, gated=True, norm_scale=jnp.ones((3, 64)), interpret=True)
+
+
 def test_weights_must_share_the_contraction(rng):
   x, stacks = _inputs(rng, 1, 64, (32,), np.float32)
   with pytest.raises(ValueError, match="x's 64 rows"):
