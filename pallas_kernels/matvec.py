@@ -77,9 +77,9 @@ def _matvec_kernel(layer_ref, x_ref, *refs, starts, block_k, steps, rows, dot_pr
   layer = layer_ref[0]
   column = pl.program_id(0)
   if normed:
-    # Each program forms the norms of its rows from the whole rows (a few KB), in a few wide loads written out
-    # one after another rather than a loop: the loads of a loop run one at a time, and their latency, not their
-    # bytes, dominated a program whose weights are one tile.
+    # Each program forms the norms of its rows from the whole rows (a few KB) in a few wide loads, straight-line
+    # code rather than a loop over block_k: a program's weights are one or two tiles, so a chain of small loads
+    # before them would cost more latency than their bytes.
     width = x_ref.shape[1]
     norm_chunk = _power_of_two_divisor(width, NORM_CHUNK)
 
