@@ -21,6 +21,8 @@ from fsjax.cache import (
 )
 from fsjax.config import ModelConfig
 from fsjax.layer_weights import LayerWeights, Prenorm, child, dense_products, gated_products, runs_kernel
+from fsjax.reference.common import compute_dtype
+from fsjax.reference.rope import rotary_table
 
 EMBED_INIT_STD = 0.02  # keeps tied-embedding logits O(1) at init (LLaMA's choice)
 
@@ -89,7 +91,7 @@ class DecoderLayer(nn.Module):
   first_chunk: bool = False
 
   @nn.compact
-  def __call__(self, x, cache=None, positions=None, valid=None, history=None, weights=None):
+  def __call__(self, x, cache=None, positions=None, valid=None, history=None, weights=None, rope_table=None):
     c = self.config
     norm = lambda name: nn.RMSNorm(epsilon=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, name=name)
 
@@ -113,7 +115,9 @@ class DecoderLayer(nn.Module):
     if cache is None:
       x = x + attention(h)
     else:
-      y, cache = attention(h, cache, positions, valid, first_chunk=self.first_chunk, weights=attention_weights)
+      y, cache = attention(
+        h, cache, positions, valid, first_chunk=self.first_chunk, weights=attention_weights, rope_table=rope_table
+      )
       x = x + y
     mlp = SwiGLU(c.ffn_hidden_size, dtype=c.dtype, param_dtype=c.param_dtype, name="mlp")
     x = x + mlp(*normed("mlp_norm", x, "mlp", GATE_UP))
@@ -136,7 +140,7 @@ class ScannedLayer(nn.Module):
   first_chunk: bool = False
 
   @nn.compact
-  def __call__(self, carry, index, history, positions, valid, stacks):
+  def __call__(self, carry, index, history, positions, valid, stacks, rope_table):
     x, cache, *carried = carry
     layer = (nn.remat(DecoderLayer) if self.config.remat else DecoderLayer)(
       self.config, first_chunk=self.first_chunk, name="layer"
@@ -149,18 +153,19 @@ class ScannedLayer(nn.Module):
     weights = None
     if stacks is not None:
       weights = LayerWeights(stacks["params"], index, self.config.attention.impl, stacks.get(ROUTING))
-    x, view, history = layer(x, layer_of(cache, index), positions, valid, history, weights)
+    x, view, history = layer(x, layer_of(cache, index), positions, valid, history, weights, rope_table)
     return (x, write_back(cache, view, index), index + 1), history
 
 
 def _scanned_layers(config: ModelConfig, first_chunk=False):
   """All layers as one scanned module over the layer index: parameters, routing buffers and sown intermediates
-  stacked on axis 0; x and the stacked cache carried; positions, valid and the parameter stacks broadcast."""
+  stacked on axis 0; x and the stacked cache carried; positions, valid, the parameter stacks and a one-token
+  step's rotary table broadcast."""
   return nn.scan(
     ScannedLayer,
     variable_axes={"params": 0, ROUTING: 0, "intermediates": 0},
     split_rngs={"params": True},
-    in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast),
+    in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
     length=config.num_layers,
   )(config, first_chunk=first_chunk, name="layers")
 
@@ -200,8 +205,10 @@ class Transformer(nn.Module):
     # A step reads each layer's projection weights where they lie (`fsjax.layer_weights`); at init there are none.
     params = self.variables.get("params", {}) if cache is not None else {}
     routing = self.variables.get(ROUTING, {}) if cache is not None else {}
+    rope_table = None
     if one_token:
       cache = defer_block_merges(cache)
+      rope_table = _step_rotary_table(c, positions)
       if c.attention.kind == "fsb":
         tau = {name: _attention_routing(routing, name)["tau"] for name in cache if name != short_conv.STATE_KEY}
         cache = advance_forests(cache, positions, valid, tau, cell=c.attention.cell, block=c.attention.block)
@@ -211,7 +218,7 @@ class Transformer(nn.Module):
         stacks = {"params": params["layers"]["layer"], ROUTING: routing.get("layers", {}).get("layer")}
       carry = (x, None) if cache is None else (x, cache["layers"], jnp.int32(0))
       (x, new_cache["layers"], *_), history = _scanned_layers(c, first_chunk)(
-        carry, jnp.arange(c.num_layers), history, positions, valid, stacks
+        carry, jnp.arange(c.num_layers), history, positions, valid, stacks, rope_table
       )
     else:
       layer = nn.remat(DecoderLayer) if c.remat else DecoderLayer
@@ -226,7 +233,7 @@ class Transformer(nn.Module):
           if name in params:
             weights = LayerWeights(params[name], None, c.attention.impl, routing.get(name))
           x, new_cache[name], layer_history = layer(c, first_chunk=first_chunk, name=name)(
-            x, cache[name], positions, valid, layer_history, weights
+            x, cache[name], positions, valid, layer_history, weights, rope_table
           )
           histories.append(layer_history)
       history = jnp.stack(histories) if c.short_conv and cache is not None else None
@@ -245,6 +252,15 @@ class Transformer(nn.Module):
       logits = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype, name="lm_head")(x)
     logits = logits.astype(jnp.float32)
     return logits if cache is None else (logits, new_cache)
+
+
+def _step_rotary_table(config, positions):
+  """A one-token step's `RotaryTable`, made once for every layer's rotations of q and k: inside the layer scan
+  XLA recomputes the sines and cosines per layer (its loop-invariant code motion leaves ops that outgrow their
+  operands in the loop), a launch per layer that also slows the rotations at long contexts. None for ZHA."""
+  if config.attention.kind == "zha":  # its own rotation (`fsjax.reference.zha`), RoPE or none
+    return None
+  return rotary_table(positions, config.head_dim, config.attention.rope, dtype=compute_dtype(jnp.dtype(config.dtype)))
 
 
 def _attention_routing(routing, cache_key):

@@ -96,6 +96,23 @@ def test_an_fsb_token_steps_layers_hold_no_data_dependent_control_flow():
   assert "while" not in body and "cond" not in body
 
 
+@pytest.mark.parametrize("kind", ["fsl", "fs", "tfpp"])
+def test_a_token_steps_rotations_share_one_table_made_before_the_layers(kind):
+  """A one-token step makes RoPE's sines and cosines once (`fsjax.reference.rope.rotary_table`) and every layer
+  rotates its q and k with them: inside the scan over the layers XLA would compute them again per layer (its
+  loop-invariant code motion leaves ops that outgrow their operands in the loop). The equality of decode with
+  the full forward above covers the rotations themselves."""
+  config, model, variables = tiny_model(kind, scan_layers=True)
+  cache = init_cache(config, 2, SEQ)
+  token, positions = jnp.zeros((2, 1), jnp.int32), jnp.full((2, 1), 70)
+  jaxpr = jax.make_jaxpr(lambda v, c: model.apply(v, token, c, positions, positions >= 0))(variables, cache).jaxpr
+  (layers,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan" and eqn.params["length"] == config.num_layers]
+  body = _primitives(layers.params["jaxpr"].jaxpr)
+  outside = [eqn.primitive.name for eqn in jaxpr.eqns]
+  assert "cos" not in body and "sin" not in body
+  assert "cos" in outside and "sin" in outside
+
+
 def _with_impl(config, impl):
   return Transformer(dataclasses.replace(config, attention=dataclasses.replace(config.attention, impl=impl)))
 

@@ -77,7 +77,7 @@ def test_an_rms_norm_in_the_prologue_equals_flaxs_before_the_products(rng, inter
 def test_swiglus_down_projection_reads_the_gate_up_launchs_partial_sums(rng, interpret, rows, dtype):
   """A gate/up launch with `partial_sums` returns the unsummed splits (their sum is its products), and a `gated`
   down launch multiplies `nn.silu(gate) * up` formed from them: the MLP of a decode step in two launches. The
-  gate/up contraction is split in 4 and the down one in 3 (splits of 2 steps), so each down program reads its own
+  gate/up contraction is split in 4 and the down one in 3 (of two steps each), so each down program reads its own
   features of the hidden vector from every split; 1 and 3 rows take the elementwise path, 5 the tl.dot one."""
   d, hidden = 64, 96
   x, (gate, up) = _inputs(rng, rows, d, (hidden, hidden), dtype)

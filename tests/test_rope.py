@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fsjax.reference.rope import Llama3Scaling, RoPE, apply_rope
+from fsjax.reference.rope import Llama3Scaling, RoPE, apply_rope, rotary_table
 
 from brute_force import hf_apply_rope, hf_inverse_frequencies
 from helpers import assert_close
@@ -50,6 +50,21 @@ def test_a_float_theta_and_its_rope_rotate_identically(rng):
   x = jnp.asarray(rng.standard_normal((2, 24, 2, 16)), jnp.float32)
   positions = jnp.asarray(rng.integers(0, 5000, (2, 24)))
   np.testing.assert_array_equal(apply_rope(x, positions, RoPE(theta=500.0)), apply_rope(x, positions, 500.0))
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["shared-positions", "per-row-positions"])
+def test_a_table_made_beforehand_rotates_as_apply_rope_does_alone(rng, batched):
+  """`apply_rope(..., table=rotary_table(...))` (a decode step's layers sharing one table) is the same rotation,
+  bit for bit, for bf16 and float32 inputs and a partial, scaled RoPE; a table for other positions or another
+  dtype is refused."""
+  rope = RoPE(theta=500000.0, fraction=0.5, scaling=LLAMA3)
+  positions = jnp.asarray(rng.integers(0, 200000, (2, 3) if batched else (3,)))
+  table = rotary_table(positions, 32, rope)
+  for dtype in (jnp.bfloat16, jnp.float32):
+    x = jnp.asarray(rng.standard_normal((2, 3, 4, 32)), dtype)
+    np.testing.assert_array_equal(apply_rope(x, positions, rope, table), apply_rope(x, positions, rope))
+  with pytest.raises(ValueError, match="must hold 1 positions in float32"):
+    apply_rope(jnp.zeros((2, 1, 4, 32)), positions[..., :1], rope, table)
 
 
 @pytest.mark.parametrize("fraction,head_dim", [(0.3, 16), (0.0625, 16), (0.75, 12)], ids=["fractional", "one", "odd"])

@@ -55,7 +55,8 @@ class DenseAttention(nn.Module):
   `first_chunk` (empty cache, positions from 0) runs the training operator and writes the cache once. Unless
   `impl="reference"`, TF++ attends a chunk over a half-precision cache on a GPU through cuDNN; a one-token step of
   TF++ or SWA runs `pallas_kernels.store_decode` on a GPU (the token's write and its attention in one launch that
-  reads the store in place), and elsewhere TF++'s runs `fsjax.attention.cached.attend_one`.
+  reads the store in place), and elsewhere TF++'s runs `fsjax.attention.cached.attend_one`. `rope_table`: a
+  one-token step's `fsjax.reference.rope.RotaryTable` for `positions`, made once for every layer; None: made here.
   """
 
   num_heads: int
@@ -71,7 +72,7 @@ class DenseAttention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False, weights=None):
+  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False, weights=None, rope_table=None):
     if self.kind not in KINDS:
       raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
     q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.projection, self.dtype, self.param_dtype, weights)
@@ -83,7 +84,7 @@ class DenseAttention(nn.Module):
       k_rot = apply_rope(k.astype(dtype), positions, self.rope_theta)
       cache = kv.write(cache, k_rot, v.astype(dtype), positions, valid)
     else:
-      o, cache = self._extend(q, k, v, cache, positions, valid)
+      o, cache = self._extend(q, k, v, cache, positions, valid, rope_table)
     return project_out(o.astype(x.dtype), x.shape[-1], self.dtype, self.param_dtype, weights), cache
 
   def _causal(self, q, k, v):
@@ -102,7 +103,7 @@ class DenseAttention(nn.Module):
       impl=dispatch.for_op("moba_attention", self.impl),
     )
 
-  def _extend(self, q, k, v, cache, positions, valid):
+  def _extend(self, q, k, v, cache, positions, valid, rope_table=None):
     path = "reference"
     if self.kind in ("tfpp", "swa"):
       impl = dispatch.for_op("cache_attention", self.impl)
@@ -117,10 +118,10 @@ class DenseAttention(nn.Module):
         head_dim=q.shape[-1],
       )
     if path == "cudnn" and self.kind == "tfpp":
-      return self._extend_cudnn(q, k, v, cache, positions, valid)
+      return self._extend_cudnn(q, k, v, cache, positions, valid, rope_table)
     dtype = compute_dtype(q.dtype)
-    q_rot = apply_rope(q.astype(dtype), positions, self.rope_theta)
-    k_rot = apply_rope(k.astype(dtype), positions, self.rope_theta)
+    q_rot = apply_rope(q.astype(dtype), positions, self.rope_theta, rope_table)
+    k_rot = apply_rope(k.astype(dtype), positions, self.rope_theta, rope_table)
     v = v.astype(dtype)
     if path == "pallas":
       return self._extend_kernel(q_rot, k_rot, v, cache, positions, valid)
@@ -155,13 +156,13 @@ class DenseAttention(nn.Module):
     )
     return o[:, None], cache.replace(**{name: rewritten(getattr(cache, name), written[name]) for name in fields})
 
-  def _extend_cudnn(self, q, k, v, cache, positions, valid):
+  def _extend_cudnn(self, q, k, v, cache, positions, valid, rope_table=None):
     """TF++ prefill/decode on cuDNN's fused kernel: the chunk attends the half-precision dense cache through a
     position mask (the chunk is written first), so a 2048-token chunk at 256k never materializes its logits. A
     scanned model's layer is copied for cuDNN, a group of heads at a time (`dispatch.cache_head_groups`). cuDNN
     takes fewer key/value heads than query heads as they come (grouped-query attention)."""
-    q_rot = apply_rope(q, positions, self.rope_theta).astype(cache.k.dtype)
-    cache = kv.write(cache, apply_rope(k, positions, self.rope_theta), v, positions, valid)
+    q_rot = apply_rope(q, positions, self.rope_theta, rope_table).astype(cache.k.dtype)
+    cache = kv.write(cache, apply_rope(k, positions, self.rope_theta, rope_table), v, positions, valid)
     mask = visible(positions, read(cache.pos))[:, None]  # [batch, 1, C, N]
     batch, capacity, kv_heads, head_dim = cache.k.shape
     groups = dispatch.cache_head_groups(

@@ -39,7 +39,8 @@ class FreeSoloAttention(nn.Module):
   `(y, new_cache)` and sows the selected cells `[batch, C, heads, K]` as intermediates/selected_cells for routing
   probes. A chunk for the bounded cache is one token or whole query blocks starting at a block boundary. A
   prompt's `first_chunk` (empty cache, positions from 0) runs the training operator (the fused kernels) and
-  fills the cache in bulk (`freesolo_step.fill`); it sows no selected cells.
+  fills the cache in bulk (`freesolo_step.fill`); it sows no selected cells. `rope_table`: a one-token step's
+  `fsjax.reference.rope.RotaryTable` for `positions`, made once for every layer; None: made where it is needed.
   """
 
   num_heads: int
@@ -54,7 +55,7 @@ class FreeSoloAttention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False, weights=None):
+  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False, weights=None, rope_table=None):
     heads, dim, routing = self.num_heads, self.head_dim, self.routing
     kv_heads = self.projection.kv_heads(heads)
     q, k, v = project_qkv(x, heads, dim, self.projection, self.dtype, self.param_dtype, weights)
@@ -94,6 +95,7 @@ class FreeSoloAttention(nn.Module):
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
     step = dict(  # a scanned model's stacks at the layer, which the decode kernels read in place
       rope_theta=self.rope_theta,
+      rope_table=rope_table,
       lam=routing_variable(weights, "lam", lam),
       sigma=routing_variable(weights, "sigma", sigma),
       alpha=parameter(weights, "alpha", alpha),

@@ -247,16 +247,18 @@ def archive_chunk(
   tau=None,
   out_dtype=None,
   impl="reference",
+  rope_table=None,
 ):
   """One chunk through an FS `Archive` or FS-B `ForestCache`: `(o, cells, new cache)`, o `[batch, C, heads, d]` the
   mixed branches (Eq. 2) in `out_dtype` (default q's) and the cells `[batch, C, heads, K]`. One token per row runs
   `pallas_kernels.archive_decode` after the selection where `impl` picks it ("archive_decode"). `lam`, `sigma`
   `[heads]`, `alpha` `[heads]` and `lr_gain` `[d]`, or (a scanned model's step) `LayerSlice`s of their `[layers,
-  ...]` stacks at the cache's layer, which the kernels read where they lie."""
+  ...]` stacks at the cache's layer, which the kernels read where they lie. `rope_table`: the `RotaryTable` for
+  `positions`, if made beforehand (a one-token step's, shared by the layers)."""
   out_dtype = q.dtype if out_dtype is None else out_dtype
   streaming = isinstance(cache, ForestCache)
   archive = cache.archive if streaming else cache
-  q_rot, k_rot = apply_rope(q, positions, rope_theta), apply_rope(k, positions, rope_theta)
+  q_rot, k_rot = apply_rope(q, positions, rope_theta, rope_table), apply_rope(k, positions, rope_theta, rope_table)
   facts = dict(tokens=q.shape[1], cell=routing.cell, head_dim=q.shape[-1])
   if q.shape[1] == 1 and dispatch.resolve("archive_decode", impl, **facts) == "pallas":
     return archive_token_kernel(
@@ -413,13 +415,13 @@ def _with_written(cache: bounded.BoundedCache, written):
 
 
 def bounded_token_kernel(
-  cache: bounded.BoundedCache, q, k, v, pos, valid, routing: Routing, weights, *, rope_theta, out_dtype
+  cache: bounded.BoundedCache, q, k, v, pos, valid, routing: Routing, weights, *, rope_theta, out_dtype, rope_table=None
 ):
   """`bounded_segment` for one token per row through `pallas_kernels.bounded_decode`: one kernel writes the token
   into the ring and the block buffer and computes both branches and the selection, a second mixes them; a
   completed block is merged after them (or after the last layer, where the cache defers merges). `weights`: the
-  layer's lam, sigma, alpha and lr_gain, as `bounded_segment` takes them."""
-  q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
+  layer's lam, sigma, alpha and lr_gain, as `bounded_segment` takes them; `rope_table` as there."""
+  q_rot, k_rot = apply_rope(q, pos, rope_theta, rope_table), apply_rope(k, pos, rope_theta, rope_table)
   fields, layer = _kernel_fields(cache)
   lam, sigma, alpha, lr_gain = (_at_layer(weights[name], layer) for name in ("lam", "sigma", "alpha", "lr_gain"))
   o, selected, written = bounded_decode.bounded_decode(
@@ -466,23 +468,25 @@ def bounded_segment(
   alpha,
   out_dtype=None,
   impl="reference",
+  rope_table=None,
 ):
   """Queries/keys at `pos` `[batch, L]`, every row's valid tokens inside one query block, in order:
   `(o, cells, new cache)` (the cache merged at the end of a completed block), o `[batch, L, heads, d]` the mixed
   branches (Eq. 2) in `out_dtype` (default q's). One token per row runs the fused kernels where `impl` picks them
   (`fsjax.ops.dispatch`, "bounded_decode"). `lam`, `sigma` `[heads]`, `alpha` `[heads]` and `lr_gain` `[d]`, or
   (a scanned model's step) `LayerSlice`s of their `[layers, ...]` stacks at the cache's layer, which the kernels
-  read where they lie."""
+  read where they lie. `rope_table`: the `RotaryTable` for `pos`, if made beforehand (a one-token step's, shared
+  by the layers)."""
   out_dtype = q.dtype if out_dtype is None else out_dtype
   facts = dict(tokens=q.shape[1], cell=routing.cell, head_dim=q.shape[-1])
   if q.shape[1] == 1 and dispatch.resolve("bounded_decode", impl, **facts) == "pallas":
     weights = dict(lam=lam, sigma=sigma, alpha=alpha, lr_gain=lr_gain)
     return bounded_token_kernel(
-      cache, q, k, v, pos, valid, routing, weights, rope_theta=rope_theta, out_dtype=out_dtype
+      cache, q, k, v, pos, valid, routing, weights, rope_theta=rope_theta, out_dtype=out_dtype, rope_table=rope_table
     )
   lam, sigma = read(lam), read(sigma)
   lr_gain, alpha = (read(x).astype(q.dtype) for x in (lr_gain, alpha))
-  q_rot, k_rot = apply_rope(q, pos, rope_theta), apply_rope(k, pos, rope_theta)
+  q_rot, k_rot = apply_rope(q, pos, rope_theta, rope_table), apply_rope(k, pos, rope_theta, rope_table)
   local = attend(q_rot, pos, *bounded.concat_ring(cache, k_rot, v, pos, valid), window=routing.window)
   long_range, selected = bounded_long_range(cache, q, pos, routing, lam=lam, sigma=sigma, lr_gain=lr_gain)
   o = mix_branches(local.astype(q.dtype), long_range, alpha).astype(out_dtype)
@@ -506,10 +510,12 @@ def bounded_chunk(
   alpha,
   out_dtype=None,
   impl="reference",
+  rope_table=None,
 ):
   """A chunk of one token or whole query blocks through FS-L's bounded cache, block by block (availability
   changes at block boundaries): `(o, cells, new cache)`, o the mixed branches (Eq. 2) as `bounded_segment` gives
-  them. The blocks run in a `lax.scan`, so a chunk compiles one block's program whatever its length."""
+  them. The blocks run in a `lax.scan`, so a chunk compiles one block's program whatever its length.
+  `rope_table`: the `RotaryTable` for `positions` if made beforehand, used by a chunk of one block or less."""
   chunk, block = q.shape[1], routing.block
   if chunk > 1 and chunk % block:
     raise ValueError(
@@ -527,7 +533,7 @@ def bounded_chunk(
     impl=impl,
   )
   if chunk <= block:
-    return segment(cache, q, k, v, positions, valid)
+    return segment(cache, q, k, v, positions, valid, rope_table=rope_table)
   # [batch, chunk, ...] -> [chunk // block, batch, block, ...]: the scan's leading axis is the block.
   by_block = lambda x: jnp.moveaxis(x.reshape(x.shape[0], chunk // block, block, *x.shape[2:]), 1, 0)
   unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], chunk, *x.shape[3:])

@@ -49,7 +49,8 @@ class ZHAAttention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False, weights=None):
+  def __call__(self, x, cache=None, positions=None, valid=None, first_chunk=False, weights=None, rope_table=None):
+    del rope_table  # the decoder layer's one-token table; ZHA rotates by its own rule (`zha_ref.rotate`, NoPE too)
     tree = self.tree
     kv_heads = self.projection.kv_heads(self.num_heads)
     q, k, v = project_qkv(x, self.num_heads, self.head_dim, self.projection, self.dtype, self.param_dtype, weights)

@@ -11,6 +11,8 @@ it to `apply_rope`, the one place that reads it: the options reach every kind, c
 import dataclasses
 import math
 
+import flax.struct
+import jax
 import jax.numpy as jnp
 
 
@@ -96,24 +98,52 @@ def rope_angles(positions, head_dim, theta=10000.0, dtype=jnp.float32):
   return positions.astype(dtype)[..., None] * inv_freq
 
 
-def apply_rope(x, positions, theta=10000.0):
+@flax.struct.dataclass
+class RotaryTable:
+  """The cosines and sines that rotate vectors at some positions, `[batch|1, seq, 1, r]` each (`r` the rotated
+  features, the rotate-half layout): `rotary_table` makes it once where several rotations share the positions,
+  as a decode step's layers do, and `apply_rope(..., table=)` uses it."""
+
+  cos: jax.Array
+  sin: jax.Array
+
+
+def rotary_table(positions, head_dim, theta=10000.0, dtype=jnp.float32):
+  """The `RotaryTable` for `positions` (`[seq]` or `[batch, seq]` integers) and heads of `head_dim` features, in
+  `dtype`: `cos` and `sin` of `rope_angles`, each repeated for the two halves of the rotated features."""
+  angles = rope_angles(positions, head_dim, theta, dtype=dtype)
+  if angles.ndim == 2:  # [seq, r/2] -> broadcast over batch
+    angles = angles[None]
+  angles = angles[:, :, None, :]  # [batch|1, seq, 1, r/2]
+  return RotaryTable(
+    cos=jnp.concatenate([jnp.cos(angles)] * 2, axis=-1), sin=jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)
+  )
+
+
+def apply_rope(x, positions, theta=10000.0, table=None):
   """Rotates `x` to its positions: `R(pos) x` (FS Eq. 3), rotate-half convention over the rotated features.
 
   Args:
     x: `[batch, seq, heads, head_dim]`, head_dim even.
     positions: `[seq]` or `[batch, seq]` integer positions.
     theta: a RoPE base θ, or a `RoPE` (partial rotation, Llama 3 scaling).
+    table: None, or `rotary_table(positions, head_dim, theta, dtype)` made beforehand, with `dtype` x's dtype
+      promoted to at least float32 (what is computed here otherwise): the same rotation, its sines and cosines
+      shared with other calls.
 
   Returns:
     Rotated array, same shape and dtype as `x`; features past a partial RoPE's `rotary_dim` unchanged.
   """
   head_dim = x.shape[-1]
-  angles = rope_angles(positions, head_dim, theta, dtype=jnp.promote_types(x.dtype, jnp.float32))
-  if angles.ndim == 2:  # [seq, r/2] -> broadcast over batch
-    angles = angles[None]
-  angles = angles[:, :, None, :]  # [batch|1, seq, 1, r/2]
-  cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)
-  sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)
+  dtype = jnp.promote_types(x.dtype, jnp.float32)
+  if table is None:
+    table = rotary_table(positions, head_dim, theta, dtype=dtype)
+  elif table.cos.dtype != dtype or table.cos.shape[1] != x.shape[1]:
+    raise ValueError(
+      f"a rotary table for x {x.shape} {x.dtype} must hold {x.shape[1]} positions in {dtype}, got "
+      f"{table.cos.shape} {table.cos.dtype}"
+    )
+  cos, sin = table.cos, table.sin
   rotary = cos.shape[-1]
   x_c = x.astype(cos.dtype)
   x_rot, x_pass = x_c[..., :rotary], x_c[..., rotary:]
