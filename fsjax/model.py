@@ -84,7 +84,8 @@ class DecoderLayer(nn.Module):
 
   `weights`: with a cache, this layer's `fsjax.layer_weights.LayerWeights` (a scanned model's parameter stacks
   and the layer's index, or an unscanned layer's own parameters), through which a step of a few rows reads each
-  projection's weights where they lie.
+  projection's weights where they lie. `rope_table`: a one-token step's `fsjax.reference.rope.RotaryTable`, made
+  once for all layers (None: the attention makes its own).
   """
 
   config: ModelConfig
@@ -199,8 +200,8 @@ class Transformer(nn.Module):
     x = embed(tokens)
     new_cache = {}
     history = None if cache is None else cache.get(short_conv.STATE_KEY)
-    # A one-token step merges FS-L's completed blocks after the last layer, and advances FS-B's forests before the
-    # first, for all layers at once.
+    # A one-token step makes RoPE's table and advances FS-B's forests before the first layer, and merges FS-L's
+    # completed blocks after the last, each once for all layers.
     one_token = cache is not None and tokens.shape[1] == 1 and not first_chunk
     # A step reads each layer's projection weights where they lie (`fsjax.layer_weights`); at init there are none.
     params = self.variables.get("params", {}) if cache is not None else {}
