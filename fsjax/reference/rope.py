@@ -4,7 +4,7 @@ checkpoints use: partial rotation (`partial_rotary_factor`) and Llama 3's freque
 Every function that rotates takes its RoPE as `rope_theta: float | RoPE`. A float is the papers' RoPE: every
 feature rotates, inverse frequencies `θ^(-2f/d)`; a `RoPE` adds the options. The name and the float stay
 accepted because DESIGN §6 fixes `rope_theta=` in the public operators and about twenty functions only forward
-it to `apply_rope` (through `rotary_table`, the one place that reads it): the options reach every kind, cache
+it to `apply_rope` (whose `rotary_table` reads it, in `rope_angles`): the options reach every kind, cache
 and kernel path unchanged (the kernels receive rotated or NoPE inputs and never rotate). `RoPE(theta)` computes
 exactly what `theta` does. A decode step makes its `rotary_table` once and hands it to every layer's
 `apply_rope(..., table=)`.
