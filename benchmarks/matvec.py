@@ -5,10 +5,9 @@
 The preset's layers run as one `lax.scan` over stacked bf16 weights, as a scanned model's decode step reads them.
 The rows are W_q/W_k/W_v (one launch), W_o, W_gate/W_up (one launch), W_down, then all four together. As in a
 decode step, W_q/W_k/W_v and W_gate/W_up RMS-norm their input first (the kernel in its prologue, XLA before the
-dot). Each time
-is µs per layer: the wall time of 30 calls of the scanned loop, divided by the layers. GB/s is the weights' bytes
-over that time. Before timing, the kernel's sums are checked against XLA's (float32 sums of bf16 products, so
-only the order of the additions differs).
+dot). Each time is µs per layer: the wall time of 30 calls of the scanned loop, divided by the layers. GB/s is the
+weights' bytes over that time. Before timing, the kernel's sums are checked against XLA's (float32 sums of bf16
+products, so only the order of the additions differs).
 
 `--sweep` then times the kernel per product over other tilings and launch parameters (column and contraction
 tiles, contraction splits, warps, pipeline stages), first the tiles at `tiling`'s warps and stages, then warps and

@@ -187,7 +187,7 @@ def streaming_select(cache: ForestCache, q, positions, valid, routing: Routing, 
   if q.shape[1] > 1:
     return blockwise_select(cache, q, positions, valid, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
   if not cache.advanced:  # else the model advanced every layer's forests before the layers (`advance_forests`)
-    cache = forest.advance_for_token(cache, positions, valid, tau, cell=cell, block=block).replace(advanced=False)
+    cache = forest.advance_for_token(cache, positions, valid, tau, cell=cell, block=block)
   return cache, forest_select(cache, q, positions, routing, lam=lam, sigma=sigma, impl=impl)
 
 

@@ -64,10 +64,10 @@ def advance_forests(cache, positions, valid, tau, *, cell, block):
   predicate XLA's GPU runtime reads back to the host: a round trip per layer at every token, where this is one
   per token. `tau`: each forest cache's τ `[kv_heads]` by its key in `cache` (`"layers"`: stacked `[layers,
   kv_heads]`). Other caches pass unchanged; `release_forests` ends the step."""
-  names = [name for name, node in cache.items() if isinstance(node, ForestCache)]
-  if not names:
+  # Marked before the conditional, so that both of its branches return caches of one tree structure.
+  forests = {name: node.replace(advanced=True) for name, node in cache.items() if isinstance(node, ForestCache)}
+  if not forests:
     return cache
-  forests = {name: cache[name] for name in names}
 
   def advance_all(forests):
     out = {}
@@ -80,7 +80,7 @@ def advance_forests(cache, positions, valid, tau, *, cell, block):
         view = advance_for_token(layer_of(node, i), positions, valid, tau[name][i], cell=cell, block=block)
         return write_back(node, view, i)
 
-      out[name] = jax.lax.fori_loop(0, node.admitted.shape[0], one_layer, node.replace(advanced=True))
+      out[name] = jax.lax.fori_loop(0, node.admitted.shape[0], one_layer, node)
     return out
 
   due = jnp.any(
@@ -91,8 +91,7 @@ def advance_forests(cache, positions, valid, tau, *, cell, block):
       ]
     )
   )
-  marked = lambda forests: {name: node.replace(advanced=True) for name, node in forests.items()}
-  return {**cache, **jax.lax.cond(due, advance_all, marked, forests)}
+  return {**cache, **jax.lax.cond(due, advance_all, lambda forests: forests, forests)}
 
 
 def release_forests(cache):

@@ -84,8 +84,8 @@ class ForestCache:
   archive: archive_lib.Archive
   forests: Forest
   admitted: jax.Array
-  # Static: the forests are already current for this one-token step's block (`advance_for_token`, run for every
-  # layer before the layers), so the step beam-searches them as they are.
+  # Static: the forests are already current for this one-token step's block (`fsjax.cache.advance_forests` ran
+  # for every layer before the layers), so the step beam-searches them as they are.
   advanced: bool = flax.struct.field(pytree_node=False, default=False)
 
   def forest(self, which):
@@ -343,10 +343,10 @@ def advance(cache: ForestCache, target, tau, *, cell, block, looped_from=LOOPED_
 
 
 def advance_for_token(cache: ForestCache, positions, valid, tau, *, cell, block):
-  """A one-token step's advance (`eligible_target`) of a layer's forests, done before its layer runs; the result
-  says so (`advanced`), and the step then leaves the forests as they are."""
+  """A one-token step's advance of a layer's forests to the block of its positions `[batch, 1]` (`eligible_target`):
+  by the step itself, or for every layer before the layers (`fsjax.cache.advance_forests`)."""
   target = eligible_target(positions, valid, read(cache.admitted), cell=cell, block=block)
-  return advance(cache, target, tau, cell=cell, block=block).replace(advanced=True)
+  return advance(cache, target, tau, cell=cell, block=block)
 
 
 def eligible_target(pos, valid, admitted, *, cell, block):
