@@ -296,23 +296,20 @@ def _keep_top_kernel(scores_ref, index_ref, out_ref, *, p, max_nodes):
   key = _sortable(scores)
   low = jnp.iinfo(jnp.int32).min
 
-  def counted_above(threshold):  # `threshold` a scalar, or `[T]` thresholds at once (one reduction per sum)
-    above = valid & (key > threshold[..., None])
-    mass = jnp.sum(jnp.where(above, weights, 0.0), axis=-1) if p < 1 else jnp.zeros(above.shape[:-1])
-    return jnp.sum(above.astype(jnp.int32), axis=-1), mass  # p = 1: the cap alone
+  def counted_above(threshold):
+    above = valid & (key > threshold)
+    mass = jnp.sum(jnp.where(above, weights, 0.0)) if p < 1 else jnp.float32(0.0)  # p = 1: the cap alone
+    return jnp.sum(above.astype(jnp.int32)), mass
 
-  def digits(b, last_filled):
-    """The highest key that still fills, built from the top down two bits at a time (unsigned order): `filled`
-    only turns false as the threshold grows, so the next two bits are how many of the trials ending in 01, 10
-    and 11 still fill. The trials share their reductions: a round trip through shared memory per
-    reduction, not per element, bounds this kernel."""
-    shift = 30 - 2 * b
-    digit = jnp.arange(4, dtype=jnp.int32)  # 00 (the prefix itself) pads the trials to a power of two for Triton
-    count, mass = counted_above((last_filled | jax.lax.shift_left(digit, shift)) ^ low)
-    filled = ((count >= max_nodes) | (mass >= target)) & (digit > 0)
-    return last_filled | jax.lax.shift_left(jnp.sum(filled.astype(jnp.int32)), shift)
+  def filled(threshold):
+    count, mass = counted_above(threshold)
+    return (count >= max_nodes) | (mass >= target)
 
-  threshold = (jax.lax.fori_loop(0, 16, digits, jnp.int32(0)) ^ low) + 1
+  def bit(b, last_filled):  # the highest key that still fills, built from the top bit down (unsigned order)
+    trial = last_filled | jax.lax.shift_left(jnp.int32(1), 31 - b)
+    return jnp.where(filled(trial ^ low), trial, last_filled)
+
+  threshold = (jax.lax.fori_loop(0, 32, bit, jnp.int32(0)) ^ low) + 1
   count, mass = counted_above(threshold)
   tied = valid & (key == threshold)
   tie_weight = jnp.max(jnp.where(tied, weights, 0.0))
