@@ -9,9 +9,11 @@ The grid is (batch row, query head, part), T + K parts per head:
 
 A second launch merges the parts and mixes the branches (`decode_parts.mix_branches`). The selection is not here:
 FS scores the archive's cell summaries with `pallas_kernels.cell_scoring` (every cell, its own launch), FS-B
-beam-searches its forests. The jnp specification is `fsjax.attention.freesolo_step.archive_chunk` for one token:
-`attend` over the ring and the token, the readout of `archive_long_range`, `mix_branches`, and the writes of
-`fsjax.cache.archive.extend`: the token into the tokens and the ring, the summary of its cell (Eq. 5).
+beam-searches its forests. FS hands over the scoring's candidates unmerged, each cell range's top-K with their
+scores, and the part of rank r takes the r-th best of them (`_ranked`), where `lax.top_k` would take two launches
+per layer to merge the ranges first. The jnp specification is `fsjax.attention.freesolo_step.archive_chunk` for
+one token: `attend` over the ring and the token, the readout of `archive_long_range`, `mix_branches`, and the
+writes of `fsjax.cache.archive.extend`: the token into the tokens and the ring, the summary of its cell (Eq. 5).
 
 The token's writes happen here, in place (the arrays are aliased to outputs): its raw key, value and position into
 archive slot `pos`, its rotated key, value and position into ring slot `pos mod R`, and its cell's mean key and max
@@ -39,12 +41,23 @@ from pallas_kernels.decode_parts import StepParts, ring_part, softmax_part, toke
 FIELDS = ("ring_k", "ring_v", "ring_pos", "tokens_k", "tokens_v", "tokens_pos", "mean_keys", "max_norms")
 
 
-def _cell_part(rank, q, layer, scale, cells_ref, tokens_refs, o_ref, lse_ref, *, cell):
-  """The long-range branch's part for the `rank`-th selected cell (`cells_ref` `[K']`, -1 for none): the softmax
-  of q against the cell's s archived keys, over its values (Eq. 9 before the merge of the K parts)."""
+def _ranked(scores):
+  """`[n]` int32: each candidate's rank by its score `[n]`, descending, the lower position first among equal
+  scores: `lax.top_k`'s order (strict and total, so each rank below n belongs to one candidate)."""
+  position = jnp.arange(scores.shape[0])
+  before = position[None, :] < position[:, None]
+  ahead = (scores[None, :] > scores[:, None]) | ((scores[None, :] == scores[:, None]) & before)
+  return jnp.sum(ahead.astype(jnp.int32), axis=1)
+
+
+def _cell_part(rank, q, layer, scale, cells_ref, scores_ref, tokens_refs, o_ref, lse_ref, *, cell):
+  """The long-range branch's part for the `rank`-th selected cell (`cells_ref` `[K']`, -1 for none; or, with
+  `scores_ref`, the `rank`-th best of the candidates `cells_ref`, `scores_ref` `[n']`): the softmax of q against
+  the cell's s archived keys, over its values (Eq. 9 before the merge of the K parts)."""
   tokens_k_ref, tokens_v_ref = tokens_refs
   chosen = cells_ref[...]
-  index = jnp.max(jnp.where(jnp.arange(chosen.shape[0]) == rank, chosen, -1))
+  order = jnp.arange(chosen.shape[0]) if scores_ref is None else _ranked(scores_ref[...])
+  index = jnp.max(jnp.where(order == rank, chosen, -1))
   first = jnp.maximum(index, 0) * cell
   keys = tokens_k_ref[layer, pl.ds(first, cell), :].astype(jnp.float32)  # [s, d]
   values = tokens_v_ref[layer, pl.ds(first, cell), :].astype(jnp.float32)
@@ -85,31 +98,24 @@ def _archive_decode_kernel(
   pos_ref,
   valid_ref,
   cells_ref,
-  layer_ref,
-  ring_k_ref,
-  ring_v_ref,
-  ring_pos_ref,
-  tokens_k_ref,
-  tokens_v_ref,
-  tokens_pos_ref,
-  mean_ref,
-  norm_ref,
-  o_ref,
-  lse_ref,
-  *out_refs,
+  *refs,
   window,
   cell,
   ring_slots,
   group,
   tiles,
+  ranked,
 ):
   """One (row, query head, part). q_ref / q_rot_ref `[d]`; k_rot_ref, k_ref, v_ref `[d]` the token's key (rotated
   and raw) and value for this head's key/value head, in the archive's dtype; pos_ref, valid_ref, layer_ref `[1]`;
-  cells_ref `[K']` this head's selected cells; the archive refs `[layers, ...]`, read at layer `layer_ref[0]`:
-  ring k/v `[R, d]`, ring pos `[R]`, tokens k/v `[N, d]`; tokens pos `[N]`, mean keys `[M, d]` and max norms
-  `[M]` are written only. Writes the part's o_ref `[d]` and lse_ref `[1]`; part 0 of a key/value head's first
-  query head writes the token and its cell's summary into the aliased arrays (`out_refs`, in `FIELDS` order)."""
-  del tokens_pos_ref, mean_ref, norm_ref  # aliased to outputs that are only written
+  cells_ref `[K']` this head's selected cells, or where `ranked` its candidates `[n']` with scores_ref `[n']`
+  next; the archive refs `[layers, ...]`, read at layer `layer_ref[0]`: ring k/v `[R, d]`, ring pos `[R]`, tokens
+  k/v `[N, d]`; tokens pos `[N]`, mean keys `[M, d]` and max norms `[M]` are written only. Writes the part's
+  o_ref `[d]` and lse_ref `[1]`; part 0 of a key/value head's first query head writes the token and its cell's
+  summary into the aliased arrays (`out_refs`, in `FIELDS` order)."""
+  scores_ref, *refs = refs if ranked else (None, *refs)
+  layer_ref, ring_k_ref, ring_v_ref, ring_pos_ref, tokens_k_ref, tokens_v_ref, *refs = refs
+  _, _, _, o_ref, lse_ref, *out_refs = refs  # tokens pos, mean keys, max norms: aliased outputs, only written
   head, part = pl.program_id(1), pl.program_id(2)
   pos, valid, layer = pos_ref[0], valid_ref[0] != 0, layer_ref[0]
   scale = 1.0 / math.sqrt(q_ref.shape[0])
@@ -138,10 +144,11 @@ def _archive_decode_kernel(
   @pl.when(part >= tiles)
   def _():
     q = q_ref[...].astype(jnp.float32)
-    _cell_part(part - tiles, q, layer, scale, cells_ref, (tokens_k_ref, tokens_v_ref), o_ref, lse_ref, cell=cell)
+    tokens = (tokens_k_ref, tokens_v_ref)
+    _cell_part(part - tiles, q, layer, scale, cells_ref, scores_ref, tokens, o_ref, lse_ref, cell=cell)
 
 
-@functools.partial(jax.jit, static_argnames=("window", "cell", "eps", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("window", "cell", "eps", "out_dtype", "top_k", "interpret"))
 def archive_decode(
   q,
   q_rot,
@@ -159,6 +166,8 @@ def archive_decode(
   cell,
   eps,
   out_dtype=jnp.float32,
+  scores=None,
+  top_k=None,
   layer=None,
   interpret=None,
 ):
@@ -171,7 +180,9 @@ def archive_decode(
     pos: `[batch]` int32 its position (its archive slot); valid: `[batch]` bool (an invalid row writes nothing
       and its token is not a key).
     cells: `[batch, heads, K]` int32 the cells each query head selected (any order; -1 for none), all in blocks
-      before the token's.
+      before the token's; or, with `scores` `[batch, heads, n]` float32, n candidates of which the kernel reads
+      the `top_k` best (by score, the lower position first among equal ones; −inf and -1 for none), as
+      `pallas_kernels.cell_scoring.merge_ranges` ranks them.
     alpha: `[heads]` the branch mix α (Eq. 2) and gain `[d]` the readout RMSNorm's (Eq. 9), or with `layer` the
       scanned model's parameter stacks `[layers, heads]` and `[layers, d]`, read at `layer` where they lie.
     archive: the layer's `fsjax.cache.archive.Archive` arrays before the token, as a dict: ring_k, ring_v `[batch,
@@ -194,8 +205,14 @@ def archive_decode(
     stacks[name], layer_index = layer_stack(archive[name], layer, ndim)
   layers, _, ring_slots, kv_heads, _ = stacks["ring_k"].shape
   group = group_size(heads, kv_heads)
-  top_k = cells.shape[-1]
-  width = pl.next_power_of_2(top_k)
+  ranked = scores is not None
+  if ranked and (scores.shape != cells.shape or top_k is None or not 0 < top_k <= cells.shape[-1]):
+    raise ValueError(
+      f"scores must match cells {cells.shape} and top_k lie in 1..{cells.shape[-1]}; got "
+      f"{None if scores is None else scores.shape}, top_k={top_k}"
+    )
+  top_k = top_k if ranked else cells.shape[-1]
+  width = pl.next_power_of_2(cells.shape[-1])
   split = StepParts.of(ring_slots=ring_slots, top_k=top_k, layers=layers)
 
   def spec(name):
@@ -209,18 +226,28 @@ def archive_decode(
   token, token_specs = token_operands(
     q, q_rot, k_rot, k, v, pos, valid, ring_dtype=stacks["ring_k"].dtype, dtype=stacks["tokens_k"].dtype, group=group
   )
-  cells = jnp.pad(cells.astype(jnp.int32), ((0, 0), (0, 0), (0, width - top_k)), constant_values=-1)
-  inputs = [*token, cells, layer_index, *(stacks[name] for name in FIELDS)]
+  padding = ((0, 0), (0, 0), (0, width - cells.shape[-1]))
+  cells = jnp.pad(cells.astype(jnp.int32), padding, constant_values=-1)
+  candidates = [cells]
+  if ranked:
+    candidates.append(jnp.pad(scores.astype(jnp.float32), padding, constant_values=-jnp.inf))
+  inputs = [*token, *candidates, layer_index, *(stacks[name] for name in FIELDS)]
   first_field = len(inputs) - len(FIELDS)
   part_specs, part_shapes = split.outputs(batch, heads, dim)
   o, lse, *written = pl.pallas_call(
     functools.partial(
-      _archive_decode_kernel, window=window, cell=cell, ring_slots=ring_slots, group=group, tiles=split.tiles
+      _archive_decode_kernel,
+      window=window,
+      cell=cell,
+      ring_slots=ring_slots,
+      group=group,
+      tiles=split.tiles,
+      ranked=ranked,
     ),
     grid=(batch, heads, split.parts),
     in_specs=[
       *token_specs,
-      pl.BlockSpec((None, None, width), lambda b, h, z: (b, h, 0)),
+      *[pl.BlockSpec((None, None, width), lambda b, h, z: (b, h, 0))] * len(candidates),
       pl.BlockSpec((1,), lambda b, h, z: (0,)),
       *(spec(name) for name in FIELDS),
     ],

@@ -10,8 +10,10 @@ The erf prior is evaluated only for chunks close enough to the tile for it not t
 
 A decode step has one query per (batch, head): one program per head would walk every cell alone (110 µs per
 layer at 4,096 cells on an H200). So the cells are split into ranges, one program each, when the query tiles alone
-cannot fill the GPU; each range writes its own top-K with the scores, and `lax.top_k` merges the ranges. The
-merge keeps the kernel's ties: candidates are laid out by range, then rank, so equal scores stay in cell order.
+cannot fill the GPU; each range writes its own top-K with the scores, and `merge_ranges` (`lax.top_k`) merges the
+ranges. The merge keeps the kernel's ties: candidates are laid out by range, then rank, so equal scores stay in
+cell order. A consumer that can rank the candidates itself takes them unmerged (`ranges=True`): FS's decode step
+(`pallas_kernels.archive_decode`) does, which saves the merge's two launches per layer.
 
 Grouped-query attention: the programs of query head h read the summaries, key norms and FS-L death blocks of
 key/value head `h // group` through their BlockSpec index maps, and h's own λ_h, σ_h; nothing is copied per
@@ -192,7 +194,17 @@ def _num_splits(sizes, *, programs, num_chunks):
 
 @functools.partial(
   jax.jit,
-  static_argnames=("variant", "cell", "block", "top_k", "retain_top", "retain_recent", "block_sizes", "interpret"),
+  static_argnames=(
+    "variant",
+    "cell",
+    "block",
+    "top_k",
+    "retain_top",
+    "retain_recent",
+    "block_sizes",
+    "ranges",
+    "interpret",
+  ),
 )
 def select_from_summaries(
   q,
@@ -211,6 +223,7 @@ def select_from_summaries(
   retain_recent=8,
   block_sizes=None,
   layer=None,
+  ranges=False,
   interpret=None,
 ):
   """Top-K cells (Eq. 6-8) for queries at `positions`, given the cell summaries (Eq. 5).
@@ -231,9 +244,13 @@ def select_from_summaries(
     layer: int32 scalar, or None. With it, mean_keys and max_norms are a scanned model's stacks `[layers, batch,
       M, ...]` (a decode cache's), read at `layer` where they lie when the head dim is a power of two (else the
       layer is sliced out and padded first, a copy); death stays `[batch, M, kv_heads]`.
+    ranges: return each cell range's top-K unmerged (see Returns).
 
   Returns:
-    `[batch, T, heads, K]` int32, best first (ties: lower index), -1 where fewer than K cells are available.
+    `[batch, T, heads, K]` int32, best first (ties: lower index), -1 where fewer than K cells are available. With
+    `ranges`, the candidates `(cells, scores)` `[batch, T, heads, S·K']` (int32, float32) of the S cell ranges, in
+    cell order and each best first, -1 and −inf past a range's available cells (K' = K rounded up to a power of
+    two): `merge_ranges` of them is the top-K.
   """
   interpret = default_interpret() if interpret is None else interpret
   sizes = block_sizes or BlockSizes.get_default()
@@ -317,9 +334,18 @@ def select_from_summaries(
     interpret=interpret,
     name="freesolo_cell_topk",
   )(q, positions, layer_index, mean_keys, max_norms, death, *(per_layer(x) for x in (lam, sigma)))
+  if ranges:  # every range's padded_k slots: those past K hold -1 and −inf, and slicing them off would be a copy
+    idx, values = idx[:, :seq], values[:, :seq]
+    return idx.reshape(*idx.shape[:3], -1), values.reshape(*values.shape[:3], -1)
   idx, values = idx[:, :seq, :, :, :top_k], values[:, :seq, :, :, :top_k]
   if splits == 1:
     return idx[..., 0, :]
-  # Ranges in cell order, each best first: lax.top_k's lower-position-first ties are the kernel's lower cell.
-  _, best = jax.lax.top_k(values.reshape(*values.shape[:3], -1), top_k)
-  return jnp.take_along_axis(idx.reshape(*idx.shape[:3], -1), best, axis=-1)
+  return merge_ranges(idx.reshape(*idx.shape[:3], -1), values.reshape(*values.shape[:3], -1), top_k)
+
+
+def merge_ranges(cells, scores, top_k):
+  """The top-K of `select_from_summaries(..., ranges=True)`'s candidates `cells`, `scores` `[..., S·K']`: `[...,
+  K]` int32, best first. The ranges lie in cell order, each best first, so `lax.top_k`'s ties (the lower position
+  first) are the kernel's (the lower cell)."""
+  _, best = jax.lax.top_k(scores, top_k)
+  return jnp.take_along_axis(cells, best, axis=-1)

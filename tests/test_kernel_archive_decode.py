@@ -16,7 +16,7 @@ from fsjax.cache import forest as forest_cache
 from fsjax.cache.layered import LayerSlice
 from fsjax.reference.rope import apply_rope
 from fsjax.reference.routing import Routing
-from pallas_kernels import archive_decode
+from pallas_kernels import archive_decode, cell_scoring
 
 from helpers import assert_close, decode_with_both_impls, kernel_modes, tiny_model
 
@@ -117,6 +117,45 @@ def test_the_kernel_step_equals_the_reference_step(rng, interpret, case, monkeyp
   assert np.any(np.asarray(kernel[1]) >= 0)
   if case == "fewer-cells-than-k":
     assert np.any(np.asarray(kernel[1]) == -1)
+
+
+def test_the_kernels_ranking_of_candidates_is_the_merges_order(rng):
+  """`_ranked` orders candidates as `cell_scoring.merge_ranges` (`lax.top_k`) does: by score, the lower position
+  first among equal scores, −inf last; drawn from few values so that most scores tie."""
+  for _ in range(20):
+    n = int(rng.integers(2, 40))
+    scores = jnp.asarray(rng.choice([-np.inf, 0.0, 0.5, 1.0, 2.5], size=n), jnp.float32)
+    cells = jnp.asarray(rng.permutation(n), jnp.int32)
+    rank = np.asarray(archive_decode._ranked(scores))
+    assert sorted(rank) == list(range(n))
+    merged = np.asarray(cell_scoring.merge_ranges(cells, scores, n))
+    np.testing.assert_array_equal(np.asarray(cells)[np.argsort(rank)], merged)
+
+
+@pytest.mark.parametrize("interpret", kernel_modes())
+def test_the_kernel_ranks_the_scorings_unmerged_cell_ranges(rng, interpret, monkeypatch):
+  """FS's scoring split into three cell ranges (as at a decode step of a long archive): the kernel reads the
+  ranges' candidates and takes the K best itself; its branches, the cells the step returns (merged in XLA) and
+  the archive equal the reference step's. K = 3 leaves a padding slot in every range's list."""
+  routing = Routing(variant="fs", window=40, cell=16, block=32, top_k=3)
+  lengths = [600, 377]
+  archive = _filled_archive(rng, routing, lengths=lengths, capacity=640, kv_heads=2, dim=16, dtype=jnp.float32)
+  token, weights = _token(int(rng.integers(1 << 30)), batch=2, heads=4, kv_heads=2, dim=16)
+  sizes = cell_scoring.BlockSizes(queries=16, cells=16, splits=3)
+  monkeypatch.setattr(cell_scoring.BlockSizes, "get_default", classmethod(lambda cls: sizes))
+  _force_interpret(monkeypatch, interpret)
+  seen = []
+  launch = archive_decode.archive_decode
+
+  def recorded(*args, **kwargs):
+    seen.append(kwargs["scores"].shape)
+    return launch(*args, **kwargs)
+
+  monkeypatch.setattr(archive_decode, "archive_decode", recorded)
+  run = lambda impl: _step(archive, routing, token, weights, jnp.asarray(lengths), impl=impl)
+  kernel = run("pallas")
+  assert seen == [(2, 4, 3 * 4)]  # three ranges of K' = 4 candidates reached the kernel
+  _assert_steps_agree(kernel, run("reference"), np.float32)
 
 
 @pytest.mark.parametrize("interpret", kernel_modes())

@@ -41,7 +41,7 @@ from fsjax.reference.grouped import group_size, kv_head_of, per_query_head
 from fsjax.reference.rope import apply_rope
 from fsjax.reference.routing import Routing
 from fsjax.reference.softmax import masked_softmax
-from pallas_kernels import archive_decode, bounded_decode
+from pallas_kernels import archive_decode, bounded_decode, cell_scoring
 
 NO_CELL = -1
 
@@ -53,15 +53,18 @@ def archive_local(archive: Archive, q_rot, k_rot, v, pos, valid, *, window):
   return attend(q_rot, pos, *kv_store.concat(archive.ring, k_rot, v, pos, valid), window=window)
 
 
-def archive_select(archive: Archive, q, pos, routing: Routing, *, lam, sigma, tau=None, impl="reference"):
+def archive_select(archive: Archive, q, pos, routing: Routing, *, lam, sigma, tau=None, impl="reference", ranges=False):
   """Top-K cells (Eq. 6-8; FS-B Eq. 10-12 rebuilt from the summaries) for queries at `pos`:
-  `[batch, C, heads, K]`, -1 for none. No gradient."""
+  `[batch, C, heads, K]`, -1 for none. No gradient. `ranges` (FS only): `(cells, scores)`, the scoring kernel's
+  candidates unmerged where it runs, else the top-K and None (`fsjax.ops.select_from_summaries`)."""
   if routing.variant == "fsb":
     return fsb_archive_select(archive, q, pos, routing, lam=read(lam), sigma=read(sigma), tau=tau)
   # The summaries, λ and σ as they lie (views into a scanned model's stacks): the scoring kernel reads the layer
   # in place.
   mean_keys, max_norms = archive.mean_keys, archive.max_norms
-  return ops.select_from_summaries(q, pos, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma, impl=impl)
+  return ops.select_from_summaries(
+    q, pos, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma, impl=impl, ranges=ranges
+  )
 
 
 def fsb_archive_select(archive: Archive, q, pos, routing: Routing, *, lam, sigma, tau):
@@ -299,14 +302,16 @@ def archive_token_kernel(cache, q, q_rot, k, k_rot, v, pos, valid, routing: Rout
   kernel writes the token into the archive and its ring, recomputes its cell's summary and computes both
   branches, and a second mixes them. `weights`: lam, sigma, tau, alpha, lr_gain as `archive_chunk`
   takes them. The selection never reads the token's cell (Eq. 6: only cells of earlier blocks), so it may run
-  before the write."""
+  before the write. FS's scoring kernel hands the kernel its cell ranges' candidates unmerged (the kernel ranks
+  them); the step's returned cells merge them in XLA, which drops that merge unless the cells are used."""
   streaming = isinstance(cache, ForestCache)
   archive = cache.archive if streaming else cache
   lam, sigma, tau = weights["lam"], weights["sigma"], weights["tau"]
+  scores = None
   if streaming:
     cache, cells = streaming_select(cache, q, pos, valid, routing, lam=read(lam), sigma=read(sigma), tau=tau, impl=impl)
   else:
-    cells = archive_select(archive, q, pos, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
+    cells, scores = archive_select(archive, q, pos, routing, lam=lam, sigma=sigma, tau=tau, impl=impl, ranges=True)
   fields = dict(ring_k=archive.ring.k, ring_v=archive.ring.v, ring_pos=archive.ring.pos)
   fields.update(tokens_k=archive.tokens.k, tokens_v=archive.tokens.v, tokens_pos=archive.tokens.pos)
   fields.update(mean_keys=archive.mean_keys, max_norms=archive.max_norms)
@@ -328,8 +333,12 @@ def archive_token_kernel(cache, q, q_rot, k, k_rot, v, pos, valid, routing: Rout
     cell=routing.cell,
     eps=READOUT_NORM_EPS,
     out_dtype=jnp.dtype(out_dtype),
+    scores=None if scores is None else scores[:, 0],
+    top_k=None if scores is None else routing.top_k,
     layer=layer,
   )
+  if scores is not None:
+    cells = cell_scoring.merge_ranges(cells, scores, routing.top_k)
   ring, tokens = archive.ring, archive.tokens
   archive = archive.replace(
     ring=ring.replace(**{f: rewritten(getattr(ring, f), written[f"ring_{f}"]) for f in ("k", "v", "pos")}),

@@ -30,7 +30,9 @@ def _facts(routing: Routing, head_dim):
   return dict(variant=routing.variant, cell=routing.cell, head_dim=head_dim, beam=routing.beam)
 
 
-def select_from_summaries(q, positions, mean_keys, max_norms, *, routing: Routing, lam, sigma, impl="reference"):
+def select_from_summaries(
+  q, positions, mean_keys, max_norms, *, routing: Routing, lam, sigma, impl="reference", ranges=False
+):
   """FS / FS-L top-K cells from cell summaries (`fsjax.reference.cells.select_from_summaries`).
 
   Args:
@@ -38,13 +40,17 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing: Routin
       max_norms `[batch, M, kv_heads]`, or both `fsjax.cache.layered.LayerSlice`s of a scanned model's decode
       cache (the kernel reads the layer where it lies); lam, sigma: `[heads]`, or `LayerSlice`s of the scanned
       model's `[layers, heads]` stacks at the same layer (read the same way).
+    ranges: return `(cells, scores)`: the kernel's candidates per cell range, unmerged
+      (`pallas_kernels.cell_scoring.select_from_summaries(..., ranges=True)`), for a consumer that ranks them
+      itself; on the reference path the top-K cells and None.
 
   Returns:
-    `[batch, T, heads, K]` int32, -1 where fewer than K cells are available.
+    `[batch, T, heads, K]` int32, -1 where fewer than K cells are available (see `ranges`).
   """
   if dispatch.resolve("select_from_summaries", impl, **_facts(routing, q.shape[-1])) == "reference":
     mean_keys, max_norms, lam, sigma = (read(x) for x in (mean_keys, max_norms, lam, sigma))
-    return cells_ref.select_from_summaries(q, positions, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma)
+    cells = cells_ref.select_from_summaries(q, positions, mean_keys, max_norms, routing=routing, lam=lam, sigma=sigma)
+    return (cells, None) if ranges else cells
   death = None
   if routing.variant == "fsl":  # FS-L's pool (Eq. 8) per key/value head, ranked once per sequence in float32
     death = cells_ref.retention_death_block(
@@ -74,6 +80,7 @@ def select_from_summaries(q, positions, mean_keys, max_norms, *, routing: Routin
     top_k=routing.top_k,
     retain_top=routing.retain_top,
     retain_recent=routing.retain_recent,
+    ranges=ranges,
   )
 
 
