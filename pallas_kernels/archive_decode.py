@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import default_interpret, group_size, layer_stack
-from pallas_kernels.decode_parts import StepParts, ring_part, softmax_part, token_operands
+from pallas_kernels.common import default_interpret, erf, group_size, layer_stack
+from pallas_kernels.decode_parts import StepParts, per_layer, ring_part, softmax_part, token_operands
 
 # The archive's arrays the kernel reads and writes in place (summaries: only the token's cell is written).
 FIELDS = ("ring_k", "ring_v", "ring_pos", "tokens_k", "tokens_v", "tokens_pos", "mean_keys", "max_norms")
@@ -53,7 +53,8 @@ def _ranked(scores):
 def _cell_part(rank, q, layer, scale, cells_ref, scores_ref, tokens_refs, o_ref, lse_ref, *, cell):
   """The long-range branch's part for the `rank`-th selected cell (`cells_ref` `[K']`, -1 for none; or, with
   `scores_ref`, the `rank`-th best of the candidates `cells_ref`, `scores_ref` `[n']`): the softmax of q against
-  the cell's s archived keys, over its values (Eq. 9 before the merge of the K parts)."""
+  the cell's s archived keys, over its values (Eq. 9 before the merge of the K parts). Returns the cell and the
+  part's log-sum-exp."""
   tokens_k_ref, tokens_v_ref = tokens_refs
   chosen = cells_ref[...]
   order = jnp.arange(chosen.shape[0]) if scores_ref is None else _ranked(scores_ref[...])
@@ -62,7 +63,23 @@ def _cell_part(rank, q, layer, scale, cells_ref, scores_ref, tokens_refs, o_ref,
   keys = tokens_k_ref[layer, pl.ds(first, cell), :].astype(jnp.float32)  # [s, d]
   values = tokens_v_ref[layer, pl.ds(first, cell), :].astype(jnp.float32)
   logits = jnp.sum(keys * q[None, :], axis=1) * scale
-  softmax_part(logits, jnp.broadcast_to(index >= 0, logits.shape), values, o_ref, lse_ref)
+  return index, softmax_part(logits, jnp.broadcast_to(index >= 0, logits.shape), values, o_ref, lse_ref)
+
+
+def _rerank_score(rank, index, lse, pos, layer, cells_ref, prior_refs, out_refs, *, cell):
+  """FS-B's Eq. 12 score of candidate `rank` (cell `index`, log-sum-exp `lse` of its keys' logits: the mass of
+  `fsjax.reference.forest.token_rerank`), plus its max key norm times the Eq. 7 prior, into out_refs (score,
+  cell) `[1]`; −inf for no cell or a repeat of an earlier candidate's, so each cell counts once."""
+  lam_ref, sigma_ref, norm_ref = prior_refs
+  score_ref, cell_out_ref = out_refs
+  chosen = cells_ref[...]
+  repeat = jnp.any((jnp.arange(chosen.shape[0]) < rank) & (chosen == index))
+  safe = jnp.maximum(index, 0)
+  norm = jnp.max(norm_ref[layer, pl.ds(safe, 1)].astype(jnp.float32))
+  distance = pos.astype(jnp.float32) - (safe.astype(jnp.float32) + 0.5) * cell
+  prior = norm * lam_ref[layer] * erf(distance / (2.0 * sigma_ref[layer]))
+  score_ref[...] = jnp.full(score_ref.shape, jnp.where((index >= 0) & ~repeat, lse + prior, -jnp.inf))
+  cell_out_ref[...] = jnp.full(cell_out_ref.shape, index)
 
 
 def _write_token(pos, layer, cell, ring_slots, head, token_refs, out_refs):
@@ -105,6 +122,7 @@ def _archive_decode_kernel(
   group,
   tiles,
   ranked,
+  rerank,
 ):
   """One (row, query head, part). q_ref / q_rot_ref `[d]`; k_rot_ref, k_ref, v_ref `[d]` the token's key (rotated
   and raw) and value for this head's key/value head, in the archive's dtype; pos_ref, valid_ref, layer_ref `[1]`;
@@ -112,10 +130,15 @@ def _archive_decode_kernel(
   next; the archive refs `[layers, ...]`, read at layer `layer_ref[0]`: ring k/v `[R, d]`, ring pos `[R]`, tokens
   k/v `[N, d]`; tokens pos `[N]`, mean keys `[M, d]` and max norms `[M]` are written only. Writes the part's
   o_ref `[d]` and lse_ref `[1]`; part 0 of a key/value head's first query head writes the token and its cell's
-  summary into the aliased arrays (`out_refs`, in `FIELDS` order)."""
+  summary into the aliased arrays (`out_refs`, in `FIELDS` order). Where `rerank`, cells_ref holds FS-B's
+  candidates `[n']` (part T + i reads candidate i; repeats and -1 allowed), lam_ref and sigma_ref `[layers]` (this
+  head's λ, σ) follow it, and each cell part also writes its Eq. 12 score and cell (`_rerank_score`) after lse_ref."""
   scores_ref, *refs = refs if ranked else (None, *refs)
+  prior_refs, refs = (refs[:2], refs[2:]) if rerank else (None, refs)
   layer_ref, ring_k_ref, ring_v_ref, ring_pos_ref, tokens_k_ref, tokens_v_ref, *refs = refs
-  _, _, _, o_ref, lse_ref, *out_refs = refs  # tokens pos, mean keys, max norms: aliased outputs, only written
+  # tokens pos and mean keys: aliased outputs, only written; max norms: read for the rerank's prior
+  _, _, norm_ref, o_ref, lse_ref, *refs = refs
+  rerank_refs, out_refs = (refs[:2], refs[2:]) if rerank else (None, refs)
   head, part = pl.program_id(1), pl.program_id(2)
   pos, valid, layer = pos_ref[0], valid_ref[0] != 0, layer_ref[0]
   scale = 1.0 / math.sqrt(q_ref.shape[0])
@@ -145,7 +168,11 @@ def _archive_decode_kernel(
   def _():
     q = q_ref[...].astype(jnp.float32)
     tokens = (tokens_k_ref, tokens_v_ref)
-    _cell_part(part - tiles, q, layer, scale, cells_ref, scores_ref, tokens, o_ref, lse_ref, cell=cell)
+    rank = part - tiles
+    index, lse = _cell_part(rank, q, layer, scale, cells_ref, scores_ref, tokens, o_ref, lse_ref, cell=cell)
+    if rerank:
+      priors = (*prior_refs, norm_ref)
+      _rerank_score(rank, index, lse, pos, layer, cells_ref, priors, rerank_refs, cell=cell)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "cell", "eps", "out_dtype", "top_k", "interpret"))
@@ -168,6 +195,7 @@ def archive_decode(
   out_dtype=jnp.float32,
   scores=None,
   top_k=None,
+  rerank_prior=None,
   layer=None,
   interpret=None,
 ):
@@ -182,7 +210,11 @@ def archive_decode(
     cells: `[batch, heads, K]` int32 the cells each query head selected (any order; -1 for none), all in blocks
       before the token's; or, with `scores` `[batch, heads, n]` float32, n candidates of which the kernel reads
       the `top_k` best (by score, the lower position first among equal ones; −inf and -1 for none), as
-      `pallas_kernels.cell_scoring.merge_ranges` ranks them.
+      `pallas_kernels.cell_scoring.merge_ranges` ranks them; or, with `rerank_prior`, FS-B's n candidates (its
+      beams' leaf cells, repeats and -1 allowed), of which the `top_k` best by FS Eq. 12 are read (see Returns).
+    rerank_prior: FS-B's (λ, σ), each `[heads]` (or with `layer` a `[layers, heads]` stack): the kernel reads
+      every candidate cell, scores it by Eq. 12 (the log-sum-exp of its keys' logits plus its max key norm times
+      the Eq. 7 prior, as `fsjax.reference.forest.token_rerank`) and the mix keeps the `top_k` best.
     alpha: `[heads]` the branch mix α (Eq. 2) and gain `[d]` the readout RMSNorm's (Eq. 9), or with `layer` the
       scanned model's parameter stacks `[layers, heads]` and `[layers, d]`, read at `layer` where they lie.
     archive: the layer's `fsjax.cache.archive.Archive` arrays before the token, as a dict: ring_k, ring_v `[batch,
@@ -193,9 +225,10 @@ def archive_decode(
 
   Returns:
     o `[batch, heads, d]` in `out_dtype`: local (Eq. 3-4) + α · RMSNorm(readout of the cells) (Eq. 9, 2),
-    computed in float32; and the `FIELDS` arrays after the token's writes (the token in the tokens and the ring,
-    its cell's summary recomputed), as given (stacks with `layer`). Under
-    `jit` with the archive donated or dead after the call, XLA writes them in place.
+    computed in float32; the `FIELDS` arrays after the token's writes (the token in the tokens and the ring,
+    its cell's summary recomputed), as given (stacks with `layer`); and with `rerank_prior` the cells read
+    `[batch, heads, top_k]` int32 (best first, -1 for none), else None. Under `jit` with the archive donated or
+    dead after the call, XLA writes the arrays in place.
   """
   interpret = default_interpret() if interpret is None else interpret
   batch, heads, dim = q.shape
@@ -205,15 +238,17 @@ def archive_decode(
     stacks[name], layer_index = layer_stack(archive[name], layer, ndim)
   layers, _, ring_slots, kv_heads, _ = stacks["ring_k"].shape
   group = group_size(heads, kv_heads)
-  ranked = scores is not None
-  if ranked and (scores.shape != cells.shape or top_k is None or not 0 < top_k <= cells.shape[-1]):
-    raise ValueError(
-      f"scores must match cells {cells.shape} and top_k lie in 1..{cells.shape[-1]}; got "
-      f"{None if scores is None else scores.shape}, top_k={top_k}"
-    )
-  top_k = top_k if ranked else cells.shape[-1]
+  ranked, rerank = scores is not None, rerank_prior is not None
+  if ranked and rerank:
+    raise ValueError("archive_decode takes scored candidates (scores) or FS-B's candidates (rerank_prior), not both")
+  if ranked and scores.shape != cells.shape:
+    raise ValueError(f"scores must match cells {cells.shape}; got {scores.shape}")
+  if (ranked or rerank) and (top_k is None or not 0 < top_k <= cells.shape[-1]):
+    raise ValueError(f"top_k must lie in 1..{cells.shape[-1]} (the candidates), got {top_k}")
+  top_k = top_k if ranked or rerank else cells.shape[-1]
   width = pl.next_power_of_2(cells.shape[-1])
-  split = StepParts.of(ring_slots=ring_slots, top_k=top_k, layers=layers)
+  # FS-B reads every candidate (a part each) and its mix keeps the best; FS reads its K cells only.
+  split = StepParts.of(ring_slots=ring_slots, top_k=cells.shape[-1] if rerank else top_k, layers=layers)
 
   def spec(name):
     shape = stacks[name].shape
@@ -231,9 +266,14 @@ def archive_decode(
   candidates = [cells]
   if ranked:
     candidates.append(jnp.pad(scores.astype(jnp.float32), padding, constant_values=-jnp.inf))
-  inputs = [*token, *candidates, layer_index, *(stacks[name] for name in FIELDS)]
+  priors = [per_layer(jnp.asarray(x, jnp.float32), layers) for x in rerank_prior] if rerank else []
+  inputs = [*token, *candidates, *priors, layer_index, *(stacks[name] for name in FIELDS)]
   first_field = len(inputs) - len(FIELDS)
   part_specs, part_shapes = split.outputs(batch, heads, dim)
+  if rerank:  # each cell part's score and cell, beside its lse
+    part_specs += [part_specs[1]] * 2
+    part_shapes += [part_shapes[1], jax.ShapeDtypeStruct(part_shapes[1].shape, jnp.int32)]
+  outputs = len(part_specs)
   o, lse, *written = pl.pallas_call(
     functools.partial(
       _archive_decode_kernel,
@@ -243,11 +283,13 @@ def archive_decode(
       group=group,
       tiles=split.tiles,
       ranked=ranked,
+      rerank=rerank,
     ),
     grid=(batch, heads, split.parts),
     in_specs=[
       *token_specs,
       *[pl.BlockSpec((None, None, width), lambda b, h, z: (b, h, 0))] * len(candidates),
+      *[pl.BlockSpec((layers, None), lambda b, h, z: (0, h))] * len(priors),
       pl.BlockSpec((1,), lambda b, h, z: (0,)),
       *(spec(name) for name in FIELDS),
     ],
@@ -256,11 +298,13 @@ def archive_decode(
       *part_shapes,
       *(jax.ShapeDtypeStruct(stacks[name].shape, stacks[name].dtype) for name in FIELDS),
     ],
-    input_output_aliases={first_field + i: 2 + i for i in range(len(FIELDS))},
+    input_output_aliases={first_field + i: outputs + i for i in range(len(FIELDS))},
     compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
     interpret=interpret,
     name="fs_archive_decode",
   )(*inputs)
-  mixed = split.mix(o, lse, alpha, gain, layer_index, eps=eps, out_dtype=out_dtype, interpret=interpret)
+  part_scores, written = written[: outputs - 2], written[outputs - 2 :]
+  mix = functools.partial(split.mix, o, lse, alpha, gain, layer_index, eps=eps, out_dtype=out_dtype)
+  mixed, chosen = mix(interpret=interpret, rerank=(*part_scores, top_k)) if rerank else (mix(interpret=interpret), None)
   unstack = (lambda x: x) if layer is not None else (lambda x: x[0])
-  return mixed, {name: unstack(x) for name, x in zip(FIELDS, written)}
+  return mixed, {name: unstack(x) for name, x in zip(FIELDS, written)}, chosen

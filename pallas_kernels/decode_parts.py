@@ -23,15 +23,15 @@ RING_TILE = 128  # ring slots per local-branch part (one program each)
 
 def softmax_part(logits, seen, values, o_ref, lse_ref):
   """One part of a softmax over keys split across programs: writes the part's normalized output `[d]` and its
-  log-sum-exp (-inf where it saw no key), which `mix_branches` combines exactly."""
+  log-sum-exp (-inf where it saw no key), which `mix_branches` combines exactly, and returns the log-sum-exp."""
   m = jnp.max(jnp.where(seen, logits, -jnp.inf))
   shift = jnp.where(m > -jnp.inf, m, 0.0)
   p = jnp.where(seen, jnp.exp(logits - shift), 0.0)
   total = jnp.sum(p)
   o_ref[...] = jnp.where(total > 0, jnp.sum(p[:, None] * values, axis=0) / jnp.where(total > 0, total, 1.0), 0.0)
-  lse_ref[...] = jnp.full(
-    lse_ref.shape, jnp.where(total > 0, shift + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-  )
+  lse = jnp.where(total > 0, shift + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+  lse_ref[...] = jnp.full(lse_ref.shape, lse)
+  return lse
 
 
 def ring_part(tile, q_rot, token, pos, valid, layer, scale, ring_refs, out_refs, *, window, ring_slots):
@@ -62,16 +62,39 @@ def _merged(o, lse, mask):
   return jnp.sum(weight[:, None] * jnp.where(mask[:, None], o, 0.0), axis=0) / jnp.where(total > 0, total, 1.0)
 
 
-def _mix_kernel(o_ref, lse_ref, alpha_ref, gain_ref, layer_ref, out_ref, *, tiles, parts, eps):
+def _best_parts(score, cell, candidate, top_k):
+  """`[P']` bool: the `top_k` candidate parts (`candidate` `[P']`, distinct cells) of highest `score`, the lower
+  `cell` first among equal scores (FS Eq. 12's rerank order, `fsjax.reference.forest.token_rerank`); and
+  `[P']` int32, each candidate's rank in that order."""
+  s = jnp.where(candidate, score, -jnp.inf)
+  beats = (s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (cell[None, :] < cell[:, None]))
+  rank = jnp.sum((candidate[None, :] & beats).astype(jnp.int32), axis=1)
+  return candidate & (rank < top_k), rank
+
+
+def _mix_kernel(o_ref, lse_ref, alpha_ref, gain_ref, layer_ref, *refs, tiles, parts, eps, top_k):
   """One (row, query head): o_ref `[P', d]` and lse_ref `[P']` a step's parts (P' ≥ T + K a power of two; the rest
   unwritten); alpha_ref `[layers]` (this head's α), gain_ref `[layers, d]`, read at layer
   `layer_ref[0]`. Writes out_ref `[d]`: local + α · RMSNorm(long-range sum) · gain (Eq. 2, 9), in float32 until
-  the final cast, as the reference path computes it."""
+  the final cast, as the reference path computes it. With `top_k` (FS-B's rerank), score_ref and cell_ref `[P']`
+  come first among `refs`, each long-range part's Eq. 12 score and cell (−inf for none or a repeat): only the
+  `top_k` best parts enter the long-range sum, and chosen_ref `[K']` (after out_ref) receives their cells, best
+  first, -1 past the candidates."""
+  score_ref, cell_ref, out_ref, chosen_ref = refs if top_k else (None, None, *refs, None)
   layer = layer_ref[0]
   o, lse = o_ref[...], lse_ref[...]
   part = jax.lax.broadcasted_iota(jnp.int32, lse.shape, 0)
   local = _merged(o, lse, part < tiles)
-  summed = _merged(o, lse, (part >= tiles) & (part < parts))
+  long_range_parts = (part >= tiles) & (part < parts)
+  if top_k:
+    score, cell = score_ref[...], cell_ref[...]
+    long_range_parts, rank = _best_parts(score, cell, long_range_parts & (score > -jnp.inf), top_k)
+    slot = jax.lax.broadcasted_iota(jnp.int32, chosen_ref.shape, 0)
+    chosen = jnp.full(chosen_ref.shape, -1, jnp.int32)
+    for r in range(top_k):
+      chosen = jnp.where(slot == r, jnp.max(jnp.where(long_range_parts & (rank == r), cell, -1)), chosen)
+    chosen_ref[...] = chosen
+  summed = _merged(o, lse, long_range_parts)
   gain = gain_ref[layer, :].astype(jnp.float32)
   long_range = summed * jax.lax.rsqrt(jnp.sum(summed * summed) / summed.shape[0] + eps) * gain
   out_ref[...] = (local + alpha_ref[layer].astype(jnp.float32) * long_range).astype(out_ref.dtype)
@@ -136,16 +159,26 @@ class StepParts:
     ]
     return specs, shapes
 
-  def mix(self, o, lse, alpha, gain, layer_index, *, eps, out_dtype, interpret):
+  def mix(self, o, lse, alpha, gain, layer_index, *, eps, out_dtype, interpret, rerank=None):
     """`mix_branches` of the parts, α `[heads]` and the gain `[d]` broadcast to the layers where not stacks."""
     alpha, gain = (per_layer(x, self.layers) for x in (alpha, gain))
     tiles, parts = self.tiles, self.parts
     return mix_branches(
-      o, lse, alpha, gain, layer_index, tiles=tiles, parts=parts, eps=eps, out_dtype=out_dtype, interpret=interpret
+      o,
+      lse,
+      alpha,
+      gain,
+      layer_index,
+      tiles=tiles,
+      parts=parts,
+      eps=eps,
+      out_dtype=out_dtype,
+      interpret=interpret,
+      rerank=rerank,
     )
 
 
-def mix_branches(o, lse, alpha, gain, layer_index, *, tiles, parts, eps, out_dtype, interpret):
+def mix_branches(o, lse, alpha, gain, layer_index, *, tiles, parts, eps, out_dtype, interpret, rerank=None):
   """The launch that merges a step's parts and mixes the branches: local + α · RMSNorm(long-range sum) · gain.
 
   Args:
@@ -154,28 +187,44 @@ def mix_branches(o, lse, alpha, gain, layer_index, *, tiles, parts, eps, out_dty
       (to P', a power of two) never written.
     alpha `[layers, heads]`, gain `[layers, d]` (one layer as `[1, ...]`), read at `layer_index` `[1]` int32.
     eps: the readout RMSNorm's ε; out_dtype: the output's dtype.
+    rerank: None, or `(score, cell, top_k)`: `[batch, heads, P']` float32 and int32, each long-range part's score
+      and cell (−inf for a part that is no candidate), of which only the `top_k` best parts (the lower cell first
+      among equal scores) enter the long-range sum.
 
   Returns:
-    `[batch, heads, d]` in `out_dtype`.
+    `[batch, heads, d]` in `out_dtype`; with `rerank`, also the chosen cells `[batch, heads, top_k]` int32, best
+    first, -1 where fewer parts were candidates.
   """
   batch, heads, padded_parts, dim = o.shape
   layers = alpha.shape[0]
-  return pl.pallas_call(
-    functools.partial(_mix_kernel, tiles=tiles, parts=parts, eps=eps),
+  per_part = pl.BlockSpec((None, None, padded_parts), lambda b, h: (b, h, 0))
+  score, cell, top_k = rerank or (None, None, None)
+  width = pl.next_power_of_2(top_k) if top_k else 0
+  out_specs = [pl.BlockSpec((None, None, dim), lambda b, h: (b, h, 0))]
+  out_shape = [jax.ShapeDtypeStruct((batch, heads, dim), out_dtype)]
+  if top_k:
+    out_specs.append(pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, width), jnp.int32))
+  mixed = pl.pallas_call(
+    functools.partial(_mix_kernel, tiles=tiles, parts=parts, eps=eps, top_k=top_k),
     grid=(batch, heads),
     in_specs=[
       pl.BlockSpec((None, None, padded_parts, dim), lambda b, h: (b, h, 0, 0)),
-      pl.BlockSpec((None, None, padded_parts), lambda b, h: (b, h, 0)),
+      per_part,
       pl.BlockSpec((layers, None), lambda b, h: (0, h)),
       pl.BlockSpec((layers, dim), lambda b, h: (0, 0)),
       pl.BlockSpec((1,), lambda b, h: (0,)),
+      *([per_part, per_part] if top_k else []),
     ],
-    out_specs=pl.BlockSpec((None, None, dim), lambda b, h: (b, h, 0)),
-    out_shape=jax.ShapeDtypeStruct((batch, heads, dim), out_dtype),
+    out_specs=out_specs,
+    out_shape=out_shape,
     compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
     interpret=interpret,
     name="decode_mix_branches",
-  )(o, lse, alpha, gain, layer_index)
+  )(o, lse, alpha, gain, layer_index, *([score, cell] if top_k else []))
+  if top_k:
+    return mixed[0], mixed[1][..., :top_k]
+  return mixed[0]
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, *, parts):

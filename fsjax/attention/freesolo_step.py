@@ -151,11 +151,13 @@ def forest_search(forests: forest.Forest, q, pos, routing: Routing, *, lam, sigm
   )
 
 
-def forest_select(cache: ForestCache, q, pos, routing: Routing, *, lam, sigma, impl="reference"):
+def forest_select(cache: ForestCache, q, pos, routing: Routing, *, lam, sigma, impl="reference", rerank=True):
   """FS-B's top-K cells (Eq. 11-12) for queries `[batch, C, heads, d]` at `pos`, all in the block the forests
   were advanced to: `[batch, C, heads, top_k]` int32, NO_NODE in unused slots. No gradient. The rerank reads at
-  most 2·beam cells per query and stays in XLA. The forests are per key/value head: the 2·kv_heads entries
-  (forest 0 of each, then forest τ) serve the 2·heads query entries below in order, `group` apiece."""
+  most 2·beam cells per query and stays in XLA; `rerank=False` returns the candidates it would rerank, `[batch,
+  C, heads, 2·beam]` (forest 0's beam, then forest τ's), for a kernel that reranks them as it reads them. The
+  forests are per key/value head: the 2·kv_heads entries (forest 0 of each, then forest τ) serve the 2·heads
+  query entries below in order, `group` apiece."""
   q = jax.lax.stop_gradient(q).astype(cache.forests.nodes["mu"].dtype)
   batch, count, heads, _ = q.shape
   beam = routing.beam
@@ -166,6 +168,8 @@ def forest_select(cache: ForestCache, q, pos, routing: Routing, *, lam, sigma, i
   candidates = jnp.moveaxis(candidates.reshape(batch, count, 2, heads, beam), 2, 3).reshape(
     batch, count, heads, 2 * beam
   )
+  if not rerank:
+    return candidates
   archive = cache.archive
   # The keys stay in the archive's dtype: the rerank converts only the ≤ 2·beam cells it gathers.
   return forest_ref.rerank_candidates(
@@ -181,17 +185,19 @@ def forest_select(cache: ForestCache, q, pos, routing: Routing, *, lam, sigma, i
   )
 
 
-def streaming_select(cache: ForestCache, q, positions, valid, routing: Routing, *, lam, sigma, tau, impl="reference"):
+def streaming_select(
+  cache: ForestCache, q, positions, valid, routing: Routing, *, lam, sigma, tau, impl="reference", rerank=True
+):
   """FS-B through the forest cache: `(cache advanced past the chunk's complete blocks, cells [batch, C, heads,
   K])`. A one-token step advances the forests to its own block (unless the cache says the model did so already,
-  `ForestCache.advanced`) and beam-searches them; a longer chunk (its queries consecutive in each row) goes
-  block by block (`blockwise_select`)."""
+  `ForestCache.advanced`) and beam-searches them (`rerank=False`: the candidates, see `forest_select`); a longer
+  chunk (its queries consecutive in each row) goes block by block (`blockwise_select`)."""
   cell, block = routing.cell, routing.block
   if q.shape[1] > 1:
     return blockwise_select(cache, q, positions, valid, routing, lam=lam, sigma=sigma, tau=tau, impl=impl)
   if not cache.advanced:  # else the model advanced every layer's forests before the layers (`advance_forests`)
     cache = forest.advance_for_token(cache, positions, valid, tau, cell=cell, block=block)
-  return cache, forest_select(cache, q, positions, routing, lam=lam, sigma=sigma, impl=impl)
+  return cache, forest_select(cache, q, positions, routing, lam=lam, sigma=sigma, impl=impl, rerank=rerank)
 
 
 def blockwise_select(cache: ForestCache, q, positions, valid, routing: Routing, *, lam, sigma, tau, impl="reference"):
@@ -303,13 +309,16 @@ def archive_token_kernel(cache, q, q_rot, k, k_rot, v, pos, valid, routing: Rout
   branches, and a second mixes them. `weights`: lam, sigma, tau, alpha, lr_gain as `archive_chunk`
   takes them. The selection never reads the token's cell (Eq. 6: only cells of earlier blocks), so it may run
   before the write. FS's scoring kernel hands the kernel its cell ranges' candidates unmerged (the kernel ranks
-  them); the step's returned cells merge them in XLA, which drops that merge unless the cells are used."""
+  them); the step's returned cells merge them in XLA, which drops that merge unless the cells are used. FS-B's
+  beams hand it their 2·beam leaf cells, which it reads and reranks (Eq. 12) itself."""
   streaming = isinstance(cache, ForestCache)
   archive = cache.archive if streaming else cache
   lam, sigma, tau = weights["lam"], weights["sigma"], weights["tau"]
   scores = None
   if streaming:
-    cache, cells = streaming_select(cache, q, pos, valid, routing, lam=read(lam), sigma=read(sigma), tau=tau, impl=impl)
+    cache, cells = streaming_select(
+      cache, q, pos, valid, routing, lam=read(lam), sigma=read(sigma), tau=tau, impl=impl, rerank=False
+    )
   else:
     cells, scores = archive_select(archive, q, pos, routing, lam=lam, sigma=sigma, tau=tau, impl=impl, ranges=True)
   fields = dict(ring_k=archive.ring.k, ring_v=archive.ring.v, ring_pos=archive.ring.pos)
@@ -317,7 +326,8 @@ def archive_token_kernel(cache, q, q_rot, k, k_rot, v, pos, valid, routing: Rout
   fields.update(mean_keys=archive.mean_keys, max_norms=archive.max_norms)
   fields, layer = kernel_arrays(fields)
   alpha, lr_gain = (_at_layer(weights[name], layer) for name in ("alpha", "lr_gain"))
-  o, written = archive_decode.archive_decode(
+  prior = tuple(_at_layer(weights[name], layer) for name in ("lam", "sigma")) if streaming else None
+  o, written, reranked = archive_decode.archive_decode(
     q[:, 0],
     q_rot[:, 0],
     k_rot[:, 0],
@@ -334,11 +344,14 @@ def archive_token_kernel(cache, q, q_rot, k, k_rot, v, pos, valid, routing: Rout
     eps=READOUT_NORM_EPS,
     out_dtype=jnp.dtype(out_dtype),
     scores=None if scores is None else scores[:, 0],
-    top_k=None if scores is None else routing.top_k,
+    top_k=routing.top_k,
+    rerank_prior=prior,
     layer=layer,
   )
   if scores is not None:
     cells = cell_scoring.merge_ranges(cells, scores, routing.top_k)
+  if streaming:
+    cells = reranked[:, None]
   ring, tokens = archive.ring, archive.tokens
   archive = archive.replace(
     ring=ring.replace(**{f: rewritten(getattr(ring, f), written[f"ring_{f}"]) for f in ("k", "v", "pos")}),
