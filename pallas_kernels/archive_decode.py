@@ -73,7 +73,8 @@ def _rerank_score(rank, index, lse, pos, layer, cells_ref, prior_refs, out_refs,
   lam_ref, sigma_ref, norm_ref = prior_refs
   score_ref, cell_out_ref = out_refs
   chosen = cells_ref[...]
-  repeat = jnp.any((jnp.arange(chosen.shape[0]) < rank) & (chosen == index))
+  earlier = (jnp.arange(chosen.shape[0]) < rank) & (chosen == index)
+  repeat = jnp.sum(earlier.astype(jnp.int32)) > 0  # a sum: Triton lowers no `any` (reduce_or)
   safe = jnp.maximum(index, 0)
   norm = jnp.max(norm_ref[layer, pl.ds(safe, 1)].astype(jnp.float32))
   distance = pos.astype(jnp.float32) - (safe.astype(jnp.float32) + 0.5) * cell

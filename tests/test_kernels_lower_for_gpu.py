@@ -255,11 +255,20 @@ def test_fsl_bounded_decode_lowers(stacked):
   )
 
 
-@pytest.mark.parametrize("stacked", [False, True])
-def test_fs_archive_decode_lowers(stacked):
+@pytest.mark.parametrize(
+  "stacked,candidates", [(False, None), (True, None), (True, "scoring ranges"), (True, "fsb beams")]
+)
+def test_fs_archive_decode_lowers(stacked, candidates):
   """The 341M geometry (ring 513, cell 32, d 64, K 4) over an archive of 1,056 slots, grouped heads, a layer
-  stack or not."""
+  stack or not; given K cells, FS's 16 scoring ranges of 4 candidates with their scores, or FS-B's 2 × 16 beam
+  candidates, which the kernel reranks."""
   lead = (3,) if stacked else ()
+  count = {None: 4, "scoring ranges": 64, "fsb beams": 32}[candidates]
+  extra = {}
+  if candidates == "scoring ranges":
+    extra = dict(scores=jnp.zeros((2, 4, count), f32), top_k=4)
+  elif candidates == "fsb beams":
+    extra = dict(rerank_prior=(jnp.ones((3, 4), f32), jnp.ones((3, 4), f32)), top_k=4)
   archive = dict(
     **_ring(lead),
     tokens_k=shape((*lead, 2, 1056, 2, 64), bf16),
@@ -276,11 +285,12 @@ def test_fs_archive_decode_lowers(stacked):
     out_dtype=bf16,
     layer=layer,
     interpret=False,
+    **extra,
   )
   _lowers_for_cuda(
     run,
     *_decode_token(),
-    shape((2, 4, 4), i32),
+    shape((2, 4, count), i32),
     shape((*lead, 4), bf16),
     shape((*lead, 64), bf16),
     archive,
