@@ -5,6 +5,12 @@ The node table is one `[N]` row per field (μ `[N, d]`, ρ, a_max, p_min, first 
 each beam step gathers the rows of its 2W pool entries, scores them by the bound U_v of Eq. 11 and refills the
 W slots in the reference's order without a sort (see `_beam_kernel`).
 
+The table's layout is the streaming cache's (`fsjax.cache.forest`): level k's tree in heap order at
+`level_offset(k)`, then one join slot per level, the joins chaining the chunks of the admitted count M from the
+smallest up. So a node's children, whether it is a leaf, and the forest's root follow from its id and M
+(`_structure`), and a beam step waits on one gather (the children's summaries) instead of two (their ids, then
+their summaries): the search is a chain of dependent gathers, one per level.
+
 Grouped-query attention: the programs of query head h read the node table of forest entry `h // group` through
 their BlockSpec index maps, with h's own λ_h, σ_h; the table is never copied per query head.
 """
@@ -47,10 +53,54 @@ def _place(node, rank, slot_of, beam):
   return jnp.max(jnp.where(hit, node[:, None, :], NO_NODE), axis=2)
 
 
+def level_offset_static(k):
+  """`fsjax.cache.forest.level_offset` of a Python int."""
+  return 2 ** (k + 1) - 2 - k
+
+
+def _level_offset(k):
+  """`fsjax.cache.forest.level_offset` of int32 levels `k`: the first node id of level k's tree."""
+  return jax.lax.shift_left(jnp.int32(2), k) - 2 - k
+
+
+def _highest_bit(x, levels):
+  """The index of the highest set bit of each `x` < 2^levels, -1 where x = 0 (comparisons: no clz in Triton)."""
+  return sum(((x >> b) > 0).astype(jnp.int32) for b in range(levels)) - 1
+
+
+def _structure(node, count, levels):
+  """(child0, child1, leaf) of node ids `node` in a streaming forest of `count` admitted cells (both `[BQ, W]`
+  int32): level-tree nodes by heap arithmetic, level k's leaves are heap ids from 2^k on; the join of level j
+  (id `level_offset(levels) + j`) joins the level-j chunk's root (child0) with the join, or the lowest chunk's
+  root, of M's next lower set bit (child1), as `fsjax.reference.forest.join_chains` links them. Ids of nodes
+  absent from the forest give anything; the beam never holds them."""
+  first_join = level_offset_static(levels)
+  k = sum((node >= level_offset_static(j)).astype(jnp.int32) for j in range(1, levels))
+  heap = node - _level_offset(k) + 1
+  is_join = node >= first_join
+  join = jnp.maximum(node - first_join, 0)
+  below = count & (jax.lax.shift_left(jnp.int32(1), join) - 1)  # M's chunks smaller than the join's
+  lower = jnp.maximum(_highest_bit(below, levels), 0)
+  lowest = (count & -count) == jax.lax.shift_left(jnp.int32(1), lower)  # that chunk is M's smallest: no join
+  child0 = jnp.where(is_join, _level_offset(join), node + heap)
+  child1 = jnp.where(is_join, jnp.where(lowest, _level_offset(lower), first_join + lower), node + heap + 1)
+  leaf = ~is_join & (heap >= jax.lax.shift_left(jnp.int32(1), k))
+  return child0, child1, leaf
+
+
+def _root(count, levels):
+  """The root of a streaming forest of `count` admitted cells: the join of M's highest set bit, or that chunk's
+  root where M is a power of two, NO_NODE where M = 0 (`fsjax.cache.forest`'s `_rejoin`)."""
+  top = _highest_bit(count, levels)
+  single = (count & (count - 1)) == 0
+  node = jnp.where(single, _level_offset(jnp.maximum(top, 0)), level_offset_static(levels) + top)
+  return jnp.where(count > 0, node, NO_NODE)
+
+
 def _beam_kernel(
   q_ref,
   pos_ref,
-  root_ref,
+  count_ref,
   lam_ref,
   sigma_ref,
   layer_ref,
@@ -60,18 +110,17 @@ def _beam_kernel(
   pmin_ref,
   first_ref,
   leaf_ref,
-  child0_ref,
-  child1_ref,
   out_ref,
   *,
   beam,
   steps,
   bound_c,
   scale,
+  levels,
 ):
-  """FS-B Eq. 11 for a tile of queries over one (batch, head)'s node table. q_ref `[BQ, d]`, pos_ref / root_ref
-  `[BQ]`, lam_ref / sigma_ref / layer_ref `[1]`, node refs `[L, N(, d)]` of which layer `layer_ref[0]` is read →
-  out_ref `[BQ, W]` the final beam's leaf cells.
+  """FS-B Eq. 11 for a tile of queries over one (batch, head)'s node table. q_ref `[BQ, d]`, pos_ref / count_ref
+  `[BQ]` (each query's forest's admitted cells), lam_ref / sigma_ref / layer_ref `[1]`, node refs `[L, N(, d)]` of
+  which layer `layer_ref[0]` is read → out_ref `[BQ, W]` the final beam's leaf cells.
 
   A beam step expands each slot into two pool entries (a kept leaf and nothing, or the two children of an inner
   node), scores them by U (gathered rows of μ, no tensor cores: a query's 2W rows are its own), and refills the
@@ -84,6 +133,7 @@ def _beam_kernel(
   field = lambda ref, node: ref[layer, node]  # one indexer: Triton lowers no chain of `ref.at` views
   slots = jnp.arange(beam)[None, :]
   never = jnp.iinfo(jnp.int32).max
+  count = count_ref[...][:, None]  # [BQ, 1]
 
   def rank(node):  # U of pool entries `[BQ, W]`; −inf where NO_NODE
     safe = jnp.maximum(node, 0)
@@ -93,12 +143,12 @@ def _beam_kernel(
     return jnp.where(node >= 0, content + prior, -jnp.inf)
 
   def step(_, current):
-    safe = jnp.maximum(current, 0)
     valid = current >= 0
-    kept = valid & (field(leaf_ref, safe) >= 0)
+    child0, child1, leaf = _structure(current, count, levels)
+    kept = valid & leaf
     inner = valid & ~kept
-    node_a = jnp.where(kept, current, jnp.where(inner, field(child0_ref, safe), NO_NODE))
-    node_b = jnp.where(inner, field(child1_ref, safe), NO_NODE)
+    node_a = jnp.where(kept, current, jnp.where(inner, child0, NO_NODE))
+    node_b = jnp.where(inner, child1, NO_NODE)
     rank_a = jnp.where(kept, jnp.inf, rank(node_a))  # leaves keep their slots
     rank_b = rank(node_b)
     first_a = jnp.where(node_a >= 0, field(first_ref, jnp.maximum(node_a, 0)), never)
@@ -111,20 +161,24 @@ def _beam_kernel(
     ahead_of_b = _count_ahead(rank_a, first_a, rank_b, first_b) + _count_ahead(rank_b, first_b, rank_b, first_b)
     return jnp.maximum(_place(node_a, rank_a, ahead_of_a, beam), _place(node_b, rank_b, ahead_of_b, beam))
 
-  start = jnp.where(slots == 0, root_ref[...][:, None], NO_NODE)
+  start = jnp.where(slots == 0, _root(count, levels), NO_NODE)
   current = jax.lax.fori_loop(0, steps, step, start)
   out_ref[...] = jnp.where(current >= 0, field(leaf_ref, jnp.maximum(current, 0)), NO_NODE)
 
 
 @functools.partial(jax.jit, static_argnames=("beam", "steps", "bound_c", "block_q", "interpret"))
-def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c, layer=None, block_q=8, interpret=None):
+def beam_search(
+  q, positions, counts, nodes, lam, sigma, *, beam, steps, bound_c, layer=None, block_q=8, interpret=None
+):
   """FS-B beam search (FS Eq. 11) of every query over its (batch, head)'s forest node table.
 
   Args:
-    q: `[batch, T, heads, d]` unrotated queries at `positions` `[batch, T]`; roots: `[batch, T, heads]` int32
-      node id of each query's forest root (NO_NODE for an empty forest).
-    nodes: node table of `[batch, forests, N(, d)]` arrays, as `fsjax.cache.forest.Forest.nodes`: mu, rho, amax,
-      pmin, first, leaf, child0, child1; `forests` divides heads and query head h searches forest
+    q: `[batch, T, heads, d]` unrotated queries at `positions` `[batch, T]`; counts: `[batch, T, heads]` int32
+      cells admitted into each query's forest (`Forest.count`; 0 for an empty forest), which fix its root and
+      its nodes' children (see the module docstring).
+    nodes: node table of `[batch, forests, N(, d)]` arrays, as `fsjax.cache.forest.Forest.nodes` lays them out
+      (N = 2^(levels+1) - 2): mu, rho, amax, pmin, first and leaf are read (the children are not);
+      `forests` divides heads and query head h searches forest
       `h // (heads // forests)` (grouped-query attention; one forest per query head otherwise).
     lam, sigma: `[heads]`; beam: W (a power of two when compiled); steps: beam steps (≥ the forest height).
     layer: None, or an int32 scalar when `nodes` are a scanned model's stacks `[layers, batch, heads, N(, d)]`:
@@ -141,15 +195,21 @@ def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c,
   padded = -(-count // block_q) * block_q
   q = pad_axis(pad_head_dim(q.astype(jnp.float32)), 1, padded)
   positions = pad_axis(positions.astype(jnp.int32), 1, padded)
-  roots = pad_axis(roots.astype(jnp.int32), 1, padded, NO_NODE)
+  counts = pad_axis(counts.astype(jnp.int32), 1, padded)
   mu, layer_index = layer_stack(nodes["mu"], layer, 4)
   nodes = {name: layer_stack(x, layer, 3)[0] for name, x in nodes.items() if name != "mu"}
   layers, num_nodes, width = mu.shape[0], mu.shape[3], q.shape[-1]
+  levels = (num_nodes + 2).bit_length() - 2
+  if num_nodes != level_offset_static(levels) + levels:
+    raise ValueError(f"a streaming forest's node table holds 2^(levels+1) - 2 nodes, got {num_nodes}")
   group = group_size(heads, mu.shape[2])
   table_spec = pl.BlockSpec((layers, None, None, num_nodes), lambda b, h, t: (0, b, h // group, 0))
-  order = ("rho", "amax", "pmin", "first", "leaf", "child0", "child1")
+  order = ("rho", "amax", "pmin", "first", "leaf")
+  kernel = functools.partial(
+    _beam_kernel, beam=beam, steps=steps, bound_c=bound_c, scale=1.0 / math.sqrt(dim), levels=levels
+  )
   out = pl.pallas_call(
-    functools.partial(_beam_kernel, beam=beam, steps=steps, bound_c=bound_c, scale=1.0 / math.sqrt(dim)),
+    kernel,
     grid=(batch, heads, padded // block_q),
     in_specs=[
       pl.BlockSpec((None, block_q, None, width), lambda b, h, t: (b, t, h, 0)),
@@ -169,7 +229,7 @@ def beam_search(q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c,
   )(
     q,
     positions,
-    roots,
+    counts,
     lam.astype(jnp.float32),
     sigma.astype(jnp.float32),
     layer_index,

@@ -50,13 +50,22 @@ def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
   positions = jnp.asarray(target[:, None] * cell + rng.integers(0, block, (batch, queries)), jnp.int32)
   lam, sigma = jnp.asarray(rng.uniform(0.3, 2.0, heads)), jnp.asarray(rng.uniform(1.0, 8.0, heads))
   steps = forest_cache.num_levels_of(cache.forests)
-  roots_of = lambda forest: jnp.broadcast_to(forest.root[:, None, :], (batch, queries, heads))
+  counts_of = lambda forest: jnp.broadcast_to(forest.count[:, None, :], (batch, queries, heads))
   search = lambda forest: _reference_search(forest, q, positions, lam=lam, sigma=sigma, beam=beam, steps=steps)
   for which in (0, 1):
     forest = cache.forest(which)
     expected = search(forest)
     actual = forest_search.beam_search(
-      q, positions, roots_of(forest), forest.nodes, lam, sigma, beam=beam, steps=steps, bound_c=8.0, interpret=interpret
+      q,
+      positions,
+      counts_of(forest),
+      forest.nodes,
+      lam,
+      sigma,
+      beam=beam,
+      steps=steps,
+      bound_c=8.0,
+      interpret=interpret,
     )
     np.testing.assert_array_equal(actual, expected)  # slot order too: (U desc, first cell asc), leaves first
     assert np.any(np.asarray(expected) >= 0)
@@ -68,7 +77,7 @@ def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
     forest_search.beam_search(
       q,
       positions,
-      roots_of(cache.forest(0)),
+      counts_of(cache.forest(0)),
       stacked,
       lam,
       sigma,

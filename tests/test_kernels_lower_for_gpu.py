@@ -125,15 +125,15 @@ def test_zha_leaf_attention_lowers(stacked):
 
 
 def test_fsb_beam_search_lowers():
-  batch, heads, nodes, dim = 1, 2, 31, 64
+  batch, heads, nodes, dim = 1, 2, 62, 64  # a streaming forest's table of 5 levels
   table = {
     "mu": shape((batch, heads, nodes, dim), f32),
     **{name: shape((batch, heads, nodes), f32) for name in ("rho", "amax", "pmin")},
     **{name: shape((batch, heads, nodes), i32) for name in ("first", "leaf", "child0", "child1")},
   }
   _lowers_for_cuda(
-    lambda q, pos, roots, nodes, lam, sigma: forest_search.beam_search(
-      q, pos, roots, nodes, lam, sigma, beam=4, steps=5, bound_c=8.0, interpret=False
+    lambda q, pos, counts, nodes, lam, sigma: forest_search.beam_search(
+      q, pos, counts, nodes, lam, sigma, beam=4, steps=5, bound_c=8.0, interpret=False
     ),
     shape((batch, 8, heads, dim), f32),
     shape((batch, 8), i32),

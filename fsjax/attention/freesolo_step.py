@@ -130,7 +130,7 @@ def forest_search(forests: forest.Forest, q, pos, routing: Routing, *, lam, sigm
   """Beam search (Eq. 11) of queries `[batch, C, heads, d]` at `pos` `[batch, C]`, all in the block the forests
   were advanced to: `[batch, C, heads, beam]` cells (NO_NODE pad). Query head h searches forest `h // group`
   (`forests` holds heads / group of them)."""
-  root = per_query_head(read(forests.root), q.shape[2], axis=1)
+  per_query = lambda x: jnp.broadcast_to(per_query_head(read(x), q.shape[2], axis=1)[:, None, :], q.shape[:3])
   if isinstance(forests.root, LayerSlice):  # the kernel reads the stack in place; `read` would copy the layer
     nodes, layer = {name: x.stack for name, x in forests.nodes.items()}, forests.root.layer
   else:
@@ -138,10 +138,11 @@ def forest_search(forests: forest.Forest, q, pos, routing: Routing, *, lam, sigm
   return ops.forest_beam_search(
     q,
     pos,
-    jnp.broadcast_to(root[:, None, :], q.shape[:3]),
+    per_query(forests.root),
     nodes,
     lam,
     sigma,
+    counts=per_query(forests.count),
     beam=routing.beam,
     steps=forest.num_levels_of(forests),
     bound_c=routing.bound_c,

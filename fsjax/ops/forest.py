@@ -11,13 +11,15 @@ from pallas_kernels import forest_search
 
 
 def forest_beam_search(
-  q, positions, roots, nodes, lam, sigma, *, beam, steps, bound_c, cell, layer=None, impl="reference"
+  q, positions, roots, nodes, lam, sigma, *, counts, beam, steps, bound_c, cell, layer=None, impl="reference"
 ):
   """Beam search of every query over its (batch, head)'s forest node table.
 
   Args:
     q: `[batch, T, heads, d]` unrotated queries at `positions` `[batch, T]`; roots: `[batch, T, heads]` int32 node
-      id of each query's forest root (-1 for an empty forest).
+      id of each query's forest root (-1 for an empty forest); counts: `[batch, T, heads]` int32 cells admitted
+      into that forest (`Forest.count`), from which the kernel derives the root and the children of a streaming
+      forest's nodes (the reference reads them from the table).
     nodes: node table of `[batch, forests, N(, d)]` arrays (`fsjax.cache.forest.Forest.nodes`), or a scanned
       model's stacks `[layers, batch, forests, N(, d)]` with `layer` (int32 scalar): the kernel reads that layer
       where it lies. `forests` divides heads: query head h searches forest `h // (heads // forests)` (a
@@ -31,7 +33,7 @@ def forest_beam_search(
   facts = dict(cell=cell, head_dim=q.shape[-1], beam=beam)
   if dispatch.resolve("forest_search", impl, **facts) == "pallas":
     return forest_search.beam_search(
-      q, positions, roots, nodes, lam, sigma, beam=beam, steps=steps, bound_c=bound_c, layer=layer
+      q, positions, counts, nodes, lam, sigma, beam=beam, steps=steps, bound_c=bound_c, layer=layer
     )
   if layer is not None:
     nodes = {name: x[layer] for name, x in nodes.items()}
