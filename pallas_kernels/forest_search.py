@@ -53,7 +53,7 @@ def _place(node, rank, slot_of, beam):
   return jnp.max(jnp.where(hit, node[:, None, :], NO_NODE), axis=2)
 
 
-def level_offset_static(k):
+def _static_level_offset(k):
   """`fsjax.cache.forest.level_offset` of a Python int."""
   return 2 ** (k + 1) - 2 - k
 
@@ -69,13 +69,13 @@ def _highest_bit(x, levels):
 
 
 def _structure(node, count, levels):
-  """(child0, child1, leaf) of node ids `node` in a streaming forest of `count` admitted cells (both `[BQ, W]`
-  int32): level-tree nodes by heap arithmetic, level k's leaves are heap ids from 2^k on; the join of level j
+  """(child0, child1, leaf) of node ids `node` `[BQ, W]` in streaming forests of `count` `[BQ, 1]` admitted cells
+  (int32): level-tree nodes by heap arithmetic, level k's leaves are heap ids from 2^k on; the join of level j
   (id `level_offset(levels) + j`) joins the level-j chunk's root (child0) with the join, or the lowest chunk's
   root, of M's next lower set bit (child1), as `fsjax.reference.forest.join_chains` links them. Ids of nodes
   absent from the forest give anything; the beam never holds them."""
-  first_join = level_offset_static(levels)
-  k = sum((node >= level_offset_static(j)).astype(jnp.int32) for j in range(1, levels))
+  first_join = _static_level_offset(levels)
+  k = sum((node >= _static_level_offset(j)).astype(jnp.int32) for j in range(1, levels))
   heap = node - _level_offset(k) + 1
   is_join = node >= first_join
   join = jnp.maximum(node - first_join, 0)
@@ -93,7 +93,7 @@ def _root(count, levels):
   root where M is a power of two, NO_NODE where M = 0 (`fsjax.cache.forest`'s `_rejoin`)."""
   top = _highest_bit(count, levels)
   single = (count & (count - 1)) == 0
-  node = jnp.where(single, _level_offset(jnp.maximum(top, 0)), level_offset_static(levels) + top)
+  node = jnp.where(single, _level_offset(jnp.maximum(top, 0)), _static_level_offset(levels) + top)
   return jnp.where(count > 0, node, NO_NODE)
 
 
@@ -200,7 +200,7 @@ def beam_search(
   nodes = {name: layer_stack(x, layer, 3)[0] for name, x in nodes.items() if name != "mu"}
   layers, num_nodes, width = mu.shape[0], mu.shape[3], q.shape[-1]
   levels = (num_nodes + 2).bit_length() - 2
-  if num_nodes != level_offset_static(levels) + levels:
+  if num_nodes != _static_level_offset(levels) + levels:
     raise ValueError(f"a streaming forest's node table holds 2^(levels+1) - 2 nodes, got {num_nodes}")
   group = group_size(heads, mu.shape[2])
   table_spec = pl.BlockSpec((layers, None, None, num_nodes), lambda b, h, t: (0, b, h // group, 0))

@@ -89,3 +89,22 @@ def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
     ),
     search(cache.forest(0)),
   )
+
+
+def test_a_table_of_another_layout_is_refused():
+  """The kernel derives children and roots from the streaming cache's layout (N = 2^(levels+1) - 2 nodes)."""
+  table = {name: jnp.zeros((1, 1, 31, 16) if name == "mu" else (1, 1, 31), jnp.float32) for name in ("mu", "rho")}
+  table.update({name: jnp.zeros((1, 1, 31), jnp.float32) for name in ("amax", "pmin", "first", "leaf")})
+  with pytest.raises(ValueError, match="2\\^\\(levels\\+1\\) - 2 nodes, got 31"):
+    forest_search.beam_search(
+      jnp.zeros((1, 1, 1, 16)),
+      jnp.zeros((1, 1), jnp.int32),
+      jnp.ones((1, 1, 1), jnp.int32),
+      table,
+      jnp.ones(1),
+      jnp.ones(1),
+      beam=2,
+      steps=4,
+      bound_c=8.0,
+      interpret=True,
+    )
