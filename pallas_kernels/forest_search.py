@@ -118,9 +118,9 @@ def _beam_kernel(
   scale,
   levels,
 ):
-  """FS-B Eq. 11 for a tile of queries over one (batch, head)'s node table. q_ref `[BQ, d]`, pos_ref / count_ref
-  `[BQ]` (each query's forest's admitted cells), lam_ref / sigma_ref / layer_ref `[1]`, node refs `[L, N(, d)]` of
-  which layer `layer_ref[0]` is read → out_ref `[BQ, W]` the final beam's leaf cells.
+  """FS-B Eq. 11 for a tile of queries over one (batch, head)'s node table. q_ref `[BQ, d]`, pos_ref `[BQ]`,
+  count_ref `[L]` (the forest's admitted cells per layer), lam_ref / sigma_ref / layer_ref `[1]`, node refs `[L,
+  N(, d)]`, all read at layer `layer_ref[0]` → out_ref `[BQ, W]` the final beam's leaf cells.
 
   A beam step expands each slot into two pool entries (a kept leaf and nothing, or the two children of an inner
   node), scores them by U (gathered rows of μ, no tensor cores: a query's 2W rows are its own), and refills the
@@ -133,7 +133,7 @@ def _beam_kernel(
   field = lambda ref, node: ref[layer, node]  # one indexer: Triton lowers no chain of `ref.at` views
   slots = jnp.arange(beam)[None, :]
   never = jnp.iinfo(jnp.int32).max
-  count = count_ref[...][:, None]  # [BQ, 1]
+  count = jnp.full((q.shape[0], 1), count_ref[layer], jnp.int32)  # every query of the tile searches one forest
 
   def rank(node):  # U of pool entries `[BQ, W]`; −inf where NO_NODE
     safe = jnp.maximum(node, 0)
@@ -166,27 +166,42 @@ def _beam_kernel(
   out_ref[...] = jnp.where(current >= 0, field(leaf_ref, jnp.maximum(current, 0)), NO_NODE)
 
 
-@functools.partial(jax.jit, static_argnames=("beam", "steps", "bound_c", "block_q", "interpret"))
+@functools.partial(jax.jit, static_argnames=("beam", "steps", "bound_c", "forest_sets", "block_q", "interpret"))
 def beam_search(
-  q, positions, counts, nodes, lam, sigma, *, beam, steps, bound_c, layer=None, block_q=8, interpret=None
+  q,
+  positions,
+  counts,
+  nodes,
+  lam,
+  sigma,
+  *,
+  beam,
+  steps,
+  bound_c,
+  forest_sets=1,
+  layer=None,
+  block_q=8,
+  interpret=None,
 ):
-  """FS-B beam search (FS Eq. 11) of every query over its (batch, head)'s forest node table.
+  """FS-B beam search (FS Eq. 11) of every query over its (batch, head)'s forest node tables.
 
   Args:
-    q: `[batch, T, heads, d]` unrotated queries at `positions` `[batch, T]`; counts: `[batch, T, heads]` int32
-      cells admitted into each query's forest (`Forest.count`; 0 for an empty forest), which fix its root and
-      its nodes' children (see the module docstring).
+    q: `[batch, T, heads, d]` unrotated queries at `positions` `[batch, T]`.
+    counts: `[batch, forests]` int32 cells admitted into each forest (`Forest.count`; 0 for an empty forest),
+      which fix its root and its nodes' children (see the module docstring); with `layer`, a scanned model's
+      stack `[layers, batch, forests]`.
     nodes: node table of `[batch, forests, N(, d)]` arrays, as `fsjax.cache.forest.Forest.nodes` lays them out
-      (N = 2^(levels+1) - 2): mu, rho, amax, pmin, first and leaf are read (the children are not);
-      `forests` divides heads and query head h searches forest
-      `h // (heads // forests)` (grouped-query attention; one forest per query head otherwise).
+      (N = 2^(levels+1) - 2): mu, rho, amax, pmin, first and leaf are read (the children are not).
+    forest_sets: the forests form this many sets of `forests / forest_sets` (FS-B's forest 0 of every key/value
+      head, then its forest τ: 2), and every query head searches one forest of each set: query head h that of
+      key/value head `h // group`, group = heads / (forests / forest_sets) (grouped-query attention).
     lam, sigma: `[heads]`; beam: W (a power of two when compiled); steps: beam steps (≥ the forest height).
-    layer: None, or an int32 scalar when `nodes` are a scanned model's stacks `[layers, batch, heads, N(, d)]`:
+    layer: None, or an int32 scalar when `nodes` are a scanned model's stacks `[layers, batch, forests, N(, d)]`:
       the kernel reads that layer's rows where they lie, where slicing the layer out would copy the whole table.
 
   Returns:
-    `[batch, T, heads, beam]` int32 cells of the final beam's leaves, NO_NODE in unused slots; the same as
-    `fsjax.reference.forest.beam_search` for each (batch, head).
+    `[batch, T, heads, forest_sets · beam]` int32 cells of the final beams' leaves, set by set, NO_NODE in
+    unused slots; each set's the same as `fsjax.reference.forest.beam_search` for each (batch, head).
   """
   interpret = default_interpret() if interpret is None else interpret
   check_power_of_two("beam", beam, interpret)
@@ -195,34 +210,44 @@ def beam_search(
   padded = -(-count // block_q) * block_q
   q = pad_axis(pad_head_dim(q.astype(jnp.float32)), 1, padded)
   positions = pad_axis(positions.astype(jnp.int32), 1, padded)
-  counts = pad_axis(counts.astype(jnp.int32), 1, padded)
+  counts, _ = layer_stack(counts.astype(jnp.int32), layer, 2)
   mu, layer_index = layer_stack(nodes["mu"], layer, 4)
   nodes = {name: layer_stack(x, layer, 3)[0] for name, x in nodes.items() if name != "mu"}
-  layers, num_nodes, width = mu.shape[0], mu.shape[3], q.shape[-1]
+  layers, forests, num_nodes, width = mu.shape[0], mu.shape[2], mu.shape[3], q.shape[-1]
   levels = (num_nodes + 2).bit_length() - 2
   if num_nodes != _static_level_offset(levels) + levels:
     raise ValueError(f"a streaming forest's node table holds 2^(levels+1) - 2 nodes, got {num_nodes}")
-  group = group_size(heads, mu.shape[2])
-  table_spec = pl.BlockSpec((layers, None, None, num_nodes), lambda b, h, t: (0, b, h // group, 0))
+  if forests % forest_sets or counts.shape[1:] != (batch, forests):
+    raise ValueError(
+      f"{forests} forests in {forest_sets} sets, with counts [batch, forests] = {(batch, forests)}; got counts "
+      f"{counts.shape[1:]}"
+    )
+  per_set = forests // forest_sets
+  group = group_size(heads, per_set)
+  # Grid axis 1 runs over (set, query head) pairs e: query head e mod heads, forest (e // heads, its kv head).
+  head = lambda e: e % heads
+  forest = lambda e: (e // heads) * per_set + (e % heads) // group
+  table_spec = pl.BlockSpec((layers, None, None, num_nodes), lambda b, e, t: (0, b, forest(e), 0))
   order = ("rho", "amax", "pmin", "first", "leaf")
   kernel = functools.partial(
     _beam_kernel, beam=beam, steps=steps, bound_c=bound_c, scale=1.0 / math.sqrt(dim), levels=levels
   )
   out = pl.pallas_call(
     kernel,
-    grid=(batch, heads, padded // block_q),
+    grid=(batch, forest_sets * heads, padded // block_q),
     in_specs=[
-      pl.BlockSpec((None, block_q, None, width), lambda b, h, t: (b, t, h, 0)),
-      pl.BlockSpec((None, block_q), lambda b, h, t: (b, t)),
-      pl.BlockSpec((None, block_q, None), lambda b, h, t: (b, t, h)),
-      pl.BlockSpec((1,), lambda b, h, t: (h,)),
-      pl.BlockSpec((1,), lambda b, h, t: (h,)),
-      pl.BlockSpec((1,), lambda b, h, t: (0,)),
-      pl.BlockSpec((layers, None, None, num_nodes, width), lambda b, h, t: (0, b, h // group, 0, 0)),
+      pl.BlockSpec((None, block_q, None, width), lambda b, e, t: (b, t, head(e), 0)),
+      pl.BlockSpec((None, block_q), lambda b, e, t: (b, t)),
+      pl.BlockSpec((layers, None, None), lambda b, e, t: (0, b, forest(e))),
+      pl.BlockSpec((1,), lambda b, e, t: (head(e),)),
+      pl.BlockSpec((1,), lambda b, e, t: (head(e),)),
+      pl.BlockSpec((1,), lambda b, e, t: (0,)),
+      pl.BlockSpec((layers, None, None, num_nodes, width), lambda b, e, t: (0, b, forest(e), 0, 0)),
       *([table_spec] * len(order)),
     ],
-    out_specs=pl.BlockSpec((None, block_q, None, beam), lambda b, h, t: (b, t, h, 0)),
-    out_shape=jax.ShapeDtypeStruct((batch, padded, heads, beam), jnp.int32),
+    # Set s's beams fill columns s·W .. (s+1)·W - 1 of the query head's row: the layout the rerank reads.
+    out_specs=pl.BlockSpec((None, block_q, None, beam), lambda b, e, t: (b, t, head(e), e // heads)),
+    out_shape=jax.ShapeDtypeStruct((batch, padded, heads, forest_sets * beam), jnp.int32),
     compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
     interpret=interpret,
     name="fsb_beam_search",

@@ -232,16 +232,18 @@ def test_forest_search_kernel_searches_each_query_heads_kv_head_forests(rng, int
   steps = forest_cache.num_levels_of(cache.forests)
   for which in (0, 1):
     forest = cache.forest(which)
-    per_query = lambda x: jnp.broadcast_to(_repeated(x, 1)[:, None], (batch, queries, HEADS))
-    roots, counts = per_query(forest.root), per_query(forest.count)
     search = dict(beam=beam, steps=steps, bound_c=8.0)
-    expected = ops.forest_beam_search(q, positions, roots, forest.nodes, lam, sigma, counts=counts, cell=cell, **search)
-    actual = forest_search.beam_search(q, positions, counts, forest.nodes, lam, sigma, interpret=interpret, **search)
+    expected = ops.forest_beam_search(
+      q, positions, forest.root, forest.count, forest.nodes, lam, sigma, cell=cell, **search
+    )
+    actual = forest_search.beam_search(
+      q, positions, forest.count, forest.nodes, lam, sigma, interpret=interpret, **search
+    )
     np.testing.assert_array_equal(actual, expected)
-    repeated_nodes = {name: _repeated(x, 1) for name, x in forest.nodes.items()}
+    repeated = {name: _repeated(x, 1) for name, x in forest.nodes.items()}
+    roots, counts = _repeated(forest.root, 1), _repeated(forest.count, 1)
     np.testing.assert_array_equal(
-      ops.forest_beam_search(q, positions, roots, repeated_nodes, lam, sigma, counts=counts, cell=cell, **search),
-      expected,
+      ops.forest_beam_search(q, positions, roots, counts, repeated, lam, sigma, cell=cell, **search), expected
     )
 
 

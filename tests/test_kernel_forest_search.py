@@ -31,8 +31,8 @@ def _reference_search(forest, q, positions, *, lam, sigma, beam, steps):
 def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
   """Both forests of a streaming cache (row 1 one block behind row 0; row 1's forest τ may be empty), queries of
   the current block with keys of many scales so U spreads: the kernel's final beams equal the reference's, slot
-  for slot (leaves reached early keep rank +inf, so their order is the first-cell tie rule's), also when it
-  reads one layer of stacked tables."""
+  for slot (leaves reached early keep rank +inf, so their order is the first-cell tie rule's), for each forest
+  alone, for both as two sets in one launch (FS-B's step), and when it reads one layer of stacked tables."""
   batch, heads, cell, block = 2, 3, 16, 64
   cache = forest_cache.empty_forest_cache(batch, seq, heads, dim, cell, window=16)
   k = jnp.asarray(
@@ -50,45 +50,21 @@ def test_fsb_beam_search(rng, interpret, beam, dim, seq, queries):
   positions = jnp.asarray(target[:, None] * cell + rng.integers(0, block, (batch, queries)), jnp.int32)
   lam, sigma = jnp.asarray(rng.uniform(0.3, 2.0, heads)), jnp.asarray(rng.uniform(1.0, 8.0, heads))
   steps = forest_cache.num_levels_of(cache.forests)
-  counts_of = lambda forest: jnp.broadcast_to(forest.count[:, None, :], (batch, queries, heads))
   search = lambda forest: _reference_search(forest, q, positions, lam=lam, sigma=sigma, beam=beam, steps=steps)
+  kernel = lambda counts, nodes, **kw: forest_search.beam_search(
+    q, positions, counts, nodes, lam, sigma, beam=beam, steps=steps, bound_c=8.0, interpret=interpret, **kw
+  )
+  expected = [search(cache.forest(which)) for which in (0, 1)]
   for which in (0, 1):
     forest = cache.forest(which)
-    expected = search(forest)
-    actual = forest_search.beam_search(
-      q,
-      positions,
-      counts_of(forest),
-      forest.nodes,
-      lam,
-      sigma,
-      beam=beam,
-      steps=steps,
-      bound_c=8.0,
-      interpret=interpret,
-    )
-    np.testing.assert_array_equal(actual, expected)  # slot order too: (U desc, first cell asc), leaves first
-    assert np.any(np.asarray(expected) >= 0)
+    np.testing.assert_array_equal(kernel(forest.count, forest.nodes), expected[which])  # slot order too
+    assert np.any(np.asarray(expected[which]) >= 0)
+  both = kernel(cache.forests.count, cache.forests.nodes, forest_sets=2)
+  np.testing.assert_array_equal(both, jnp.concatenate(expected, axis=-1))
   # A scanned model's stacked tables: layer 1 holds forest 0, layer 0 the other forest, which beams differently.
-  stacked = {
-    name: jnp.stack([cache.forest(1).nodes[name], cache.forest(0).nodes[name]]) for name in cache.forests.nodes
-  }
-  np.testing.assert_array_equal(
-    forest_search.beam_search(
-      q,
-      positions,
-      counts_of(cache.forest(0)),
-      stacked,
-      lam,
-      sigma,
-      beam=beam,
-      steps=steps,
-      bound_c=8.0,
-      layer=jnp.int32(1),
-      interpret=interpret,
-    ),
-    search(cache.forest(0)),
-  )
+  stack = lambda x, y: jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), x, y)
+  stacked = stack(cache.forest(1), cache.forest(0))
+  np.testing.assert_array_equal(kernel(stacked.count, stacked.nodes, layer=jnp.int32(1)), expected[0])
 
 
 def test_a_table_of_another_layout_is_refused():
@@ -99,7 +75,7 @@ def test_a_table_of_another_layout_is_refused():
     forest_search.beam_search(
       jnp.zeros((1, 1, 1, 16)),
       jnp.zeros((1, 1), jnp.int32),
-      jnp.ones((1, 1, 1), jnp.int32),
+      jnp.ones((1, 1), jnp.int32),
       table,
       jnp.ones(1),
       jnp.ones(1),

@@ -137,7 +137,7 @@ def test_fsb_beam_search_lowers():
     ),
     shape((batch, 8, heads, dim), f32),
     shape((batch, 8), i32),
-    shape((batch, 8, heads), i32),
+    shape((batch, heads), i32),
     table,
     shape((heads,), f32),
     shape((heads,), f32),

@@ -126,27 +126,28 @@ def archive_long_range(
   return rms_norm(u.astype(q.dtype), lr_gain), cell_idx
 
 
-def forest_search(forests: forest.Forest, q, pos, routing: Routing, *, lam, sigma, impl="reference"):
+def forest_search(forests: forest.Forest, q, pos, routing: Routing, *, lam, sigma, forest_sets=1, impl="reference"):
   """Beam search (Eq. 11) of queries `[batch, C, heads, d]` at `pos` `[batch, C]`, all in the block the forests
-  were advanced to: `[batch, C, heads, beam]` cells (NO_NODE pad). Query head h searches forest `h // group`
-  (`forests` holds heads / group of them)."""
-  per_query = lambda x: jnp.broadcast_to(per_query_head(read(x), q.shape[2], axis=1)[:, None, :], q.shape[:3])
-  if isinstance(forests.root, LayerSlice):  # the kernel reads the stack in place; `read` would copy the layer
+  were advanced to: `[batch, C, heads, forest_sets · beam]` cells (NO_NODE pad), set by set. The forests form
+  `forest_sets` sets, and query head h searches forest `h // group` of each (see `ops.forest_beam_search`)."""
+  if isinstance(forests.root, LayerSlice):  # the kernel reads the stacks in place; `read` would copy the layer
     nodes, layer = {name: x.stack for name, x in forests.nodes.items()}, forests.root.layer
+    roots, counts = forests.root.stack, forests.count.stack
   else:
-    nodes, layer = forests.nodes, None
+    nodes, layer, roots, counts = forests.nodes, None, forests.root, forests.count
   return ops.forest_beam_search(
     q,
     pos,
-    per_query(forests.root),
+    roots,
+    counts,
     nodes,
     lam,
     sigma,
-    counts=per_query(forests.count),
     beam=routing.beam,
     steps=forest.num_levels_of(forests),
     bound_c=routing.bound_c,
     cell=routing.cell,
+    forest_sets=forest_sets,
     layer=layer,
     impl=impl,
   )
@@ -157,18 +158,9 @@ def forest_select(cache: ForestCache, q, pos, routing: Routing, *, lam, sigma, i
   were advanced to: `[batch, C, heads, top_k]` int32, NO_NODE in unused slots. No gradient. The rerank reads at
   most 2·beam cells per query and stays in XLA; `rerank=False` returns the candidates it would rerank, `[batch,
   C, heads, 2·beam]` (forest 0's beam, then forest τ's), for a kernel that reranks them as it reads them. The
-  forests are per key/value head: the 2·kv_heads entries (forest 0 of each, then forest τ) serve the 2·heads
-  query entries below in order, `group` apiece."""
+  forests are per key/value head: forest 0 of each, then its forest τ (two sets), `group` query heads apiece."""
   q = jax.lax.stop_gradient(q).astype(cache.forests.nodes["mu"].dtype)
-  batch, count, heads, _ = q.shape
-  beam = routing.beam
-  both = lambda x: jnp.concatenate([x, x], axis=-1)
-  candidates = forest_search(
-    cache.forests, jnp.concatenate([q, q], axis=2), pos, routing, lam=both(lam), sigma=both(sigma), impl=impl
-  )  # [batch, C, 2·heads, beam]
-  candidates = jnp.moveaxis(candidates.reshape(batch, count, 2, heads, beam), 2, 3).reshape(
-    batch, count, heads, 2 * beam
-  )
+  candidates = forest_search(cache.forests, q, pos, routing, lam=lam, sigma=sigma, forest_sets=2, impl=impl)
   if not rerank:
     return candidates
   archive = cache.archive

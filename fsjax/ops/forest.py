@@ -3,41 +3,73 @@
 (`pallas_kernels.forest_search`)."""
 
 import jax
+import jax.numpy as jnp
 
 from fsjax.ops import dispatch
 from fsjax.reference import forest as reference
-from fsjax.reference.grouped import fold_group, unfold_group
+from fsjax.reference.grouped import fold_group, per_query_head, unfold_group
 from pallas_kernels import forest_search
 
 
 def forest_beam_search(
-  q, positions, roots, nodes, lam, sigma, *, counts, beam, steps, bound_c, cell, layer=None, impl="reference"
+  q,
+  positions,
+  roots,
+  counts,
+  nodes,
+  lam,
+  sigma,
+  *,
+  beam,
+  steps,
+  bound_c,
+  cell,
+  forest_sets=1,
+  layer=None,
+  impl="reference",
 ):
-  """Beam search of every query over its (batch, head)'s forest node table.
+  """Beam search of every query over its (batch, head)'s forest node tables.
 
   Args:
-    q: `[batch, T, heads, d]` unrotated queries at `positions` `[batch, T]`; roots: `[batch, T, heads]` int32 node
-      id of each query's forest root (-1 for an empty forest); counts: `[batch, T, heads]` int32 cells admitted
-      into that forest (`Forest.count`), from which the kernel derives the root and the children of a streaming
-      forest's nodes (the reference reads them from the table).
-    nodes: node table of `[batch, forests, N(, d)]` arrays (`fsjax.cache.forest.Forest.nodes`), or a scanned
-      model's stacks `[layers, batch, forests, N(, d)]` with `layer` (int32 scalar): the kernel reads that layer
-      where it lies. `forests` divides heads: query head h searches forest `h // (heads // forests)` (a
-      key/value head's, with grouped-query attention), never a copy of it.
+    q: `[batch, T, heads, d]` unrotated queries at `positions` `[batch, T]`.
+    roots, counts: `[batch, forests]` int32, each forest's root node id (-1 for an empty forest) and admitted
+      cells (`Forest.root`, `Forest.count`); the reference starts from the roots, the kernel derives roots and
+      children from the counts.
+    nodes: node table of `[batch, forests, N(, d)]` arrays (`fsjax.cache.forest.Forest.nodes`), or with `layer`
+      (int32 scalar) a scanned model's stacks `[layers, batch, forests, N(, d)]`, and so roots and counts `[layers,
+      batch, forests]`: the kernel reads that layer where it lies.
+    forest_sets: the forests form this many sets (FS-B: forest 0 of every key/value head, then forest τ), and
+      query head h searches, in each set, the forest of key/value head `h // group` (group = heads / forests per
+      set), never a copy of it.
     lam, sigma: `[heads]`; beam: W; steps: beam steps (>= the forest height); bound_c: c of Eq. 11; cell: the
       cell size (for the dispatch).
 
   Returns:
-    `[batch, T, heads, beam]` int32 cells of the final beam's leaves, -1 in unused slots.
+    `[batch, T, heads, forest_sets · beam]` int32 cells of the final beams' leaves, set by set, -1 in unused
+    slots.
   """
   facts = dict(cell=cell, head_dim=q.shape[-1], beam=beam)
   if dispatch.resolve("forest_search", impl, **facts) == "pallas":
     return forest_search.beam_search(
-      q, positions, counts, nodes, lam, sigma, beam=beam, steps=steps, bound_c=bound_c, layer=layer
+      q,
+      positions,
+      counts,
+      nodes,
+      lam,
+      sigma,
+      beam=beam,
+      steps=steps,
+      bound_c=bound_c,
+      forest_sets=forest_sets,
+      layer=layer,
     )
   if layer is not None:
     nodes = {name: x[layer] for name, x in nodes.items()}
+    roots = roots[layer]
   heads, forests = q.shape[2], nodes["mu"].shape[1]
+  # Each set's forests serve the query heads in turn: the queries, λ and σ repeated once per set.
+  q, lam, sigma = jnp.concatenate([q] * forest_sets, axis=2), jnp.tile(lam, forest_sets), jnp.tile(sigma, forest_sets)
+  roots = jnp.broadcast_to(per_query_head(roots, q.shape[2], axis=1)[:, None], q.shape[:3])
   # A forest's query heads are folded into its query axis: one search per forest reads its table once.
   q, positions, lam, sigma = reference.folded_queries(q, positions, lam, sigma, forests)
 
@@ -48,4 +80,8 @@ def forest_beam_search(
   found = jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None))(
     q, positions, nodes, fold_group(roots, forests), lam, sigma
   )
-  return unfold_group(found, heads)
+  found = unfold_group(found, forest_sets * heads)  # [batch, T, sets · heads, W]
+  batch, count = found.shape[:2]
+  return jnp.moveaxis(found.reshape(batch, count, forest_sets, heads, beam), 2, 3).reshape(
+    batch, count, heads, forest_sets * beam
+  )
