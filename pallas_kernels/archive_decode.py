@@ -129,7 +129,8 @@ def _archive_decode_kernel(
   and raw) and value for this head's key/value head, in the archive's dtype; pos_ref, valid_ref, layer_ref `[1]`;
   cells_ref `[K']` this head's selected cells, or where `ranked` its candidates `[n']` with scores_ref `[n']`
   next; the archive refs `[layers, ...]`, read at layer `layer_ref[0]`: ring k/v `[R, d]`, ring pos `[R]`, tokens
-  k/v `[N, d]`; tokens pos `[N]`, mean keys `[M, d]` and max norms `[M]` are written only. Writes the part's
+  k/v `[N, d]`; tokens pos `[N]`, mean keys `[M, d]` and max norms `[M]` are written (max norms also read where
+  `rerank`, at the candidates' cells, which lie in earlier blocks than the one written). Writes the part's
   o_ref `[d]` and lse_ref `[1]`; part 0 of a key/value head's first query head writes the token and its cell's
   summary into the aliased arrays (`out_refs`, in `FIELDS` order). Where `rerank`, cells_ref holds FS-B's
   candidates `[n']` (part T + i reads candidate i; repeats and -1 allowed), lam_ref and sigma_ref `[layers]` (this

@@ -158,6 +158,29 @@ def test_the_kernel_ranks_the_scorings_unmerged_cell_ranges(rng, interpret, monk
   _assert_steps_agree(kernel, run("reference"), np.float32)
 
 
+def test_candidates_that_do_not_fit_are_refused_before_launching(rng):
+  """Scored candidates and FS-B's reranked ones exclude each other, scores must match the cells, and top_k must
+  name how many of the candidates to read."""
+  routing = Routing(variant="fs", window=40, cell=16, block=32, top_k=3)
+  archive = _filled_archive(rng, routing, lengths=[50], capacity=64, kv_heads=1, dim=16, dtype=jnp.float32)
+  fields = dict(ring_k=archive.ring.k, ring_v=archive.ring.v, ring_pos=archive.ring.pos)
+  fields.update(tokens_k=archive.tokens.k, tokens_v=archive.tokens.v, tokens_pos=archive.tokens.pos)
+  fields.update(mean_keys=archive.mean_keys, max_norms=archive.max_norms)
+  (q, k, v), weights = _token(1, batch=1, heads=1, kv_heads=1, dim=16)
+  token = (q[:, 0], q[:, 0], k[:, 0], k[:, 0], v[:, 0], jnp.asarray([50]), jnp.asarray([True]))
+  cells = jnp.zeros((1, 1, 8), jnp.int32)
+  step = lambda **kw: archive_decode.archive_decode(
+    *token, cells, weights["alpha"], weights["lr_gain"], fields, window=40, cell=16, eps=1e-6, interpret=True, **kw
+  )
+  prior = (weights["lam"], weights["sigma"])
+  with pytest.raises(ValueError, match="not both"):
+    step(scores=jnp.zeros((1, 1, 8)), rerank_prior=prior, top_k=2)
+  with pytest.raises(ValueError, match="scores must match cells"):
+    step(scores=jnp.zeros((1, 1, 4)), top_k=2)
+  with pytest.raises(ValueError, match="top_k must lie in 1..8"):
+    step(rerank_prior=prior, top_k=9)
+
+
 @pytest.mark.parametrize("interpret", kernel_modes())
 def test_a_row_whose_token_is_not_valid_writes_nothing(rng, interpret, monkeypatch):
   """A padded row of a batch step: its token enters neither the tokens nor the ring and is no key of its local
